@@ -1,0 +1,106 @@
+"""The ``rlorch`` command line. Heavy imports (hydra, torch, numpy) are deferred into commands
+so ``rlorch --help`` answers fast."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+app = typer.Typer(
+    name="rlorch",
+    help="Asynchronous RL post-training control loop: inference engines, an FSDP2 trainer, "
+         "and a bound on how off-policy the data gets.",
+    rich_markup_mode="rich",
+    no_args_is_help=False,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+OVERRIDES_HELP = ("Hydra overrides, key=value (e.g. rollout.max_staleness=4 inference=sim); "
+                  "conf=NAME picks a preset from conf/ or a YAML file.")
+
+
+def _config_or_exit(overrides: list[str]):
+    from rich.console import Console
+
+    from rlorch.compose import compose
+    from rlorch.config import ConfigError
+
+    try:
+        return compose(overrides)
+    except ConfigError as err:
+        Console(stderr=True).print(f"[bold red]invalid config[/] [bold]{err.key}[/]: "
+                                   f"{str(err).split(': ', 1)[-1]}", highlight=False)
+        raise typer.Exit(2)
+
+
+@app.command()
+def train(overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP)) -> None:
+    """Run an RL job: engines, trainer and the orchestrator, into a new run directory."""
+    from rlorch.runner import run_training
+
+    config = _config_or_exit(overrides or [])
+    raise typer.Exit(run_training(config, overrides=overrides or []))
+
+
+@app.command()
+def resume(overrides: Optional[List[str]] = typer.Argument(
+        None, help="checkpoint=RUN_DIR/checkpoints/step_N, then overrides as for train.")) -> None:
+    """Continue a run from a full checkpoint: model, optimizer, data position, version, untrained rollouts."""
+    from rlorch.runner import resume_training
+
+    checkpoint = [o.split("=", 1)[1] for o in overrides or [] if o.startswith("checkpoint=")]
+    rest = [o for o in overrides or [] if not o.startswith("checkpoint=")]
+    if not checkpoint:
+        typer.echo("resume needs checkpoint=RUN_DIR/checkpoints/step_N", err=True)
+        raise typer.Exit(2)
+    raise typer.Exit(resume_training(checkpoint[-1], rest))
+
+
+@app.command()
+def simulate(
+    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP + " Comma lists sweep."),
+    json_lines: bool = typer.Option(False, "--json", help="One JSON object per run, one per line."),
+    plot: Optional[str] = typer.Option(None, "--plot", help="Write the age distribution per run to this PNG."),
+) -> None:
+    """Sweep the real capacity gate through the discrete-tick model: observed staleness before GPU hours."""
+    from rlorch.simulate import simulate_command
+
+    raise typer.Exit(simulate_command(overrides or [], json_lines=json_lines, plot=plot))
+
+
+@app.command("validate-config")
+def validate_config(overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP)) -> None:
+    """Compose and check a config; print the resolved summary, or name the key at fault."""
+    from rich.console import Console
+
+    from rlorch.config import warnings_for
+    from rlorch.summary import config_summary
+
+    config = _config_or_exit(overrides or [])
+    console = Console()
+    console.print(config_summary(config))
+    for warning in warnings_for(config):
+        console.print(f"[yellow]warning[/] {warning}", highlight=False)
+
+
+@app.command()
+def serve(
+    overrides: Optional[List[str]] = typer.Argument(None, help="model.path=DIR and other overrides."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
+    port: int = typer.Option(30000, "--port", help="Port to bind."),
+) -> None:
+    """Run the CPU inference engine: a real HTTP server speaking SGLang's native API."""
+    from rlorch.inference.server import serve_command
+
+    config = _config_or_exit(overrides or [])
+    raise typer.Exit(serve_command(config, host=host, port=port))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,372 @@
+"""Typed configuration: one dataclass per section, a docstring under every field.
+
+Hydra composes YAML presets from ``conf/`` against these schemas (registered once in the
+ConfigStore), so an unknown key or a value of the wrong type fails at composition. Range and
+cross-field checks run in ``__post_init__`` and raise :class:`ConfigError` naming the full key.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; ``key`` is the dotted name of the offending field."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+def _require(condition: bool, key: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(key, message)
+
+
+class Enforce(str, enum.Enum):
+    """Where the staleness bound is enforced."""
+
+    admission = "admission"
+    ship = "ship"
+    strict = "strict"
+
+
+class Correction(str, enum.Enum):
+    """Off-policy correction applied by the trainer's loss."""
+
+    decoupled = "decoupled"
+    tis = "tis"
+    none = "none"
+
+
+class InferenceBackend(str, enum.Enum):
+    sim = "sim"
+    cpu = "cpu"
+    sglang = "sglang"
+
+
+class TrainerBackend(str, enum.Enum):
+    sim = "sim"
+    fsdp = "fsdp"
+
+
+class SimReward(str, enum.Enum):
+    random = "random"
+    constant = "constant"
+    task = "task"
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    """Run name; the run directory defaults to ``outputs/<name>-<timestamp>``."""
+    dir: Optional[str] = None
+    """Run directory (the source of truth for a run). Empty picks ``outputs/<name>-<timestamp>``."""
+    seed: int = 0
+    """Seed for prompt order, sampling and the simulated backends."""
+    shutdown_timeout: float = 30.0
+    """Seconds a SIGINT/SIGTERM drain may take before the run checkpoints and exits."""
+    progress: bool = True
+    """Show the live rich progress display (off in tests and when not a terminal)."""
+
+    def __post_init__(self) -> None:
+        _require(self.shutdown_timeout > 0, "run.shutdown_timeout", "must be > 0 seconds")
+
+
+@dataclass
+class RolloutConfig:
+    max_staleness: int = 2
+    """S: how many policy versions a trained token may lag the trainer (0 = synchronous)."""
+    batch_size: int = 16
+    """B: rollouts per training batch (a multiple of group_size)."""
+    group_size: int = 4
+    """Samples per prompt; advantages are computed within a group, admitted together."""
+    max_concurrent: int = 48
+    """C: most rollouts in flight on the inference engines at once."""
+    queue_size: int = 1024
+    """Capacity of the prompt input queue (>= batch_size)."""
+    enforce: Enforce = Enforce.admission
+    """admission: refuse to start too-stale rollouts; ship: park full batches until the trainer
+    catches up; strict: admission plus a head-age check at consumption (never train age > S)."""
+    max_buffered: int = 1024
+    """Backpressure: most finished-but-unconsumed rollouts held before admission pauses."""
+    request_timeout: float = 300.0
+    """Seconds one generation request may take before it is retried on another engine."""
+    max_retries: int = 3
+    """Attempts per request across engines before the run fails."""
+    max_new_tokens: int = 16
+    """Generation budget per model turn."""
+    temperature: float = 1.0
+    """Sampling temperature (sent explicitly: servers may default it from generation_config)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    top_k: int = -1
+    """Top-k sampling (-1 = whole vocabulary)."""
+    max_regenerations: int = 2
+    """strict mode: times a too-stale group is regenerated before it is dropped."""
+
+    def __post_init__(self) -> None:
+        _require(self.max_staleness >= 0, "rollout.max_staleness", "must be >= 0")
+        _require(self.batch_size >= 1, "rollout.batch_size", "must be >= 1")
+        _require(self.group_size >= 1, "rollout.group_size", "must be >= 1")
+        _require(self.batch_size % self.group_size == 0, "rollout.batch_size",
+                 f"must be a multiple of rollout.group_size ({self.group_size})")
+        _require(self.max_concurrent >= 1, "rollout.max_concurrent", "must be >= 1")
+        _require(self.queue_size >= self.batch_size, "rollout.queue_size",
+                 f"must be >= rollout.batch_size ({self.batch_size})")
+        _require(self.max_buffered >= self.batch_size, "rollout.max_buffered",
+                 f"must be >= rollout.batch_size ({self.batch_size})")
+        _require(self.request_timeout > 0, "rollout.request_timeout", "must be > 0 seconds")
+        _require(self.max_retries >= 1, "rollout.max_retries", "must be >= 1")
+        _require(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+        _require(self.temperature >= 0, "rollout.temperature", "must be >= 0")
+        _require(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+        _require(self.max_regenerations >= 0, "rollout.max_regenerations", "must be >= 0")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 60
+    """Training steps (batches) to run before the drain phase."""
+    max_empty_batches: int = 3
+    """Stop the run after this many consecutive batches with nothing trainable."""
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 1, "train.steps", "must be >= 1")
+        _require(self.max_empty_batches >= 1, "train.max_empty_batches", "must be >= 1")
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0
+    """Run an eval pass every N training steps (0 = never)."""
+    prompts: int = 16
+    """Prompts per eval pass (one sample each, exempt from the staleness bound)."""
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 0, "eval.every", "must be >= 0")
+        _require(self.prompts >= 1, "eval.prompts", "must be >= 1")
+
+
+@dataclass
+class InferenceConfig:
+    backend: InferenceBackend = InferenceBackend.cpu
+    """sim: no model, latencies drawn from `latency`; cpu: `rlorch serve` subprocesses;
+    sglang: SGLang servers launched here or reached at `addresses`."""
+    num_servers: int = 1
+    """Servers to launch (cpu, sglang without addresses)."""
+    addresses: list[str] = field(default_factory=list)
+    """Running servers (or a sglang-router) to connect to instead of launching, host:port."""
+    latency: list[float] = field(default_factory=lambda: [0.05, 0.05])
+    """sim: [lo, hi] seconds per rollout, drawn uniformly."""
+    tokens: int = 8
+    """sim: generated tokens per rollout."""
+    reward: SimReward = SimReward.random
+    """sim: reward function (random, constant, or the task's own on random tokens)."""
+    launch_args: list[str] = field(default_factory=list)
+    """Extra arguments for each launched server (e.g. ["--mem-fraction-static", "0.8"])."""
+    expect_version: Optional[str] = None
+    """Refuse servers whose /get_server_info version differs (engine and trainer are one unit)."""
+    ready_timeout: float = 600.0
+    """Seconds to wait for launched servers to answer /health_generate."""
+    shutdown_timeout: float = 10.0
+    """Seconds launched servers get to exit before they are killed."""
+    max_batch: int = 64
+    """cpu engine: most sequences decoded together."""
+    threads: int = 1
+    """cpu engine: torch threads per server process."""
+
+    def __post_init__(self) -> None:
+        _require(self.num_servers >= 1, "inference.num_servers", "must be >= 1")
+        _require(len(self.latency) == 2 and 0 <= self.latency[0] <= self.latency[1],
+                 "inference.latency", "must be [lo, hi] seconds with 0 <= lo <= hi")
+        _require(self.tokens >= 1, "inference.tokens", "must be >= 1")
+        _require(self.ready_timeout > 0, "inference.ready_timeout", "must be > 0 seconds")
+        _require(self.max_batch >= 1, "inference.max_batch", "must be >= 1")
+        _require(self.threads >= 1, "inference.threads", "must be >= 1")
+
+
+@dataclass
+class TrainerConfig:
+    backend: TrainerBackend = TrainerBackend.fsdp
+    """sim: sleeps `step_time` per batch and publishes marker checkpoints; fsdp: torch FSDP2
+    under torchrun."""
+    correction: Correction = Correction.decoupled
+    """Off-policy correction in the loss: decoupled (recomputed proximal policy), tis
+    (truncated importance sampling vs behaviour logprobs) or none (only sound for S=0)."""
+    allow_uncorrected: bool = False
+    """Permit correction=none with max_staleness > 0 (off-policy data trained as on-policy)."""
+    step_time: float = 0.05
+    """sim: seconds per training step."""
+    nproc: int = 1
+    """Trainer processes (torchrun --nproc-per-node)."""
+    torchrun_args: list[str] = field(default_factory=list)
+    """Extra torchrun arguments (--nnodes, --rdzv-endpoint, ... for a cluster)."""
+    device: str = "auto"
+    """auto (cuda when available), cpu or cuda."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    clip_eps: float = 0.2
+    """PPO clip range around the ratio to the proximal (or behaviour) policy."""
+    is_cap: float = 2.0
+    """Cap on per-token importance ratios (decoupled and tis)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward pass."""
+    publish_every: int = 1
+    """Publish an HF weight checkpoint every N steps."""
+    checkpoint_every: int = 10
+    """Write a full resumable state every N steps (and at the end)."""
+    keep: int = 3
+    """Weight checkpoints kept; older ones are pruned."""
+    start_timeout: float = 300.0
+    """Seconds the trainer may take to become ready."""
+
+    def __post_init__(self) -> None:
+        _require(self.step_time >= 0, "trainer.step_time", "must be >= 0 seconds")
+        _require(self.nproc >= 1, "trainer.nproc", "must be >= 1")
+        _require(self.device in ("auto", "cpu", "cuda"), "trainer.device",
+                 f"must be one of auto, cpu, cuda (got {self.device!r})")
+        _require(self.lr > 0, "trainer.lr", "must be > 0")
+        _require(self.clip_eps > 0, "trainer.clip_eps", "must be > 0")
+        _require(self.is_cap >= 1, "trainer.is_cap", "must be >= 1")
+        _require(self.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
+        _require(self.publish_every >= 1, "trainer.publish_every", "must be >= 1")
+        _require(self.checkpoint_every >= 1, "trainer.checkpoint_every", "must be >= 1")
+        _require(self.keep >= 1, "trainer.keep", "must be >= 1")
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None
+    """Local HF model directory; empty uses the tiny default model, created on first use."""
+    dtype: str = "float32"
+    """Weights dtype for generation and training (float32, bfloat16)."""
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype",
+                 f"must be one of float32, bfloat16, float16 (got {self.dtype!r})")
+
+
+@dataclass
+class TaskConfig:
+    name: str = "reverse"
+    """Environment from the registry (reverse, sort, jsonl)."""
+    min_digits: int = 3
+    """reverse/sort: shortest digit string."""
+    max_digits: int = 5
+    """reverse/sort: longest digit string."""
+
+    def __post_init__(self) -> None:
+        _require(1 <= self.min_digits <= self.max_digits, "task.min_digits",
+                 "must satisfy 1 <= task.min_digits <= task.max_digits")
+
+
+@dataclass
+class DataConfig:
+    path: Optional[str] = None
+    """JSONL file of {"prompt": ..., "answer": ...}; sets the task to jsonl (exact match)."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt text."""
+    answer_key: str = "answer"
+    """Field holding the reference answer."""
+
+
+@dataclass
+class WatcherConfig:
+    poll_interval: float = 0.02
+    """Seconds between checks for a newly published checkpoint."""
+    stall_timeout: float = 600.0
+    """Alarm (and fail) when the version has not advanced for this many seconds while batches wait."""
+
+    def __post_init__(self) -> None:
+        _require(self.poll_interval > 0, "watcher.poll_interval", "must be > 0 seconds")
+        _require(self.stall_timeout > 0, "watcher.stall_timeout", "must be > 0 seconds")
+
+
+@dataclass
+class MetricsConfig:
+    interval: float = 1.0
+    """Seconds between periodic metrics records (independent of training steps)."""
+    tensorboard: bool = False
+    """Also write TensorBoard scalars (needs the tensorboard package)."""
+
+    def __post_init__(self) -> None:
+        _require(self.interval > 0, "metrics.interval", "must be > 0 seconds")
+
+
+@dataclass
+class SimConfig:
+    ticks: int = 60
+    """Ticks to simulate in `rlorch simulate`."""
+    latency: list[int] = field(default_factory=lambda: [3, 3])
+    """[lo, hi] rollout latency in ticks, drawn with rng.integers(lo, hi) (lo when hi <= lo)."""
+    seed: int = 0
+    """Seed of the latency draws."""
+    recover_at: int = 0
+    """Start at this policy version, as after a resume (0 = fresh run)."""
+    fix_recovery: bool = True
+    """Apply the gate's recovery adjustment on resume."""
+
+    def __post_init__(self) -> None:
+        _require(self.ticks >= 1, "sim.ticks", "must be >= 1")
+        _require(len(self.latency) == 2 and self.latency[0] >= 1, "sim.latency",
+                 "must be [lo, hi] ticks with lo >= 1")
+        _require(self.recover_at >= 0, "sim.recover_at", "must be >= 0")
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    watcher: WatcherConfig = field(default_factory=WatcherConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
+
+    def __post_init__(self) -> None:
+        uncorrected = self.trainer.correction == Correction.none
+        _require(not (uncorrected and self.rollout.max_staleness > 0 and not self.trainer.allow_uncorrected),
+                 "trainer.correction",
+                 "'none' trains off-policy data (rollout.max_staleness > 0) as if on-policy; "
+                 "use decoupled or tis, set rollout.max_staleness=0, or trainer.allow_uncorrected=true")
+        _require(self.rollout.max_concurrent >= self.rollout.group_size, "rollout.max_concurrent",
+                 f"must be >= rollout.group_size ({self.rollout.group_size}): a group is admitted whole")
+
+
+def warnings_for(config: Config) -> list[str]:
+    """Settings that are valid but waste capacity or surprise people."""
+    r = config.rollout
+    found = []
+    if r.max_concurrent < r.batch_size:
+        found.append(f"rollout.max_concurrent ({r.max_concurrent}) < rollout.batch_size ({r.batch_size}): "
+                     "a batch needs several admission waves, generation and training barely overlap")
+    usable = (r.max_staleness + 1) * r.batch_size
+    if r.max_concurrent > usable:
+        found.append(f"rollout.max_concurrent ({r.max_concurrent}) > (S+1)*B = {usable}: "
+                     f"{r.max_concurrent - usable} slots can never be used")
+    return found
+
+
+def to_plain(config: Any) -> Any:
+    """A JSON-serialisable view of a config (enums as their values)."""
+    from dataclasses import fields, is_dataclass
+
+    if is_dataclass(config):
+        return {f.name: to_plain(getattr(config, f.name)) for f in fields(config)}
+    if isinstance(config, enum.Enum):
+        return config.value
+    if isinstance(config, (list, tuple)):
+        return [to_plain(v) for v in config]
+    return config

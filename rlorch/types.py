@@ -1,0 +1,234 @@
+"""Shared data types and the Protocols every backend implements.
+
+Components never import each other; they meet here. Backends (SGLang, the CPU engine, sim) are
+implementations of the same Protocols.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol, runtime_checkable
+
+
+class PolicyVersion:
+    """The one shared policy version handle.
+
+    Invariant: ``value`` only increases while a run is live; every component reads it off this
+    handle, so a bump propagates without a message.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: int = 0):
+        self.value = value
+
+    def bump(self, to: Optional[int] = None) -> int:
+        new = self.value + 1 if to is None else to
+        if new < self.value:
+            raise ValueError(f"policy version may not go back ({self.value} -> {new})")
+        self.value = new
+        return new
+
+
+class Origin(str, enum.Enum):
+    """Where a rollout came from; only live-policy rollouts carry a meaningful version."""
+
+    live = "live"
+    replay = "replay"
+    external = "external"
+
+
+class VersionStamps:
+    """Per-token policy versions over the loss-masked (generated) tokens, run-length encoded.
+
+    ``runs`` is a list of ``[version, count]`` in token order. The head (oldest contributing
+    version) is what the staleness bound applies to.
+    """
+
+    __slots__ = ("runs",)
+
+    def __init__(self, runs: Optional[list[list[int]]] = None):
+        self.runs: list[list[int]] = runs if runs is not None else []
+
+    @classmethod
+    def uniform(cls, version: int, count: int) -> "VersionStamps":
+        return cls([[version, count]] if count > 0 else [])
+
+    @classmethod
+    def from_tokens(cls, versions: list[int]) -> "VersionStamps":
+        stamps = cls()
+        for version in versions:
+            stamps.extend(version, 1)
+        return stamps
+
+    def extend(self, version: int, count: int) -> None:
+        if count <= 0:
+            return
+        if self.runs and self.runs[-1][0] == version:
+            self.runs[-1][1] += count
+        else:
+            self.runs.append([version, count])
+
+    def concat(self, other: "VersionStamps") -> None:
+        for version, count in other.runs:
+            self.extend(version, count)
+
+    @property
+    def head(self) -> int:
+        """Oldest version that produced a trained token (-1 when there are none)."""
+        return min((v for v, _ in self.runs), default=-1)
+
+    @property
+    def tail(self) -> int:
+        """Newest version that produced a trained token (-1 when there are none)."""
+        return max((v for v, _ in self.runs), default=-1)
+
+    @property
+    def count(self) -> int:
+        return sum(c for _, c in self.runs)
+
+    def expand(self) -> list[int]:
+        return [v for v, c in self.runs for _ in range(c)]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, VersionStamps) and self.runs == other.runs
+
+    def __repr__(self) -> str:
+        return f"VersionStamps({self.runs})"
+
+
+@dataclass(slots=True)
+class Prompt:
+    """One task instance handed to inference; ``group_id`` ties the samples of one prompt."""
+
+    group_id: int
+    input_ids: list[int]
+    env: str
+    text: str = ""
+    answer: Any = None
+    is_eval: bool = False
+    attempt: int = 0
+
+
+@dataclass(slots=True)
+class Rollout:
+    """A whole trajectory, stamped with the policy version of every generated token.
+
+    ``tokens`` holds prompt, model turns, tool calls and environment replies; ``loss_mask`` marks
+    model tokens (the only ones trained); ``logprobs`` are the behaviour logprobs aligned with
+    ``tokens`` (0 where the mask is 0); ``versions`` covers the masked tokens in order.
+    """
+
+    group_id: int
+    episode_id: str
+    env: str
+    tokens: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: VersionStamps
+    reward: float = 0.0
+    origin: Origin = Origin.live
+    finish_reason: str = "stop"
+    is_eval: bool = False
+    prompt_len: int = 0
+    completion: str = ""
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.versions.count
+
+    def to_json(self) -> dict:
+        return {"group_id": self.group_id, "episode_id": self.episode_id, "env": self.env,
+                "tokens": self.tokens, "loss_mask": self.loss_mask, "logprobs": self.logprobs,
+                "versions": self.versions.runs, "reward": self.reward, "origin": self.origin.value,
+                "finish_reason": self.finish_reason, "is_eval": self.is_eval,
+                "prompt_len": self.prompt_len, "completion": self.completion}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Rollout":
+        fields = dict(data)
+        fields["versions"] = VersionStamps([list(run) for run in fields["versions"]])
+        fields["origin"] = Origin(fields.get("origin", "live"))
+        return cls(**fields)
+
+
+@dataclass(slots=True)
+class Batch:
+    """One training step's rollouts with their group-normalised advantages."""
+
+    step: int
+    rollouts: list[Rollout]
+    advantages: list[float]
+    filtered: int = 0
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        params = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+                  "top_p": self.top_p, "top_k": self.top_k}
+        if self.stop_token_ids:
+            params["stop_token_ids"] = self.stop_token_ids
+        return params
+
+
+@dataclass(slots=True)
+class Generation:
+    """An engine's answer to one request: generated ids, behaviour logprobs, per-token versions."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: VersionStamps
+    finish_reason: str
+    text: str = ""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An inference engine (one server, a pool, or the simulator)."""
+
+    name: str
+
+    async def generate(self, input_ids: list[int], params: SamplingParams, rid: str) -> Generation: ...
+
+    async def pause(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def reload(self, path: str, version: int) -> None: ...
+
+    async def healthy(self) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """The trainer as the orchestrator sees it: it takes shipped batches and publishes
+    checkpoints into the run directory, where the weight watcher finds them."""
+
+    async def start(self) -> None: ...
+
+    async def submit(self, batch: Batch) -> None: ...
+
+    def error(self) -> Optional[str]: ...
+
+    async def stop(self, timeout: float) -> None: ...
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """A task: makes prompts and scores completions (reward on a 0-1 scale)."""
+
+    name: str
+
+    def make_prompt(self, index: int, seed: int) -> tuple[str, Any]: ...
+
+    def score(self, completion: str, answer: Any) -> float: ...
