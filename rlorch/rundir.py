@@ -1,0 +1,161 @@
+"""The run directory: the source of truth for a run, and the contract between processes.
+
+Layout (steps are 1-based; training step N reads batch N and publishes weights version N):
+
+    config.yaml                     resolved config (written by the runner)
+    metrics.jsonl, summary.json     orchestrator metrics and the end-of-run summary
+    rollouts/step_000001.jsonl      batch N: the rollouts trained at step N, one JSON object per
+                                    line (Rollout.to_json() plus "advantage"); written atomically
+                                    before it is shipped, so it is both the persisted record and
+                                    the trainer's input
+    weights/step_000001/            HF safetensors checkpoint of version N; complete only once
+                                    the PUBLISHED marker exists inside it
+    checkpoints/step_000010/        full resumable state: trainer/ (complete when its COMPLETE
+                                    marker exists), weights/ (HF, version N), orchestrator.json
+    trainer/metrics.jsonl           one line per trainer step (loss, grad_norm, ...)
+    trainer/ready                   written once the trainer has loaded its model
+    logs/                           per-process logs
+    STOP                            asks the trainer to checkpoint its last step and exit
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+PUBLISHED = "PUBLISHED"
+COMPLETE = "COMPLETE"
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def parse_step(name: str) -> Optional[int]:
+    match = _STEP.match(name)
+    return int(match.group(1)) if match else None
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    @property
+    def rollouts(self) -> Path:
+        return self.root / "rollouts"
+
+    @property
+    def weights(self) -> Path:
+        return self.root / "weights"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def trainer(self) -> Path:
+        return self.root / "trainer"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def stop_file(self) -> Path:
+        return self.root / "STOP"
+
+    def batch(self, step: int) -> Path:
+        return self.rollouts / f"{step_name(step)}.jsonl"
+
+    def weights_for(self, step: int) -> Path:
+        return self.weights / step_name(step)
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / step_name(step)
+
+    def make(self) -> "RunDir":
+        for path in (self.root, self.rollouts, self.weights, self.checkpoints, self.trainer, self.logs):
+            path.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def published_weights(self) -> Iterator[tuple[int, Path]]:
+        """(version, path) of every published weight checkpoint, oldest first."""
+        return _steps_with_marker(self.weights, PUBLISHED)
+
+    def complete_checkpoints(self) -> Iterator[tuple[int, Path]]:
+        return ((step, path) for step, path in _steps_with_marker(self.checkpoints, "")
+                if (path / "trainer" / COMPLETE).exists())
+
+
+def _steps_with_marker(parent: Path, marker: str) -> Iterator[tuple[int, Path]]:
+    if not parent.is_dir():
+        return iter(())
+    found = []
+    for entry in os.scandir(parent):
+        step = parse_step(entry.name)
+        if step is not None and (not marker or os.path.exists(os.path.join(entry.path, marker))):
+            found.append((step, Path(entry.path)))
+    return iter(sorted(found))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write, fsync, rename: readers see the old file or the whole new one, never a part."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def write_json_atomic(path: Path, value: Any) -> None:
+    write_atomic(path, json.dumps(value, indent=1).encode())
+
+
+def mark(path: Path, marker: str) -> None:
+    """Create a marker file (durably) once everything beside it is on disk."""
+    write_atomic(path / marker, b"")
+
+
+def save_config(config: Any, path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    write_atomic(path, OmegaConf.to_yaml(OmegaConf.structured(config)).encode())
+
+
+def load_config(path: Path):
+    """Load a resolved config written by :func:`save_config` back into a validated Config."""
+    from omegaconf import OmegaConf
+
+    from rlorch.config import Config, ConfigError
+
+    if not path.is_file():
+        raise ConfigError("run.dir", f"no resolved config at {path}")
+    merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
+    return OmegaConf.to_object(merged)
