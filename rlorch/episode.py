@@ -1,0 +1,99 @@
+"""Episodes: prompts from the environment, and the work that turns a prompt into a rollout group.
+
+The orchestrator owns the engine pool and the environment and hands the dispatcher the work
+function built here, so the dispatcher knows neither.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any, Callable, Iterator, Optional
+
+from rlorch.config import Config, InferenceBackend, SimReward
+from rlorch.types import Engine, Environment, Prompt, Rollout, SamplingParams
+
+EVAL_SEED_OFFSET = 1_000_003
+
+
+class PromptSource:
+    """Deterministic prompts by index; ``position`` is the data position saved at checkpoints."""
+
+    def __init__(self, env: Environment, *, tokenizer: Any, seed: int, position: int = 0):
+        self.env = env
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.position = position
+
+    def make(self, index: int, *, is_eval: bool = False) -> Prompt:
+        seed = self.seed + (EVAL_SEED_OFFSET if is_eval else 0)
+        text, answer = self.env.make_prompt(index, seed)
+        input_ids = encode_prompt(self.tokenizer, text)
+        return Prompt(group_id=index, input_ids=input_ids, env=self.env.name, text=text,
+                      answer=answer, is_eval=is_eval)
+
+    def __iter__(self) -> Iterator[Prompt]:
+        return self
+
+    def __next__(self) -> Prompt:
+        prompt = self.make(self.position)
+        self.position += 1
+        return prompt
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    if tokenizer is None:
+        return [1 + (ord(c) % 60) for c in text] or [1]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if tokenizer.bos_token_id is not None:
+        ids = [tokenizer.bos_token_id] + ids
+    return ids
+
+
+def sampling_params(config: Config, tokenizer: Any, *, greedy: bool = False) -> SamplingParams:
+    r = config.rollout
+    stop = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
+    return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0.0 if greedy else r.temperature,
+                          top_p=r.top_p, top_k=r.top_k, stop_token_ids=stop)
+
+
+def make_reward(config: Config, env: Environment, seed: int) -> Callable[[str, Any], float]:
+    """The reward: the environment's own, or the sim engine's random/constant stand-in."""
+    if config.inference.backend is InferenceBackend.sim and config.inference.reward is not SimReward.task:
+        if config.inference.reward is SimReward.constant:
+            return lambda completion, answer: 1.0
+        rng = random.Random(seed)
+        return lambda completion, answer: rng.random()
+    return env.score
+
+
+def make_work(config: Config, *, engine: Engine, tokenizer: Any,
+              reward: Callable[[str, Any], float]) -> Callable[[Prompt], Any]:
+    """The dispatcher's work: one prompt to a group of scored, version-stamped rollouts."""
+    train_params = sampling_params(config, tokenizer)
+    eval_params = sampling_params(config, tokenizer, greedy=True)
+    group_size = config.rollout.group_size
+    decode: Optional[Callable[[list[int]], str]] = (
+        (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None)
+
+    async def sample(prompt: Prompt, index: int, params: SamplingParams) -> Rollout:
+        rid = f"{'e' if prompt.is_eval else 'g'}{prompt.group_id}-{prompt.attempt}-{index}"
+        generation = await engine.generate(prompt.input_ids, params, rid)
+        completion = decode(generation.output_ids) if decode else generation.text
+        n_prompt, n_out = len(prompt.input_ids), len(generation.output_ids)
+        return Rollout(group_id=prompt.group_id, episode_id=rid, env=prompt.env,
+                       tokens=prompt.input_ids + generation.output_ids,
+                       loss_mask=[0] * n_prompt + [1] * n_out,
+                       logprobs=[0.0] * n_prompt + generation.logprobs,
+                       versions=generation.versions, reward=reward(completion, prompt.answer),
+                       finish_reason=generation.finish_reason, is_eval=prompt.is_eval,
+                       prompt_len=n_prompt, completion=completion)
+
+    async def work(prompt: Prompt) -> list[Rollout]:
+        if prompt.is_eval:
+            return [await sample(prompt, 0, eval_params)]
+        if group_size == 1:
+            return [await sample(prompt, 0, train_params)]
+        return list(await asyncio.gather(*(sample(prompt, i, train_params) for i in range(group_size))))
+
+    return work

@@ -1,0 +1,55 @@
+"""The simulated engine (``inference=sim``): no model, a latency per request, random tokens.
+
+Like SGLang's update_weights_from_disk without abort, a reload lets running requests finish on
+the weights they started with, so every token of a request carries the version current when the
+request started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from rlorch.config import InferenceConfig
+from rlorch.types import Generation, PolicyVersion, SamplingParams, VersionStamps
+
+
+class SimEngine:
+    name = "sim"
+
+    def __init__(self, config: InferenceConfig, *, policy: PolicyVersion, seed: int = 0):
+        self.lo, self.hi = config.latency
+        self.tokens = config.tokens
+        self.policy = policy
+        self.rng = random.Random(seed)
+        self.loaded_version = policy.value
+        self.loaded_path = ""
+        self.requests = 0
+
+    async def generate(self, input_ids: list[int], params: SamplingParams, rid: str) -> Generation:
+        version = self.loaded_version
+        self.requests += 1
+        delay = self.lo if self.hi <= self.lo else self.rng.uniform(self.lo, self.hi)
+        await asyncio.sleep(delay)
+        count = min(self.tokens, params.max_new_tokens)
+        ids = [self.rng.randrange(4, 64) for _ in range(count)]
+        return Generation(output_ids=ids, logprobs=[-1.0] * count,
+                          versions=VersionStamps([[version, count]]), finish_reason="length")
+
+    async def pause(self) -> None:
+        pass
+
+    async def resume(self) -> None:
+        pass
+
+    async def reload(self, path: str, version: int) -> None:
+        self.loaded_path, self.loaded_version = path, version
+
+    async def healthy(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        pass
+
+    def gauges(self) -> dict:
+        return {"servers_up": 1}

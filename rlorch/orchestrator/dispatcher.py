@@ -1,0 +1,182 @@
+"""The dispatcher: keeps as much work in flight as the gate allows.
+
+Prompts wait in a bounded input queue; the submission loop admits whole groups through the gate
+and runs each as a task; the fetch path (task completion) moves finished groups to the output
+queue. A failed or timed-out group is retried (the engine pool routes the retry to a live
+engine); after ``max_retries`` failures the run fails loudly. Invariant: every admitted group
+ends accepted (in the output queue) or rejected with its error recorded, never silently lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Awaitable, Callable, Iterator, Optional
+
+from rlorch.orchestrator.gate import CapacityGate
+from rlorch.types import Prompt, Rollout
+
+Work = Callable[[Prompt], Awaitable[list[Rollout]]]
+
+
+class GenerationFailed(RuntimeError):
+    pass
+
+
+class Dispatcher:
+    def __init__(self, *, gate: CapacityGate, work: Work, prompts: Iterator[Prompt], group_size: int,
+                 queue_size: int, max_buffered: int, request_timeout: float, max_retries: int):
+        self.gate = gate
+        self.work = work
+        self.prompts = prompts
+        self.group_size = group_size
+        self.queue_size = queue_size
+        self.max_buffered = max_buffered
+        self.request_timeout = request_timeout
+        self.max_retries = max_retries
+        self.in_queue: deque[Prompt] = deque()
+        self.out_queue: deque[list[Rollout]] = deque()
+        self.out_rollouts = 0
+        self.admitted = 0
+        self.retries = 0
+        self.error: Optional[BaseException] = None
+        self.admission_open: Callable[[], bool] = lambda: True
+        self._in_flight: dict[asyncio.Task, Prompt] = {}
+        self._paused = False
+        self._wake = asyncio.Event()
+        self._out_ready = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._loop_task: Optional[asyncio.Task] = None
+
+    # lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._submission_loop(), name="dispatcher")
+
+    async def stop(self) -> None:
+        """Stop admitting; in-flight groups keep running until :meth:`wait_idle` or :meth:`cancel_in_flight`."""
+        if self._loop_task:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+            self._loop_task = None
+
+    def pause(self) -> None:
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        self.notify()
+
+    def notify(self) -> None:
+        """Something that bounds admission changed (version, buffer, capacity)."""
+        self._wake.set()
+
+    # queues ----------------------------------------------------------------------------------
+    def requeue(self, prompt: Prompt) -> None:
+        """Put a prompt back at the front (regeneration, resume); it is admitted next."""
+        self.in_queue.appendleft(prompt)
+        self.notify()
+
+    async def wait_ready(self) -> None:
+        """Return once a finished group waits in the output queue (or a group failed)."""
+        while not self.out_queue and not self.error:
+            self._out_ready.clear()
+            await self._out_ready.wait()
+
+    def try_get(self) -> Optional[list[Rollout]]:
+        """The oldest finished group without waiting, or None."""
+        if self.error or not self.out_queue:
+            return None
+        group = self.out_queue.popleft()
+        self.out_rollouts -= len(group)
+        return group
+
+    def in_flight_prompts(self) -> list[Prompt]:
+        return list(self._in_flight.values())
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight) * self.group_size
+
+    async def wait_idle(self, timeout: Optional[float] = None) -> bool:
+        """Wait for in-flight groups to finish; False when the timeout ran out first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def cancel_in_flight(self) -> list[Prompt]:
+        """Abandon in-flight groups (bounded shutdown); their prompts are returned for requeueing."""
+        prompts = self.in_flight_prompts()
+        tasks = list(self._in_flight)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return prompts
+
+    # submission and fetch --------------------------------------------------------------------
+    def _refill(self) -> None:
+        while len(self.in_queue) < self.queue_size:
+            prompt = next(self.prompts, None)
+            if prompt is None:
+                return
+            self.in_queue.append(prompt)
+
+    def _admit_all(self) -> None:
+        gate, size = self.gate, self.group_size
+        while not self._paused and self.out_rollouts < self.max_buffered and self.admission_open():
+            if not self.in_queue:
+                self._refill()
+                if not self.in_queue:
+                    return
+            if not gate.try_admit(size):
+                return
+            prompt = self.in_queue.popleft()
+            task = asyncio.create_task(self._run_group(prompt))
+            self._in_flight[task] = prompt
+            self._idle.clear()
+            task.add_done_callback(self._finished)
+            self.admitted += size
+
+    async def _submission_loop(self) -> None:
+        while True:
+            self._wake.clear()
+            self._admit_all()
+            await self._wake.wait()
+
+    async def _run_group(self, prompt: Prompt) -> list[Rollout]:
+        last: Optional[BaseException] = None
+        for _ in range(self.max_retries):
+            try:
+                async with asyncio.timeout(self.request_timeout):
+                    group = await self.work(prompt)
+                if len(group) != self.group_size:
+                    raise GenerationFailed(f"group {prompt.group_id}: got {len(group)} samples, "
+                                           f"expected {self.group_size}")
+                return group
+            except (asyncio.TimeoutError, OSError, ConnectionError, RuntimeError) as err:
+                last = err
+                self.retries += 1
+        raise GenerationFailed(f"group {prompt.group_id} failed {self.max_retries} times: {last!r}") from last
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._in_flight.pop(task, None)
+        if not self._in_flight:
+            self._idle.set()
+        if task.cancelled():
+            self.gate.on_rejected(self.group_size)
+        elif task.exception() is not None:
+            self.gate.on_rejected(self.group_size)
+            self.error = self.error or task.exception()
+        else:
+            group = task.result()
+            self.gate.on_accepted(len(group))
+            self.out_queue.append(group)
+            self.out_rollouts += len(group)
+        self._out_ready.set()
+        self._wake.set()
+
+    def gauges(self) -> dict:
+        return {"in_queue": len(self.in_queue), "out_queue": self.out_rollouts,
+                "in_flight": self.in_flight, "retries": self.retries}

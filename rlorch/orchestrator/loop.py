@@ -1,0 +1,476 @@
+"""The orchestrator: owns the shared objects and wires the components into one control loop.
+
+Invariants kept here rather than in a dashboard:
+- every admitted rollout is trained, filtered, dropped as stale (counted), persisted untrained,
+  or (abandoned in flight at shutdown) re-queued as a prompt; ``lost`` in the summary is the rest
+  and must be 0;
+- the rollouts of a batch are on disk before the trainer is handed the batch;
+- at train.steps admission stops, in-flight work finishes and is persisted with the checkpoint;
+- after train.max_empty_batches consecutive batches with nothing trainable the run stops;
+- the first step after a resume admits at most (S + 1) * B rollouts, else the run fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from rlorch.config import Config, Enforce
+from rlorch.orchestrator.dispatcher import Dispatcher, Work
+from rlorch.orchestrator.gate import CapacityGate
+from rlorch.orchestrator.metrics import MetricsLoop
+from rlorch.orchestrator.sinks import EvalSink, TrainSink, head_ages
+from rlorch.orchestrator.watcher import WeightWatcher
+from rlorch.rundir import RunDir, write_atomic, write_json_atomic
+from rlorch.types import Batch, Engine, PolicyVersion, Prompt, Rollout, Trainer
+
+UNGATED = 10**12
+TOTAL_KEYS = ("admitted", "trained", "filtered", "dropped_stale", "requeued", "regenerated",
+              "stale_tokens", "empty_batches")
+
+
+class RunFailed(RuntimeError):
+    """The run stopped on one of its own invariants; the message says which and why."""
+
+
+class ShutdownRequested(Exception):
+    pass
+
+
+@dataclass
+class ResumeState:
+    """What a checkpoint carries for the orchestrator (``orchestrator.json``)."""
+
+    step: int
+    prompt_position: int
+    untrained: list[list[Rollout]]
+    pending_prompts: list[Prompt]
+    totals: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "prompt_position": self.prompt_position, "totals": self.totals,
+                "untrained": [[r.to_json() for r in group] for group in self.untrained],
+                "pending_prompts": [{"group_id": p.group_id, "attempt": p.attempt} for p in self.pending_prompts]}
+
+    @classmethod
+    def from_json(cls, data: dict, make_prompt: Callable[[int], Prompt]) -> "ResumeState":
+        prompts = []
+        for item in data["pending_prompts"]:
+            prompt = make_prompt(item["group_id"])
+            prompt.attempt = item.get("attempt", 0)
+            prompts.append(prompt)
+        return cls(step=data["step"], prompt_position=data["prompt_position"], totals=data.get("totals", {}),
+                   untrained=[[Rollout.from_json(r) for r in group] for group in data["untrained"]],
+                   pending_prompts=prompts)
+
+
+def age_stats(ages: list[int]) -> dict:
+    if not ages:
+        return {"age_max": None, "age_p99": None, "age_mean": None}
+    values = np.asarray(ages)
+    return {"age_max": int(values.max()), "age_p99": float(np.percentile(values, 99)),
+            "age_mean": round(float(values.mean()), 4)}
+
+
+class Orchestrator:
+    def __init__(self, config: Config, *, run_dir: RunDir, policy: PolicyVersion, engines: Engine,
+                 trainer: Trainer, work: Work, prompts: Any, resume: Optional[ResumeState] = None):
+        self.config = config
+        self.run_dir = run_dir
+        self.policy = policy
+        self.engines = engines
+        self.trainer = trainer
+        self.work = work
+        self.prompts = prompts
+        self.resume = resume
+        r = config.rollout
+        self.batch_size = r.batch_size
+        self.strict = r.enforce is Enforce.strict
+        self.ship_side = r.enforce is Enforce.ship
+        self.gate = CapacityGate(max_staleness=UNGATED if self.ship_side else r.max_staleness,
+                                 batch_size=r.batch_size, max_concurrent=r.max_concurrent, policy=policy)
+        self.dispatcher = Dispatcher(gate=self.gate, work=work, prompts=iter(prompts), group_size=r.group_size,
+                                     queue_size=r.queue_size, max_buffered=r.max_buffered,
+                                     request_timeout=r.request_timeout, max_retries=r.max_retries)
+        self.sink = TrainSink(batch_size=r.batch_size, max_staleness=r.max_staleness, strict=self.strict)
+        self.eval_sink = EvalSink()
+        self.watcher = WeightWatcher(config.watcher, policy=policy, engines=engines,
+                                     published=run_dir.published_weights,
+                                     expecting=lambda: self.shipped > self.policy.value,
+                                     on_version=self._on_version)
+        gauges = {"dispatcher": self.dispatcher.gauges, "watcher": self.watcher.gauges,
+                  "loop": self._gauges}
+        if hasattr(engines, "gauges"):
+            gauges["engines"] = engines.gauges
+        self.metrics = MetricsLoop(path=run_dir.metrics, interval=config.metrics.interval, gauges=gauges)
+        self.shipped = 0
+        self.shipped_batches: deque[Batch] = deque()
+        self.totals = {key: 0 for key in TOTAL_KEYS}
+        self.base_admitted = 0
+        self.parked_s = 0.0
+        self.step_records: dict[int, dict] = {}
+        self.trainer_metrics_offset = 0
+        self.admitted_at_last_step = 0
+        self.resume_admitted_limit: Optional[int] = None
+        self.resume_admissions_checked = False
+        self.snapshotted: set[int] = set()
+        self.alarm = asyncio.Event()
+        self.alarm_reason: Optional[str] = None
+        self.started = time.monotonic()
+        self.last_step_record: dict = {}
+        self.checkpoint_step: Optional[int] = None
+        self._park_last = 0.0
+
+    # wiring ----------------------------------------------------------------------------------
+    def _gauges(self) -> dict:
+        return {"step": self.shipped, "buffered": self.sink.buffered, "admitted_total": self.dispatcher.admitted,
+                "parked_s_total": round(self.parked_s, 4), "capacity": self.gate.capacity()}
+
+    def _on_version(self, version: int) -> None:
+        self.dispatcher.notify()
+        if self.watcher.error is not None:
+            self._raise_alarm(f"weight watcher failed: {self.watcher.error}")
+            return
+        if self.resume_admitted_limit is not None and not self.resume_admissions_checked:
+            self.resume_admissions_checked = True
+            self._check_resume_admissions()
+        self._flush_step_records()
+        self._snapshot_new_checkpoints()
+
+    def _raise_alarm(self, reason: str) -> None:
+        if self.alarm_reason is None:
+            self.alarm_reason = reason
+        self.alarm.set()
+
+    def request_shutdown(self, signal_name: str) -> None:
+        self._raise_alarm(f"shutdown:{signal_name}")
+
+    def _check_resume_admissions(self) -> None:
+        admitted = self.dispatcher.admitted
+        if self.resume_admitted_limit is not None and admitted > self.resume_admitted_limit:
+            self._raise_alarm(f"resume alarm: {admitted} rollouts admitted before the first step after "
+                              f"resume, more than (S+1)*B = {self.resume_admitted_limit}: the staleness bound is lost")
+
+    def _restore(self) -> None:
+        state = self.resume
+        if state is None:
+            return
+        self.policy.bump(state.step)
+        self.shipped = state.step
+        for key in TOTAL_KEYS:
+            self.totals[key] = state.totals.get(key, 0)
+        self.base_admitted = state.totals.get("admitted", 0)
+        buffered = sum(len(group) for group in state.untrained)
+        self.gate.on_version_recovered(state.step, buffered=buffered)
+        for group in state.untrained:
+            for stale in self.sink.add(group, state.step + 1):
+                self._stale(stale)
+        for prompt in reversed(state.pending_prompts):
+            self.dispatcher.requeue(prompt)
+        if not self.ship_side:
+            self.resume_admitted_limit = (self.config.rollout.max_staleness + 1) * self.batch_size
+        self.snapshotted.add(state.step)
+
+    def _stale(self, group: list[Rollout]) -> None:
+        """Strict mode: a group too old to train is regenerated, or dropped after max_regenerations."""
+        self.totals["dropped_stale"] += len(group)
+        self.totals["stale_tokens"] += sum(r.generated_tokens for r in group)
+        self.gate.on_discarded(len(group))
+        attempt = max((int(r.episode_id.split("-")[1]) for r in group if r.episode_id.count("-") >= 2), default=0)
+        if attempt < self.config.rollout.max_regenerations:
+            prompt = self.prompts.make(group[0].group_id)
+            prompt.attempt = attempt + 1
+            self.totals["regenerated"] += 1
+            self.dispatcher.requeue(prompt)
+
+    # the loop --------------------------------------------------------------------------------
+    def _admission_open(self) -> bool:
+        """Admit only what the remaining steps need (the drain budget), and stop while the
+        finished-but-untrained buffer is full (backpressure)."""
+        buffered = self.sink.buffered + self.dispatcher.out_rollouts
+        if buffered >= self.config.rollout.max_buffered:
+            return False
+        remaining = (self.config.train.steps - self.shipped) * self.batch_size
+        return remaining - (buffered + self.dispatcher.in_flight) > 0
+
+    async def run(self) -> dict:
+        self.dispatcher.admission_open = self._admission_open
+        self._restore()
+        self.metrics.write({"kind": "start", "version": self.policy.value, "resumed": self.resume is not None,
+                            "pending_limit": self.gate.pending_limit})
+        alarm_task = asyncio.create_task(self.alarm.wait())
+        health_task = asyncio.create_task(self._health_loop())
+        await self.metrics.start()
+        await self.watcher.start()
+        await self.dispatcher.start()
+        status, error = "completed", None
+        try:
+            await self._train(alarm_task)
+            await self._drain(alarm_task)
+        except ShutdownRequested:
+            status = "interrupted"
+            await self._shutdown()
+        except RunFailed as err:
+            status, error = "failed", str(err)
+            await self._shutdown()
+        finally:
+            alarm_task.cancel()
+            health_task.cancel()
+            await self.dispatcher.stop()
+            await self.watcher.stop()
+            await self.metrics.stop()
+        summary = self._summary(status, error)
+        write_json_atomic(self.run_dir.summary, summary)
+        self.metrics.write({"kind": "summary", **summary})
+        self.metrics.close()
+        return summary
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            problem = self.trainer.error()
+            if problem:
+                self._raise_alarm(problem)
+            if self.watcher.error is not None:
+                self._raise_alarm(f"weight watcher failed: {self.watcher.error}")
+
+    def _check_alarm(self) -> None:
+        reason = self.alarm_reason
+        if reason is None:
+            return
+        if reason.startswith("shutdown:"):
+            raise ShutdownRequested(reason)
+        raise RunFailed(reason)
+
+    async def _next_group(self, alarm_task: asyncio.Task) -> list[Rollout]:
+        """The oldest finished group. The caller files it before yielding to the event loop, so
+        the admission budget never sees it in neither place."""
+        while True:
+            group = self.dispatcher.try_get()
+            if group is not None:
+                return group
+            if self.dispatcher.error is not None:
+                raise RunFailed(f"generation failed: {self.dispatcher.error}")
+            ready = asyncio.create_task(self.dispatcher.wait_ready())
+            await asyncio.wait({ready, alarm_task}, return_when=asyncio.FIRST_COMPLETED)
+            if not ready.done():
+                ready.cancel()
+                await asyncio.gather(ready, return_exceptions=True)
+            self._check_alarm()
+
+    async def _train(self, alarm_task: asyncio.Task) -> None:
+        steps = self.config.train.steps
+        while self.shipped < steps:
+            self._check_alarm()
+            step = self.shipped + 1
+            for stale in self.sink.restale(step):
+                self._stale(stale)
+            while not self.sink.ready():
+                for stale in self.sink.add(await self._next_group(alarm_task), step):
+                    self._stale(stale)
+                self._check_alarm()
+            batch, filtered = self.sink.emit(step)
+            if filtered:
+                self.gate.on_discarded(filtered)
+                self.dispatcher.notify()
+            if batch is None:
+                self._check_empty()
+                continue
+            if self.ship_side:
+                await self._park(step, alarm_task)
+            self._ship(batch)
+            await self.trainer.submit(batch)
+
+    def _check_empty(self) -> None:
+        totals = self.sink.totals
+        if totals.consecutive_empty >= self.config.train.max_empty_batches:
+            removed = ", ".join(f"{why}: {n}" for why, n in sorted(totals.filtered_by.items())) or "nothing"
+            raise RunFailed(f"{totals.consecutive_empty} consecutive batches had nothing trainable "
+                            f"(train.max_empty_batches={self.config.train.max_empty_batches}); filters removed "
+                            f"{removed} rollouts. A constant reward or a broken environment does this.")
+
+    async def _park(self, step: int, alarm_task: asyncio.Task) -> None:
+        """Ship-side gating: hold batch ``step`` until the trainer is within S versions of it."""
+        target = step - 1 - self.config.rollout.max_staleness
+        started = time.monotonic()
+        while self.policy.value < target:
+            self._check_alarm()
+            await asyncio.sleep(self.config.watcher.poll_interval)
+        self.parked_s += time.monotonic() - started
+        self._park_last = time.monotonic() - started
+
+    def _ship(self, batch: Batch) -> None:
+        lines = []
+        for rollout, advantage in zip(batch.rollouts, batch.advantages):
+            record = rollout.to_json()
+            record["advantage"] = advantage
+            lines.append(json.dumps(record))
+        write_atomic(self.run_dir.batch(batch.step), ("\n".join(lines) + "\n").encode())
+        self.shipped = batch.step
+        self.shipped_batches.append(batch)
+        admitted = self.dispatcher.admitted
+        rewards = [r.reward for r in batch.rollouts]
+        self.step_records[batch.step] = {
+            "kind": "step", "step": batch.step, "admitted": admitted - self.admitted_at_last_step,
+            **age_stats(head_ages(batch.rollouts, batch.step - 1)),
+            "trainable": sum(1 for a in batch.advantages if abs(a) > 1e-8), "filtered": batch.filtered,
+            "reward_mean": round(sum(rewards) / len(rewards), 6),
+            "parked_s": round(self._park_last, 4),
+            "tokens": sum(r.generated_tokens for r in batch.rollouts)}
+        self._park_last = 0.0
+        self.admitted_at_last_step = admitted
+        self.dispatcher.notify()
+
+    def _trainer_lines(self) -> dict[int, dict]:
+        path = self.run_dir.trainer / "metrics.jsonl"
+        found: dict[int, dict] = {}
+        try:
+            with open(path) as handle:
+                handle.seek(self.trainer_metrics_offset)
+                data = handle.read()
+        except OSError:
+            return found
+        complete = data[: data.rfind("\n") + 1]
+        self.trainer_metrics_offset += len(complete.encode())
+        for line in complete.splitlines():
+            if line.strip():
+                record = json.loads(line)
+                found[record["step"]] = record
+        return found
+
+    def _flush_step_records(self) -> None:
+        """Write the step records of trained batches, joined with the trainer's own line."""
+        trained = self.policy.value
+        trainer_lines = self._trainer_lines()
+        for step in sorted(self.step_records):
+            if step > trained:
+                break
+            record = self.step_records.pop(step)
+            extra = trainer_lines.get(step, {})
+            record.update({"loss": extra.get("loss"), "grad_norm": extra.get("grad_norm"),
+                           "version": self.policy.value, **self.dispatcher.gauges(),
+                           "reload_s": self.watcher.reload_s, "wall_s": round(time.monotonic() - self.started, 3)})
+            for key in ("kl", "ratio_mean", "ratio_max", "clip_frac", "step_s"):
+                if key in extra:
+                    record[key] = extra[key]
+            self.last_step_record = record
+            self.metrics.write(record)
+            if self.config.eval.every and step % self.config.eval.every == 0:
+                asyncio.get_running_loop().create_task(self._evaluate(step))
+        while self.shipped_batches and self.shipped_batches[0].step <= trained:
+            batch = self.shipped_batches.popleft()
+            self.totals["trained"] += len(batch.rollouts)
+
+    async def _evaluate(self, step: int) -> None:
+        prompts = [self.prompts.make(i, is_eval=True) for i in range(self.config.eval.prompts)]
+        groups = await asyncio.gather(*(self.work(p) for p in prompts), return_exceptions=True)
+        rollouts = [r for g in groups if not isinstance(g, BaseException) for r in g]
+        self.metrics.write(self.eval_sink.add(step, rollouts))
+
+    # checkpoints, drain, shutdown ------------------------------------------------------------
+    def _untrained(self, trained_step: int) -> list[list[Rollout]]:
+        groups: list[list[Rollout]] = []
+        for batch in self.shipped_batches:
+            if batch.step > trained_step:
+                groups.extend(_regroup(batch.rollouts))
+        groups.extend(self.sink.pending_groups())
+        groups.extend(self.dispatcher.out_queue)
+        return groups
+
+    def _snapshot(self, step: int, abandoned: Optional[list[Prompt]] = None) -> None:
+        """Write orchestrator.json beside the trainer's checkpoint of ``step``.
+
+        Prompts still in flight (or abandoned by a shutdown) and those waiting in the input queue
+        are saved, so a resume neither skips nor repeats data.
+        """
+        untrained = self._untrained(step)
+        trained = self.totals["trained"] + sum(len(b.rollouts) for b in self.shipped_batches if b.step <= step)
+        in_flight = self.dispatcher.in_flight_prompts() if abandoned is None else abandoned
+        requeued = self.totals["requeued"]
+        if abandoned is None:
+            requeued += len(in_flight) * self.config.rollout.group_size
+        pending = in_flight + list(self.dispatcher.in_queue)
+        totals = {**self.totals, "admitted": self._admitted(), "trained": trained,
+                  "filtered": self._filtered(), "untrained": sum(len(g) for g in untrained),
+                  "requeued": requeued,
+                  "empty_batches": self.totals["empty_batches"] + self.sink.totals.empty_batches}
+        state = ResumeState(step=step, prompt_position=self.prompts.position, untrained=untrained,
+                            pending_prompts=pending, totals=totals)
+        write_json_atomic(self.run_dir.checkpoint(step) / "orchestrator.json", state.to_json())
+        self.snapshotted.add(step)
+
+    def _snapshot_new_checkpoints(self) -> None:
+        for step, _ in self.run_dir.complete_checkpoints():
+            if step not in self.snapshotted and step <= self.policy.value:
+                self._snapshot(step)
+
+    def _admitted(self) -> int:
+        return self.base_admitted + self.gate.submitted
+
+    def _filtered(self) -> int:
+        return self.totals["filtered"] + self.sink.totals.filtered
+
+    async def _wait_version(self, version: int, alarm_task: asyncio.Task) -> None:
+        while self.policy.value < version:
+            self._check_alarm()
+            await asyncio.sleep(self.config.watcher.poll_interval)
+
+    async def _drain(self, alarm_task: asyncio.Task) -> None:
+        """At train.steps: admit nothing more, let in-flight work finish, checkpoint it all."""
+        await self.dispatcher.stop()
+        while not await self.dispatcher.wait_idle(0.2):
+            self._check_alarm()
+        await self._wait_version(self.config.train.steps, alarm_task)
+        await self.trainer.stop(self.config.run.shutdown_timeout)
+        self._flush_step_records()
+        self._final_checkpoint(abandoned=[])
+
+    def _final_checkpoint(self, abandoned: list[Prompt]) -> None:
+        complete = [step for step, _ in self.run_dir.complete_checkpoints()]
+        if complete:
+            self._snapshot(complete[-1], abandoned=abandoned)
+            self.checkpoint_step = complete[-1]
+
+    async def _shutdown(self) -> None:
+        """Bounded: stop admitting, drain for at most run.shutdown_timeout, checkpoint, exit."""
+        deadline = time.monotonic() + self.config.run.shutdown_timeout
+        await self.dispatcher.stop()
+        await self.dispatcher.wait_idle(max(0.0, deadline - time.monotonic()) * 0.5)
+        abandoned = await self.dispatcher.cancel_in_flight()
+        self.totals["requeued"] += len(abandoned) * self.config.rollout.group_size
+        await self.trainer.stop(max(1.0, deadline - time.monotonic()))
+        await self.watcher.poll_once()
+        self._flush_step_records()
+        self._final_checkpoint(abandoned=abandoned)
+
+    def _summary(self, status: str, error: Optional[str]) -> dict:
+        checkpoint = self.checkpoint_step
+        trained_step = checkpoint if checkpoint is not None else self.policy.value
+        untrained = sum(len(g) for g in self._untrained(trained_step))
+        trained = self.totals["trained"] + sum(len(b.rollouts) for b in self.shipped_batches if b.step <= trained_step)
+        admitted = self._admitted()
+        filtered = self._filtered()
+        accounted = trained + filtered + self.totals["dropped_stale"] + untrained + self.totals["requeued"]
+        last = self.last_step_record
+        return {"status": status, "error": error, "reason": self.alarm_reason, "steps": trained_step, "version": self.policy.value,
+                "admitted": admitted, "trained": trained, "filtered": filtered,
+                "dropped_stale": self.totals["dropped_stale"], "regenerated": self.totals["regenerated"],
+                "stale_tokens": self.totals["stale_tokens"], "persisted_untrained": untrained,
+                "requeued": self.totals["requeued"], "lost": admitted - accounted,
+                "empty_batches": self.sink.totals.empty_batches + self.totals["empty_batches"],
+                "checkpoint": str(self.run_dir.checkpoint(checkpoint)) if checkpoint else None,
+                "parked_s": round(self.parked_s, 4), "reward_mean_last": last.get("reward_mean"),
+                "wall_s": round(time.monotonic() - self.started, 3)}
+
+
+def _regroup(rollouts: list[Rollout]) -> list[list[Rollout]]:
+    groups: dict[tuple, list[Rollout]] = {}
+    for rollout in rollouts:
+        groups.setdefault((rollout.group_id, rollout.episode_id.rsplit("-", 1)[0]), []).append(rollout)
+    return list(groups.values())

@@ -1,0 +1,66 @@
+"""The metrics loop: the only writer of ``metrics.jsonl``.
+
+Components expose ``gauges()``; this loop polls them on a fixed interval, independent of the
+training path, and also writes the per-step and eval records the orchestrator hands it. One
+JSON object per line; ages are in policy versions, times in seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+Gauges = Callable[[], dict]
+
+
+class MetricsLoop:
+    def __init__(self, *, path: Path, interval: float, gauges: dict[str, Gauges]):
+        self.path = path
+        self.interval = interval
+        self.gauges = gauges
+        self.started = time.monotonic()
+        self._file = open(path, "a", buffering=1)
+        self._task: Optional[asyncio.Task] = None
+        self._tensorboard = None
+
+    def enable_tensorboard(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._tensorboard = SummaryWriter(str(log_dir))
+
+    def snapshot(self) -> dict:
+        merged: dict = {}
+        for read in self.gauges.values():
+            merged.update(read())
+        return merged
+
+    def write(self, record: dict) -> None:
+        record = {"time": round(time.monotonic() - self.started, 4), **record}
+        self._file.write(json.dumps(record) + "\n")
+        if self._tensorboard is not None and record.get("kind") == "step":
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key not in ("step", "time"):
+                    self._tensorboard.add_scalar(key, value, record["step"])
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="metrics")
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            self.write({"kind": "periodic", **self.snapshot()})
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        self._file.flush()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+    def close(self) -> None:
+        self._file.close()

@@ -1,0 +1,97 @@
+"""The weight watcher: finds newly published trainer checkpoints, reloads every engine, then
+bumps the shared policy version.
+
+Only checkpoints with a PUBLISHED marker are seen, so a half-written one is never loaded. The
+version is bumped after the engines report the reload, so a token is never stamped with a
+version its engine does not hold yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+from rlorch.config import WatcherConfig
+from rlorch.types import Engine, PolicyVersion
+
+
+class WatcherStalled(RuntimeError):
+    pass
+
+
+class WeightWatcher:
+    def __init__(self, config: WatcherConfig, *, policy: PolicyVersion, engines: Engine,
+                 published: Callable[[], Iterable[tuple[int, Path]]],
+                 expecting: Callable[[], bool] = lambda: False,
+                 on_version: Callable[[int], None] = lambda version: None):
+        self.config = config
+        self.policy = policy
+        self.engines = engines
+        self.published = published
+        self.expecting = expecting
+        self.on_version = on_version
+        self.reload_s: Optional[float] = None
+        self.publish_to_reload_s: Optional[float] = None
+        self.reloads = 0
+        self.error: Optional[BaseException] = None
+        self._last_advance = time.monotonic()
+        self._task: Optional[asyncio.Task] = None
+
+    async def start(self) -> None:
+        self._last_advance = time.monotonic()
+        self._task = asyncio.create_task(self._poll_loop(), name="weight-watcher")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def poll_once(self) -> bool:
+        """Load the newest published checkpoint if it is ahead of the live version."""
+        newest = None
+        for version, path in self.published():
+            newest = (version, path)
+        if newest is None or newest[0] <= self.policy.value:
+            return False
+        version, path = newest
+        detected = time.monotonic()
+        await self.engines.reload(str(path), version)
+        self.policy.bump(version)
+        now = time.monotonic()
+        self.reload_s = now - detected
+        try:
+            self.publish_to_reload_s = time.time() - os.path.getmtime(path / "PUBLISHED")
+        except OSError:
+            self.publish_to_reload_s = None
+        self.reloads += 1
+        self._last_advance = now
+        self.on_version(version)
+        return True
+
+    async def _poll_loop(self) -> None:
+        try:
+            while True:
+                if not await self.poll_once():
+                    idle = time.monotonic() - self._last_advance
+                    if idle > self.config.stall_timeout and self.expecting():
+                        raise WatcherStalled(
+                            f"policy version stuck at {self.policy.value} for {idle:.0f}s while "
+                            f"batches wait for the trainer (watcher.stall_timeout="
+                            f"{self.config.stall_timeout:g}); see logs/trainer.log")
+                    await asyncio.sleep(self.config.poll_interval)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as err:
+            self.error = err
+            self.on_version(self.policy.value)
+
+    def stalled_for(self) -> float:
+        return time.monotonic() - self._last_advance
+
+    def gauges(self) -> dict:
+        return {"version": self.policy.value, "reload_s": self.reload_s,
+                "publish_to_reload_s": self.publish_to_reload_s, "version_idle_s": round(self.stalled_for(), 3)}

@@ -1,0 +1,225 @@
+"""The single-process runner behind ``rlorch train`` and ``rlorch resume``.
+
+It makes the run directory, writes the resolved config, starts the engines and the trainer,
+builds the orchestrator, installs the signal handlers and shows live progress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from rich.console import Console
+
+from rlorch.config import Config, ConfigError, InferenceBackend, TrainerBackend
+from rlorch.rundir import COMPLETE, RunDir, load_config, save_config
+from rlorch.types import PolicyVersion
+
+EXIT_INTERRUPTED = {"SIGINT": 130, "SIGTERM": 143}
+console = Console(stderr=True)
+
+
+def new_run_dir(config: Config) -> RunDir:
+    if config.run.dir:
+        root = Path(config.run.dir)
+        if root.exists() and any(root.iterdir()):
+            raise ConfigError("run.dir", f"{root} already holds a run; continue it with "
+                                         f"`rlorch resume checkpoint={root}/checkpoints/step_N` or pick another run.dir")
+    else:
+        root = Path("outputs") / f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        suffix = 1
+        while root.exists():
+            root = root.with_name(f"{root.name.split('.')[0]}.{suffix}")
+            suffix += 1
+    return RunDir(root).make()
+
+
+def run_training(config: Config, overrides: list[str]) -> int:
+    try:
+        run_dir = new_run_dir(config)
+    except ConfigError as err:
+        console.print(f"[bold red]invalid config[/] {err}", highlight=False)
+        return 2
+    config.run.dir = str(run_dir.root)
+    save_config(config, run_dir.config)
+    console.print(f"run directory: [bold]{run_dir.root}[/]", highlight=False)
+    return asyncio.run(_run(config, run_dir, checkpoint=None))
+
+
+def resume_training(checkpoint: str, overrides: list[str]) -> int:
+    path = Path(checkpoint)
+    try:
+        config, run_dir = _resume_target(path, overrides)
+    except ConfigError as err:
+        console.print(f"[bold red]cannot resume[/] {err}", highlight=False)
+        return 2
+    _supersede_batches(run_dir, step_of(path))
+    console.print(f"resuming {run_dir.root} at step {step_of(path) + 1}", highlight=False)
+    return asyncio.run(_run(config, run_dir, checkpoint=path))
+
+
+def step_of(checkpoint: Path) -> int:
+    from rlorch.rundir import parse_step
+
+    step = parse_step(checkpoint.name)
+    if step is None:
+        raise ConfigError("checkpoint", f"{checkpoint} is not a checkpoints/step_N directory")
+    return step
+
+
+def _resume_target(path: Path, overrides: list[str]) -> tuple[Config, RunDir]:
+    from omegaconf import OmegaConf
+
+    step_of(path)
+    if not (path / "trainer" / COMPLETE).exists() or not (path / "orchestrator.json").exists():
+        run = RunDir(path.parent.parent)
+        usable = [str(p) for _, p in run.complete_checkpoints() if (p / "orchestrator.json").exists()]
+        raise ConfigError("checkpoint", f"{path} is not a complete checkpoint (needs trainer/{COMPLETE} and "
+                                        f"orchestrator.json); complete ones: {', '.join(usable) or 'none'}")
+    run_dir = RunDir(path.parent.parent)
+    config = load_config(run_dir.config)
+    if overrides:
+        try:
+            merged = OmegaConf.merge(OmegaConf.structured(config), OmegaConf.from_dotlist(overrides))
+            config = OmegaConf.to_object(merged)
+        except ConfigError:
+            raise
+        except Exception as err:
+            raise ConfigError("overrides", str(err).splitlines()[0]) from err
+    return config, run_dir
+
+
+def _supersede_batches(run_dir: RunDir, step: int) -> None:
+    """Batches shipped after the checkpoint were not trained; their rollouts are in the
+    checkpoint's untrained set, so the files move aside rather than being trained twice."""
+    from rlorch.rundir import parse_step
+
+    aside = run_dir.rollouts / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}"
+    for path in sorted(run_dir.rollouts.glob("step_*.jsonl")):
+        shipped = parse_step(path.stem)
+        if shipped is not None and shipped > step:
+            aside.mkdir(exist_ok=True)
+            shutil.move(str(path), aside / path.name)
+    for path in sorted(run_dir.weights.glob("step_*")):
+        version = parse_step(path.name)
+        if version is not None and version > step:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+async def _start_engines(config: Config, run_dir: RunDir, policy: PolicyVersion) -> tuple[Any, Any]:
+    if config.inference.backend is InferenceBackend.sim:
+        from rlorch.inference.sim import SimEngine
+
+        return SimEngine(config.inference, policy=policy, seed=config.run.seed), None
+    from transformers import AutoTokenizer
+
+    from rlorch.inference.launcher import start_engines
+    from rlorch.model import resolve_model_path
+
+    model_path = resolve_model_path(config.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    engines = await start_engines(config, log_dir=run_dir.logs, model_path=model_path)
+    return engines, tokenizer
+
+
+def _make_trainer(config: Config, run_dir: RunDir, checkpoint: Optional[Path], start_step: int):
+    if config.trainer.backend is TrainerBackend.sim:
+        from rlorch.trainer.sim import SimTrainer
+
+        return SimTrainer(config, run_dir=run_dir, start_step=start_step)
+    from rlorch.trainer.process import TorchrunTrainer
+
+    return TorchrunTrainer(config, run_dir=run_dir, resume=checkpoint)
+
+
+async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> int:
+    from rlorch.episode import PromptSource, make_reward, make_work
+    from rlorch.orchestrator.loop import Orchestrator, ResumeState
+    from rlorch.tasks import make_environment
+
+    policy = PolicyVersion(0)
+    env = make_environment(config)
+    engines, tokenizer, trainer = None, None, None
+    try:
+        engines, tokenizer = await _start_engines(config, run_dir, policy)
+        prompts = PromptSource(env, tokenizer=tokenizer, seed=config.run.seed)
+        resume = None
+        if checkpoint is not None:
+            data = json.loads((checkpoint / "orchestrator.json").read_text())
+            resume = ResumeState.from_json(data, prompts.make)
+            prompts.position = resume.prompt_position
+            weights = checkpoint / "weights"
+            await engines.reload(str(weights if weights.is_dir() else run_dir.weights_for(resume.step)), resume.step)
+        trainer = _make_trainer(config, run_dir, checkpoint, resume.step if resume else 0)
+        await trainer.start()
+        work = make_work(config, engine=engines, tokenizer=tokenizer,
+                         reward=make_reward(config, env, config.run.seed))
+        orchestrator = Orchestrator(config, run_dir=run_dir, policy=policy, engines=engines, trainer=trainer,
+                                    work=work, prompts=prompts, resume=resume)
+        _install_signals(orchestrator)
+        progress = _progress(config, orchestrator)
+        try:
+            summary = await orchestrator.run()
+        finally:
+            if progress:
+                progress.cancel()
+    except Exception as err:
+        console.print(f"[bold red]run failed[/] {err}", highlight=False)
+        return 1
+    finally:
+        if trainer is not None:
+            await trainer.stop(config.run.shutdown_timeout)
+        if engines is not None:
+            await engines.close()
+    return _report(summary, run_dir)
+
+
+def _install_signals(orchestrator: Any) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, orchestrator.request_shutdown, sig.name)
+
+
+def _report(summary: dict, run_dir: RunDir) -> int:
+    status = summary["status"]
+    style = {"completed": "green", "interrupted": "yellow"}.get(status, "red")
+    console.print(f"[bold {style}]{status}[/] steps={summary['steps']} admitted={summary['admitted']} "
+                  f"trained={summary['trained']} filtered={summary['filtered']} "
+                  f"dropped_stale={summary['dropped_stale']} untrained={summary['persisted_untrained']} "
+                  f"lost={summary['lost']} wall={summary['wall_s']}s -> {run_dir.summary}", highlight=False)
+    if summary.get("error"):
+        console.print(f"[bold red]error[/] {summary['error']}", highlight=False)
+    if status == "interrupted":
+        reason = "SIGTERM" if "SIGTERM" in str(summary.get("reason", "")) else "SIGINT"
+        return EXIT_INTERRUPTED[reason]
+    return 0 if status == "completed" else 1
+
+
+def _progress(config: Config, orchestrator: Any) -> Optional[asyncio.Task]:
+    if not (config.run.progress and sys.stderr.isatty()):
+        return None
+
+    async def show() -> None:
+        from rich.live import Live
+        from rich.table import Table
+
+        with Live(console=console, refresh_per_second=4, transient=True) as live:
+            while True:
+                gauges = orchestrator.metrics.snapshot()
+                last = orchestrator.last_step_record
+                table = Table.grid(padding=(0, 2))
+                table.add_row(f"step {gauges['step']}/{config.train.steps}", f"version {gauges['version']}",
+                              f"reward {last.get('reward_mean', float('nan')):.3f}" if last else "reward -",
+                              f"age max {last.get('age_max')}" if last else "age -",
+                              f"in flight {gauges['in_flight']}", f"out queue {gauges['out_queue']}",
+                              f"admitted {gauges['admitted_total']}")
+                live.update(table)
+                await asyncio.sleep(0.5)
+
+    return asyncio.get_running_loop().create_task(show())

@@ -1,0 +1,84 @@
+"""The real trainer as the orchestrator sees it: a torchrun process group it starts and stops.
+
+Batches reach it through the run directory (the orchestrator writes them before submitting), so
+``submit`` has nothing to send; the process publishes weights the watcher picks up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Optional
+
+from rlorch.config import Config
+from rlorch.rundir import RunDir
+from rlorch.types import Batch
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class TorchrunTrainer:
+    def __init__(self, config: Config, *, run_dir: RunDir, resume: Optional[Path] = None):
+        self.config = config
+        self.run_dir = run_dir
+        self.resume = resume
+        self.log = run_dir.logs / "trainer.log"
+        self.process: Optional[subprocess.Popen] = None
+
+    async def start(self) -> None:
+        from rlorch.trainer.fsdp import trainer_command
+
+        ready = self.run_dir.trainer / "ready"
+        ready.unlink(missing_ok=True)
+        self.run_dir.stop_file.unlink(missing_ok=True)
+        command = trainer_command(self.config, self.run_dir.root, self.resume)
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+               "PYTHONUNBUFFERED": "1"}
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
+        deadline = time.monotonic() + self.config.trainer.start_timeout
+        while not ready.exists():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"trainer exited with code {self.process.returncode} before it was ready; "
+                                   f"{self.log}:\n{log_tail(self.log)}")
+            if time.monotonic() > deadline:
+                await self.stop(5.0)
+                raise RuntimeError(f"trainer not ready after trainer.start_timeout="
+                                   f"{self.config.trainer.start_timeout:g}s; {self.log}:\n{log_tail(self.log)}")
+            await asyncio.sleep(0.1)
+
+    async def submit(self, batch: Batch) -> None:
+        return None
+
+    def error(self) -> Optional[str]:
+        if self.process is None or self.process.poll() is None or self.process.returncode == 0:
+            return None
+        return f"trainer exited with code {self.process.returncode}; {self.log}:\n{log_tail(self.log)}"
+
+    async def stop(self, timeout: float) -> None:
+        """Ask for a checkpoint of the last completed step and an exit; kill after ``timeout``."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.run_dir.stop_file.touch()
+        deadline = time.monotonic() + timeout
+        while self.process.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.process.poll() is None:
+            import signal
+
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                await asyncio.to_thread(self.process.wait, 5)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                await asyncio.to_thread(self.process.wait)

@@ -1,0 +1,97 @@
+"""The simulated trainer (``trainer=sim``): no model, ``step_time`` seconds per batch.
+
+It keeps the real trainer's contract with the run directory: it trains batch N only after the
+orchestrator shipped it, publishes weights/step_N with a PUBLISHED marker, appends a line to
+trainer/metrics.jsonl, and writes full checkpoints (trainer/COMPLETE) every checkpoint_every
+steps, at the last step and when asked to stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import shutil
+import time
+from typing import Optional
+
+from rlorch.config import Config
+from rlorch.rundir import COMPLETE, PUBLISHED, RunDir, mark, step_name, write_json_atomic
+from rlorch.types import Batch
+
+
+class SimTrainer:
+    def __init__(self, config: Config, *, run_dir: RunDir, start_step: int = 0):
+        self.config = config
+        self.run_dir = run_dir
+        self.step = start_step
+        self.checkpointed = start_step
+        self.rng = random.Random(config.run.seed)
+        self._batches: asyncio.Queue[Batch] = asyncio.Queue()
+        self._task: Optional[asyncio.Task] = None
+        self._error: Optional[str] = None
+
+    async def start(self) -> None:
+        self.run_dir.make()
+        (self.run_dir.trainer / "ready").touch()
+        self._task = asyncio.create_task(self._loop(), name="sim-trainer")
+
+    async def submit(self, batch: Batch) -> None:
+        await self._batches.put(batch)
+
+    def error(self) -> Optional[str]:
+        return self._error
+
+    async def _loop(self) -> None:
+        try:
+            while self.step < self.config.train.steps:
+                batch = await self._batches.get()
+                if batch.step != self.step + 1:
+                    raise RuntimeError(f"trainer expected batch {self.step + 1}, got {batch.step}")
+                started = time.monotonic()
+                await asyncio.sleep(self.config.trainer.step_time)
+                self.step = batch.step
+                self._record(batch, time.monotonic() - started)
+                if self.step % self.config.trainer.publish_every == 0 or self.step == self.config.train.steps:
+                    self._publish(self.step)
+                if self.step % self.config.trainer.checkpoint_every == 0 or self.step == self.config.train.steps:
+                    self._checkpoint(self.step)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            self._error = f"sim trainer failed at step {self.step + 1}: {err}"
+
+    def _record(self, batch: Batch, seconds: float) -> None:
+        rewards = [r.reward for r in batch.rollouts]
+        line = {"step": batch.step, "loss": round(self.rng.uniform(-0.1, 0.1), 6),
+                "grad_norm": round(self.rng.uniform(0.1, 1.0), 6), "tokens": sum(len(r.tokens) for r in batch.rollouts),
+                "reward_mean": sum(rewards) / len(rewards), "step_s": round(seconds, 4)}
+        with open(self.run_dir.trainer / "metrics.jsonl", "a") as handle:
+            handle.write(json.dumps(line) + "\n")
+
+    def _publish(self, step: int) -> None:
+        weights = self.run_dir.weights
+        staging = weights / f".staging-{step_name(step)}"
+        staging.mkdir(parents=True, exist_ok=True)
+        (staging / "sim_weights.json").write_text(json.dumps({"version": step}))
+        target = self.run_dir.weights_for(step)
+        staging.rename(target)
+        mark(target, PUBLISHED)
+        published = [path for _, path in self.run_dir.published_weights()]
+        for old in published[:-self.config.trainer.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _checkpoint(self, step: int) -> None:
+        trainer_dir = self.run_dir.checkpoint(step) / "trainer"
+        trainer_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(trainer_dir / "trainer_state.json", {"step": step, "backend": "sim"})
+        mark(trainer_dir, COMPLETE)
+        self.checkpointed = step
+
+    async def stop(self, timeout: float) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self.step > self.checkpointed:
+            self._checkpoint(self.step)

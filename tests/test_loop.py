@@ -1,0 +1,121 @@
+"""The orchestrator end to end on the sim backends (inference=sim, trainer=sim)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlorch.compose import compose
+from rlorch.runner import resume_training, run_training
+
+
+def train(tmp_path: Path, name: str, *overrides: str) -> tuple[int, dict, list[dict]]:
+    run_dir = tmp_path / name
+    config = compose(["conf=sim", f"run.dir={run_dir}", "run.progress=false", *overrides])
+    code = run_training(config, [])
+    return code, *read_run(run_dir)
+
+
+def read_run(run_dir: Path) -> tuple[dict, list[dict]]:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return summary, [r for r in steps if r["kind"] == "step"]
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 2, 4])
+def test_uniform_latency_reaches_exactly_the_bound(tmp_path, staleness):
+    code, summary, steps = train(tmp_path, f"s{staleness}", f"rollout.max_staleness={staleness}",
+                                 "inference.latency=[0.01,0.01]", "trainer.step_time=0.03",
+                                 "rollout.max_concurrent=64", "train.steps=12")
+    assert code == 0 and summary["status"] == "completed"
+    assert max(r["age_max"] for r in steps) == staleness
+    assert summary["lost"] == 0 and summary["trained"] == 12 * 8
+
+
+def test_jittered_latency_admission_overshoots_and_strict_never_does(tmp_path):
+    jitter = ["rollout.max_staleness=1", "inference.latency=[0.001,0.25]", "trainer.step_time=0.02",
+              "rollout.max_concurrent=64", "train.steps=30"]
+    _, loose, loose_steps = train(tmp_path, "admission", *jitter, "rollout.enforce=admission")
+    _, strict, strict_steps = train(tmp_path, "strict", *jitter, "rollout.enforce=strict")
+    assert max(r["age_max"] for r in loose_steps) > 1
+    assert max(r["age_max"] for r in strict_steps) <= 1
+    assert strict["dropped_stale"] > 0 and strict["stale_tokens"] > 0
+    assert loose["lost"] == 0 and strict["lost"] == 0
+
+
+def test_ship_mode_parks_batches_until_the_trainer_catches_up(tmp_path):
+    code, summary, steps = train(tmp_path, "ship", "rollout.enforce=ship", "rollout.max_staleness=0",
+                                 "inference.latency=[0.001,0.001]", "trainer.step_time=0.03", "train.steps=8")
+    assert code == 0 and summary["lost"] == 0
+    assert summary["parked_s"] > 0 and any(r["parked_s"] > 0 for r in steps)
+
+
+def test_constant_reward_stops_on_the_empty_batch_guard(tmp_path):
+    code, summary, _ = train(tmp_path, "flat", "inference.reward=constant", "train.max_empty_batches=3")
+    assert code != 0 and summary["status"] == "failed"
+    assert "3 consecutive batches had nothing trainable" in summary["error"]
+    assert "no_signal" in summary["error"]
+    assert summary["empty_batches"] == 3 and summary["lost"] == 0
+
+
+def test_resume_at_a_late_step_keeps_the_bound_and_loses_nothing(tmp_path):
+    common = ["rollout.max_staleness=2", "inference.latency=[0.005,0.005]", "trainer.step_time=0.02",
+              "rollout.max_concurrent=1000", "trainer.checkpoint_every=5"]
+    code, first, _ = train(tmp_path, "run", *common, "train.steps=40")
+    assert code == 0 and first["lost"] == 0
+    run_dir = tmp_path / "run"
+    code = resume_training(str(run_dir / "checkpoints" / "step_000040"), ["train.steps=60"])
+    assert code == 0
+    summary, steps = read_run(run_dir)
+    resumed = [r for r in steps if r["step"] > 40]
+    assert resumed[0]["admitted"] <= 3 * 8
+    assert max(r["age_max"] for r in resumed) <= 2
+    assert summary["lost"] == 0 and summary["trained"] == 60 * 8
+
+
+def test_sigterm_mid_run_checkpoints_within_the_window_and_resume_trains_the_rest(tmp_path):
+    run_dir = tmp_path / "term"
+    command = [sys.executable, "-m", "rlorch.cli", "train", "conf=sim", f"run.dir={run_dir}", "run.progress=false",
+               "train.steps=400", "trainer.step_time=0.02", "inference.latency=[0.01,0.2]",
+               "run.shutdown_timeout=5"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and metrics.read_text().count('"kind": "step"') < 15 if metrics.exists() else True:
+        time.sleep(0.1)
+    sent = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=30)
+    assert time.monotonic() - sent < 5 + 2
+    assert process.returncode == 143
+    summary, _ = read_run(run_dir)
+    assert summary["status"] == "interrupted" and summary["lost"] == 0
+    assert summary["checkpoint"] and summary["persisted_untrained"] + summary["requeued"] > 0
+    checkpoint = Path(summary["checkpoint"])
+    assert (checkpoint / "orchestrator.json").exists()
+    code = resume_training(str(checkpoint), [f"train.steps={summary['steps'] + 10}", "run.progress=false"])
+    assert code == 0
+    resumed, steps = read_run(run_dir)
+    assert resumed["lost"] == 0 and resumed["trained"] == (summary["steps"] + 10) * 8
+
+
+def test_async_overlaps_generation_and_training(tmp_path):
+    timing = ["inference.latency=[0.1,0.1]", "trainer.step_time=0.1", "train.steps=15",
+              "rollout.max_concurrent=64"]
+    _, sync, _ = train(tmp_path, "sync", *timing, "rollout.max_staleness=0", "trainer.correction=none")
+    _, overlapped, _ = train(tmp_path, "async", *timing, "rollout.max_staleness=1")
+    assert overlapped["wall_s"] <= 0.6 * sync["wall_s"], (overlapped["wall_s"], sync["wall_s"])
+
+
+def test_train_refuses_a_run_dir_that_holds_a_run(tmp_path):
+    code, _, _ = train(tmp_path, "once", "train.steps=2")
+    assert code == 0
+    config = compose(["conf=sim", f"run.dir={tmp_path / 'once'}", "run.progress=false"])
+    assert run_training(config, []) == 2
