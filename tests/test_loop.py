@@ -119,3 +119,31 @@ def test_train_refuses_a_run_dir_that_holds_a_run(tmp_path):
     assert code == 0
     config = compose(["conf=sim", f"run.dir={tmp_path / 'once'}", "run.progress=false"])
     assert run_training(config, []) == 2
+
+
+def test_metrics_carry_the_step_keys_and_periodic_gauges_and_eval_records(tmp_path):
+    code, summary, steps = train(tmp_path, "metrics", "train.steps=10", "eval.every=5", "eval.prompts=4",
+                                 "metrics.interval=0.05")
+    assert code == 0
+    for key in ("step", "version", "admitted", "age_max", "age_p99", "age_mean", "trainable", "out_queue",
+                "in_flight", "parked_s", "reload_s", "reward_mean", "loss", "grad_norm"):
+        assert key in steps[-1], key
+    assert [r["step"] for r in steps] == list(range(1, 11))
+    records = [json.loads(line) for line in (tmp_path / "metrics" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["kind"] == "periodic" and "in_flight" in r for r in records)
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [5, 10] and all(r["eval_prompts"] == 4 for r in evals)
+    assert len((tmp_path / "metrics" / "rollouts" / "step_000003.jsonl").read_text().splitlines()) == 8
+
+
+def test_resume_alarm_fails_the_run_when_the_gate_is_not_recovered(tmp_path, monkeypatch):
+    common = ["rollout.max_staleness=1", "inference.latency=[0.002,0.002]", "trainer.step_time=0.05",
+              "rollout.max_concurrent=10000"]
+    code, _, _ = train(tmp_path, "run", *common, "train.steps=20")
+    assert code == 0
+    from rlorch.orchestrator.gate import CapacityGate
+
+    monkeypatch.setattr(CapacityGate, "on_version_recovered", lambda self, version, buffered=0: None)
+    code = resume_training(str(tmp_path / "run" / "checkpoints" / "step_000020"), ["train.steps=40"])
+    summary, _ = read_run(tmp_path / "run")
+    assert code != 0 and "resume alarm" in summary["error"]

@@ -25,14 +25,16 @@ class SimEngine:
         self.loaded_version = policy.value
         self.loaded_path = ""
         self.requests = 0
+        self._pattern = [4 + (i * 7) % 60 for i in range(max(config.tokens, 1))]
 
     async def generate(self, input_ids: list[int], params: SamplingParams, rid: str) -> Generation:
         version = self.loaded_version
         self.requests += 1
         delay = self.lo if self.hi <= self.lo else self.rng.uniform(self.lo, self.hi)
-        await asyncio.sleep(delay)
+        if delay > 0:
+            await asyncio.sleep(delay)
         count = min(self.tokens, params.max_new_tokens)
-        ids = [self.rng.randrange(4, 64) for _ in range(count)]
+        ids = self._pattern[:count]
         return Generation(output_ids=ids, logprobs=[-1.0] * count,
                           versions=VersionStamps([[version, count]]), finish_reason="length")
 

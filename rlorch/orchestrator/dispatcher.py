@@ -2,7 +2,9 @@
 
 Prompts wait in a bounded input queue; the submission loop admits whole groups through the gate
 and runs each as a task; the fetch path (task completion) moves finished groups to the output
-queue. A failed or timed-out group is retried (the engine pool routes the retry to a live
+queue. A watchdog cancels attempts older than ``request_timeout`` (one scan a second rather
+than a timer per request, so admission cost does not grow with the number in flight). A failed
+or timed-out group is retried (the engine pool routes the retry to a live
 engine); after ``max_retries`` failures the run fails loudly. Invariant: every admitted group
 ends accepted (in the output queue) or rejected with its error recorded, never silently lost.
 """
@@ -41,17 +43,20 @@ class Dispatcher:
         self.retries = 0
         self.error: Optional[BaseException] = None
         self.admission_open: Callable[[], bool] = lambda: True
-        self._in_flight: dict[asyncio.Task, Prompt] = {}
+        self._in_flight: dict[asyncio.Task, list] = {}
+        self._timed_out: set[asyncio.Task] = set()
         self._paused = False
         self._wake = asyncio.Event()
         self._out_ready = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
         self._loop_task: Optional[asyncio.Task] = None
+        self._watchdog_task: Optional[asyncio.Task] = None
 
     # lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
         self._loop_task = asyncio.create_task(self._submission_loop(), name="dispatcher")
+        self._watchdog_task = asyncio.create_task(self._watchdog(), name="dispatcher-watchdog")
 
     async def stop(self) -> None:
         """Stop admitting; in-flight groups keep running until :meth:`wait_idle` or :meth:`cancel_in_flight`."""
@@ -59,6 +64,14 @@ class Dispatcher:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
             self._loop_task = None
+
+    async def close(self) -> None:
+        """Stop admitting and stop the watchdog (in-flight groups are left as they are)."""
+        await self.stop()
+        if self._watchdog_task:
+            self._watchdog_task.cancel()
+            await asyncio.gather(self._watchdog_task, return_exceptions=True)
+            self._watchdog_task = None
 
     def pause(self) -> None:
         self._paused = True
@@ -92,7 +105,7 @@ class Dispatcher:
         return group
 
     def in_flight_prompts(self) -> list[Prompt]:
-        return list(self._in_flight.values())
+        return [entry[0] for entry in self._in_flight.values()]
 
     @property
     def in_flight(self) -> int:
@@ -125,6 +138,7 @@ class Dispatcher:
 
     def _admit_all(self) -> None:
         gate, size = self.gate, self.group_size
+        now = asyncio.get_running_loop().time()
         while not self._paused and self.out_rollouts < self.max_buffered and self.admission_open():
             if not self.in_queue:
                 self._refill()
@@ -134,7 +148,7 @@ class Dispatcher:
                 return
             prompt = self.in_queue.popleft()
             task = asyncio.create_task(self._run_group(prompt))
-            self._in_flight[task] = prompt
+            self._in_flight[task] = [prompt, now]
             self._idle.clear()
             task.add_done_callback(self._finished)
             self.admitted += size
@@ -145,23 +159,42 @@ class Dispatcher:
             self._admit_all()
             await self._wake.wait()
 
+    async def _watchdog(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(1.0, self.request_timeout / 4))
+            now = loop.time()
+            for task, (_, started) in list(self._in_flight.items()):
+                if now - started > self.request_timeout and task not in self._timed_out:
+                    self._timed_out.add(task)
+                    task.cancel()
+
     async def _run_group(self, prompt: Prompt) -> list[Rollout]:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
         last: Optional[BaseException] = None
         for _ in range(self.max_retries):
             try:
-                async with asyncio.timeout(self.request_timeout):
-                    group = await self.work(prompt)
+                group = await self.work(prompt)
                 if len(group) != self.group_size:
                     raise GenerationFailed(f"group {prompt.group_id}: got {len(group)} samples, "
                                            f"expected {self.group_size}")
                 return group
-            except (asyncio.TimeoutError, OSError, ConnectionError, RuntimeError) as err:
+            except asyncio.CancelledError:
+                if task not in self._timed_out:
+                    raise
+                self._timed_out.discard(task)
+                task.uncancel()
+                last = TimeoutError(f"no answer within rollout.request_timeout={self.request_timeout:g}s")
+            except (OSError, ConnectionError, RuntimeError) as err:
                 last = err
-                self.retries += 1
+            self.retries += 1
+            self._in_flight[task][1] = loop.time()
         raise GenerationFailed(f"group {prompt.group_id} failed {self.max_retries} times: {last!r}") from last
 
     def _finished(self, task: asyncio.Task) -> None:
         self._in_flight.pop(task, None)
+        self._timed_out.discard(task)
         if not self._in_flight:
             self._idle.set()
         if task.cancelled():

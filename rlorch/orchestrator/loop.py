@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
+import orjson
 
 from rlorch.config import Config, Enforce
 from rlorch.orchestrator.dispatcher import Dispatcher, Work
@@ -222,7 +223,7 @@ class Orchestrator:
         finally:
             alarm_task.cancel()
             health_task.cancel()
-            await self.dispatcher.stop()
+            await self.dispatcher.close()
             await self.watcher.stop()
             await self.metrics.stop()
         summary = self._summary(status, error)
@@ -310,8 +311,8 @@ class Orchestrator:
         for rollout, advantage in zip(batch.rollouts, batch.advantages):
             record = rollout.to_json()
             record["advantage"] = advantage
-            lines.append(json.dumps(record))
-        write_atomic(self.run_dir.batch(batch.step), ("\n".join(lines) + "\n").encode())
+            lines.append(orjson.dumps(record))
+        write_atomic(self.run_dir.batch(batch.step), b"\n".join(lines) + b"\n")
         self.shipped = batch.step
         self.shipped_batches.append(batch)
         admitted = self.dispatcher.admitted

@@ -1,0 +1,210 @@
+"""Unit tests of the orchestrator's components: stamps, sinks, dispatcher, watcher."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from rlorch.orchestrator.dispatcher import Dispatcher, GenerationFailed
+from rlorch.orchestrator.gate import CapacityGate
+from rlorch.orchestrator.sinks import TrainSink, group_advantages, head_ages, zero_variance_filter
+from rlorch.orchestrator.watcher import WeightWatcher, WatcherStalled
+from rlorch.config import WatcherConfig
+from rlorch.rundir import PUBLISHED, RunDir, mark
+from rlorch.types import Origin, PolicyVersion, Prompt, Rollout, VersionStamps
+
+
+def rollout(group: int, reward: float, versions: list[list[int]], origin: Origin = Origin.live) -> Rollout:
+    stamps = VersionStamps([list(run) for run in versions])
+    n = stamps.count
+    return Rollout(group_id=group, episode_id=f"g{group}-0-0", env="t", tokens=[1] * (2 + n),
+                   loss_mask=[0, 0] + [1] * n, logprobs=[0.0] * (2 + n), versions=stamps,
+                   reward=reward, origin=origin)
+
+
+def test_version_stamps_are_run_length_encoded_with_head_and_tail():
+    stamps = VersionStamps.from_tokens([3, 3, 3, 4, 4, 5])
+    assert stamps.runs == [[3, 3], [4, 2], [5, 1]]
+    assert (stamps.head, stamps.tail, stamps.count) == (3, 5, 6)
+    assert stamps.expand() == [3, 3, 3, 4, 4, 5]
+    stamps.concat(VersionStamps([[5, 2], [6, 1]]))
+    assert stamps.runs == [[3, 3], [4, 2], [5, 3], [6, 1]]
+    assert VersionStamps().head == -1
+
+
+def test_rollout_json_round_trip_keeps_the_stamps():
+    original = rollout(7, 0.5, [[2, 3], [3, 1]])
+    again = Rollout.from_json(original.to_json())
+    assert again == original and again.versions.head == 2 and again.versions.tail == 3
+
+
+def test_head_age_uses_the_oldest_version_and_skips_replayed_rollouts():
+    spanning = rollout(0, 1.0, [[3, 4], [5, 2]])
+    replayed = rollout(1, 1.0, [[0, 4]], origin=Origin.replay)
+    assert head_ages([spanning, replayed], train_version=5) == [2]
+
+
+def test_group_advantages_and_zero_variance_filter():
+    advantages = group_advantages([1.0, 0.0, 1.0, 0.0])
+    assert advantages[0] > 0 > advantages[1] and abs(sum(advantages)) < 1e-9
+    assert zero_variance_filter([rollout(0, 1.0, [[0, 1]]), rollout(0, 1.0, [[0, 1]])]) == "zero_variance"
+    assert zero_variance_filter([rollout(0, 1.0, [[0, 1]]), rollout(0, 0.0, [[0, 1]])]) is None
+
+
+def test_sink_emits_batches_of_whole_groups_and_filters_flat_ones():
+    sink = TrainSink(batch_size=4, max_staleness=2, strict=False)
+    sink.add([rollout(0, 1.0, [[0, 2]]), rollout(0, 0.0, [[0, 2]])], step=1)
+    assert not sink.ready()
+    sink.add([rollout(1, 0.5, [[0, 2]]), rollout(1, 0.5, [[0, 2]])], step=1)
+    assert sink.ready()
+    batch, filtered = sink.emit(step=1)
+    assert filtered == 2 and [r.group_id for r in batch.rollouts] == [0, 0]
+    assert sink.totals.filtered_by == {"zero_variance": 2} and sink.buffered == 0
+
+
+def test_sink_counts_a_batch_with_nothing_trainable_as_empty():
+    sink = TrainSink(batch_size=2, max_staleness=0, strict=False)
+    sink.add([rollout(0, 1.0, [[0, 1]]), rollout(0, 1.0, [[0, 1]])], step=1)
+    batch, filtered = sink.emit(step=1)
+    assert batch is None and filtered == 2
+    assert sink.totals.empty_batches == 1 and sink.totals.consecutive_empty == 1
+
+
+def test_strict_sink_hands_back_groups_older_than_the_bound():
+    sink = TrainSink(batch_size=2, max_staleness=1, strict=True)
+    fresh = [rollout(0, 1.0, [[4, 3]]), rollout(0, 0.0, [[4, 3]])]
+    spanning_old = [rollout(1, 1.0, [[2, 1], [4, 2]]), rollout(1, 0.0, [[4, 3]])]
+    assert sink.add(fresh, step=6) == []          # trained at version 5: age 1
+    assert sink.add(spanning_old, step=6) == [spanning_old]  # head 2: age 3 > 1
+    assert sink.totals.stale_rollouts == 2 and sink.totals.stale_tokens == 6
+    assert sink.restale(step=7) == [fresh]        # by step 7 the fresh group is age 2
+
+
+def make_dispatcher(work, **overrides) -> Dispatcher:
+    gate = CapacityGate(max_staleness=10, batch_size=2, max_concurrent=4, policy=PolicyVersion())
+    prompts = (Prompt(group_id=i, input_ids=[1], env="t") for i in range(overrides.pop("prompts", 6)))
+    settings = dict(group_size=1, queue_size=8, max_buffered=100, request_timeout=5.0, max_retries=3)
+    settings.update(overrides)
+    return Dispatcher(gate=gate, work=work, prompts=prompts, **settings)
+
+
+def test_dispatcher_retries_a_failed_request_and_loses_nothing():
+    attempts: dict[int, int] = {}
+
+    async def flaky(prompt: Prompt):
+        attempts[prompt.group_id] = attempts.get(prompt.group_id, 0) + 1
+        if attempts[prompt.group_id] == 1:
+            raise ConnectionError("engine died")
+        return [rollout(prompt.group_id, 1.0, [[0, 1]])]
+
+    async def scenario():
+        dispatcher = make_dispatcher(flaky)
+        await dispatcher.start()
+        got = []
+        while len(got) < 6:
+            await dispatcher.wait_ready()
+            got.append(dispatcher.try_get())
+        await dispatcher.close()
+        return dispatcher, got
+
+    dispatcher, got = asyncio.run(scenario())
+    assert sorted(g[0].group_id for g in got) == list(range(6))
+    assert dispatcher.retries == 6 and dispatcher.gate.accepted == 6 and dispatcher.gate.running == 0
+
+
+def test_dispatcher_times_out_a_hung_request_and_retries_it():
+    calls = []
+
+    async def hangs_once(prompt: Prompt):
+        calls.append(prompt.group_id)
+        if len(calls) == 1:
+            await asyncio.sleep(3600)
+        return [rollout(prompt.group_id, 1.0, [[0, 1]])]
+
+    async def scenario():
+        dispatcher = make_dispatcher(hangs_once, prompts=1, request_timeout=0.2)
+        await dispatcher.start()
+        await asyncio.wait_for(dispatcher.wait_ready(), 5)
+        await dispatcher.close()
+        return dispatcher
+
+    dispatcher = asyncio.run(scenario())
+    assert calls == [0, 0] and dispatcher.retries == 1 and len(dispatcher.out_queue) == 1
+
+
+def test_dispatcher_fails_loudly_after_max_retries():
+    async def broken(prompt: Prompt):
+        raise ConnectionError("no engine")
+
+    async def scenario():
+        dispatcher = make_dispatcher(broken, prompts=1, max_retries=2)
+        await dispatcher.start()
+        await asyncio.wait_for(dispatcher.wait_ready(), 5)
+        await dispatcher.close()
+        return dispatcher
+
+    dispatcher = asyncio.run(scenario())
+    assert isinstance(dispatcher.error, GenerationFailed) and "failed 2 times" in str(dispatcher.error)
+    assert dispatcher.gate.rejected == 1 and dispatcher.gate.running == 0
+
+
+def test_dispatcher_respects_the_gate_and_pause():
+    hold = asyncio.Event()
+
+    async def slow(prompt: Prompt):
+        await hold.wait()
+        return [rollout(prompt.group_id, 1.0, [[0, 1]])]
+
+    async def scenario():
+        dispatcher = make_dispatcher(slow, prompts=20)
+        await dispatcher.start()
+        await asyncio.sleep(0.05)
+        capped = dispatcher.in_flight
+        hold.set()
+        dispatcher.pause()
+        await dispatcher.wait_idle(5)
+        paused_admitted = dispatcher.admitted
+        await asyncio.sleep(0.05)
+        assert dispatcher.admitted == paused_admitted
+        await dispatcher.close()
+        return capped
+
+    assert asyncio.run(scenario()) == 4
+
+
+class RecordingEngines:
+    def __init__(self):
+        self.reloads = []
+
+    async def reload(self, path: str, version: int) -> None:
+        self.reloads.append((Path(path).name, version))
+
+
+def test_watcher_loads_only_published_checkpoints_and_bumps_after_reload(tmp_path):
+    run = RunDir(tmp_path).make()
+    policy, engines = PolicyVersion(), RecordingEngines()
+    watcher = WeightWatcher(WatcherConfig(), policy=policy, engines=engines, published=run.published_weights)
+    run.weights_for(1).mkdir()
+    assert not asyncio.run(watcher.poll_once()) and policy.value == 0      # no marker yet
+    mark(run.weights_for(1), PUBLISHED)
+    run.weights_for(2).mkdir()
+    mark(run.weights_for(2), PUBLISHED)
+    assert asyncio.run(watcher.poll_once())
+    assert engines.reloads == [("step_000002", 2)] and policy.value == 2
+    assert watcher.reload_s is not None
+
+
+def test_watcher_alarms_when_the_version_stalls(tmp_path):
+    run = RunDir(tmp_path).make()
+    watcher = WeightWatcher(WatcherConfig(poll_interval=0.01, stall_timeout=0.1), policy=PolicyVersion(),
+                            engines=RecordingEngines(), published=run.published_weights, expecting=lambda: True)
+
+    async def scenario():
+        await watcher.start()
+        await asyncio.sleep(0.4)
+        await watcher.stop()
+
+    asyncio.run(scenario())
+    assert isinstance(watcher.error, WatcherStalled) and "stuck at 0" in str(watcher.error)
