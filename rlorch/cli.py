@@ -23,6 +23,7 @@ OVERRIDES_HELP = ("Hydra overrides, key=value (e.g. rollout.max_staleness=4 infe
 
 def _config_or_exit(overrides: list[str]):
     from rich.console import Console
+    from rich.markup import escape
 
     from rlorch.compose import compose
     from rlorch.config import ConfigError
@@ -30,8 +31,8 @@ def _config_or_exit(overrides: list[str]):
     try:
         return compose(overrides)
     except ConfigError as err:
-        Console(stderr=True).print(f"[bold red]invalid config[/] [bold]{err.key}[/]: "
-                                   f"{str(err).split(': ', 1)[-1]}", highlight=False)
+        Console(stderr=True).print(f"[bold red]invalid config[/] [bold]{escape(err.key)}[/]: "
+                                   f"{escape(str(err).split(': ', 1)[-1])}", highlight=False)
         raise typer.Exit(2)
 
 

@@ -126,6 +126,7 @@ class Orchestrator:
         self.started = time.monotonic()
         self.last_step_record: dict = {}
         self.checkpoint_step: Optional[int] = None
+        self.eval_tasks: set[asyncio.Task] = set()
         self._park_last = 0.0
 
     # wiring ----------------------------------------------------------------------------------
@@ -223,6 +224,8 @@ class Orchestrator:
         finally:
             alarm_task.cancel()
             health_task.cancel()
+            for task in self.eval_tasks:
+                task.cancel()
             await self.dispatcher.close()
             await self.watcher.stop()
             await self.metrics.stop()
@@ -363,7 +366,9 @@ class Orchestrator:
             self.last_step_record = record
             self.metrics.write(record)
             if self.config.eval.every and step % self.config.eval.every == 0:
-                asyncio.get_running_loop().create_task(self._evaluate(step))
+                task = asyncio.get_running_loop().create_task(self._evaluate(step))
+                self.eval_tasks.add(task)
+                task.add_done_callback(self.eval_tasks.discard)
         while self.shipped_batches and self.shipped_batches[0].step <= trained:
             batch = self.shipped_batches.popleft()
             self.totals["trained"] += len(batch.rollouts)
@@ -430,6 +435,7 @@ class Orchestrator:
         await self._wait_version(self.config.train.steps, alarm_task)
         await self.trainer.stop(self.config.run.shutdown_timeout)
         self._flush_step_records()
+        await asyncio.gather(*self.eval_tasks)
         self._final_checkpoint(abandoned=[])
 
     def _final_checkpoint(self, abandoned: list[Prompt]) -> None:

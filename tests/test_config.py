@@ -1,0 +1,157 @@
+"""Every shipped preset composes; every invalid setting fails naming its key; the CLI entry point works."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from rlorch.cli import app
+from rlorch.compose import compose, presets
+from rlorch.config import Config, ConfigError, Correction
+
+runner = CliRunner()
+
+
+def validate(*overrides):
+    result = runner.invoke(app, ["validate-config", *overrides], env={"COLUMNS": "200"})
+    return result.exit_code, " ".join(result.output.split())
+
+
+def test_presets_are_shipped():
+    assert {"config", "sim", "sync"} <= set(presets())
+
+
+@pytest.mark.parametrize("name", presets())
+def test_preset_composes(name):
+    config = compose([f"conf={name}"])
+    assert isinstance(config, Config)
+    assert config.rollout.batch_size % config.rollout.group_size == 0
+
+
+@pytest.mark.parametrize("name", presets())
+def test_preset_validates_on_the_cli(name):
+    code, output = validate(f"conf={name}")
+    assert code == 0, output
+    assert "pending limit" in output
+    assert "invalid config" not in output
+
+
+def test_sim_preset_is_the_simulator_baseline():
+    config = compose(["conf=sim"])
+    assert (config.rollout.batch_size, config.rollout.group_size) == (8, 1)
+    assert (config.sim.ticks, config.sim.latency) == (60, [3, 3])
+
+
+def test_overrides_reach_the_typed_config():
+    config = compose(["rollout.max_staleness=4", "rollout.max_concurrent=160", "inference=sim"])
+    assert config.rollout.max_staleness == 4
+    assert config.rollout.max_concurrent == 160
+    assert config.inference.backend.value == "sim"
+
+
+@pytest.mark.parametrize("override,key,fragment", [
+    ("rollout.max_staleness=-1", "rollout.max_staleness", ">= 0"),
+    ("rollout.batch_size=0", "rollout.batch_size", ">= 1"),
+    ("rollout.max_concurrent=0", "rollout.max_concurrent", ">= 1"),
+    ("rollout.queue_size=4", "rollout.queue_size", "rollout.batch_size"),
+    ("rollout.enforce=eager", "rollout.enforce", "[admission, ship, strict]"),
+    ("rollout.staleness=2", "rollout.staleness", ""),
+    ("rollout.batch_size=many", "rollout.batch_size", "many"),
+    ("trainer.correction=none", "trainer.correction", "trainer.allow_uncorrected=true"),
+])
+def test_invalid_setting_names_its_key(override, key, fragment):
+    code, output = validate(override)
+    assert code != 0
+    assert f"invalid config {key}:" in output
+    assert fragment in output
+
+
+@pytest.mark.parametrize("override,key", [
+    ("rollout.max_staleness=-1", "rollout.max_staleness"),
+    ("rollout.staleness=2", "rollout.staleness"),
+    ("rollout.enforce=eager", "rollout.enforce"),
+])
+def test_config_error_carries_the_key(override, key):
+    with pytest.raises(ConfigError) as raised:
+        compose([override])
+    assert raised.value.key == key
+
+
+def test_invalid_yaml_names_the_file(tmp_path):
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("rollout:\n  max_staleness: [1,\n  batch_size: 8\n")
+    code, output = validate(f"conf={bad}")
+    assert code != 0
+    assert "invalid config conf:" in output
+    assert "not valid YAML" in output
+
+
+def test_missing_yaml_names_the_file(tmp_path):
+    missing = tmp_path / "absent.yaml"
+    code, output = validate(f"conf={missing}")
+    assert code != 0
+    assert "invalid config conf:" in output
+    assert "file not found" in output
+
+
+def test_user_yaml_extends_the_default_preset(tmp_path):
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("rollout:\n  max_staleness: 5\n")
+    config = compose([f"conf={mine}"])
+    assert config.rollout.max_staleness == 5
+    assert config.rollout.batch_size == compose([]).rollout.batch_size
+
+
+def test_uncorrected_is_allowed_when_asked_or_synchronous():
+    code, output = validate("trainer.correction=none", "trainer.allow_uncorrected=true")
+    assert code == 0, output
+    code, output = validate("conf=sync")
+    assert code == 0, output
+    sync = compose(["conf=sync"])
+    assert (sync.rollout.max_staleness, sync.trainer.correction) == (0, Correction.none)
+
+
+def test_concurrency_below_batch_warns():
+    code, output = validate("rollout.max_concurrent=16")
+    assert code == 0, output
+    assert "warning rollout.max_concurrent (16) < rollout.batch_size (32)" in output
+
+
+def test_concurrency_above_pending_limit_warns():
+    code, output = validate("rollout.max_concurrent=200")
+    assert code == 0, output
+    assert "warning rollout.max_concurrent (200) > (S+1)*B = 96" in output
+    assert "104 slots can never be used" in output
+
+
+def test_default_config_has_no_warnings():
+    code, output = validate()
+    assert code == 0, output
+    assert "warning" not in output
+
+
+def test_help_lists_the_commands():
+    result = runner.invoke(app, ["--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for command in ("train", "resume", "simulate", "validate-config"):
+        assert command in result.output
+
+
+def _console_script(*args):
+    script = Path(sys.executable).with_name("rlorch")
+    command = [str(script)] if script.exists() else ["rlorch"]
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "COLUMNS": "200"})
+
+
+def test_console_script_entry_point():
+    done = _console_script("--help")
+    assert done.returncode == 0, done.stderr
+    for command in ("train", "resume", "simulate", "validate-config"):
+        assert command in done.stdout
+    done = _console_script("validate-config", "rollout.batch_size=0")
+    assert done.returncode == 2
+    assert "rollout.batch_size" in done.stderr
