@@ -6,12 +6,11 @@ function built here, so the dispatcher knows neither.
 
 from __future__ import annotations
 
-import asyncio
 import random
 from typing import Any, Callable, Iterator, Optional
 
 from rlorch.config import Config, InferenceBackend, SimReward
-from rlorch.types import Engine, Environment, Prompt, Rollout, SamplingParams
+from rlorch.types import Engine, Environment, Generation, Prompt, Rollout, SamplingParams
 
 EVAL_SEED_OFFSET = 1_000_003
 
@@ -76,9 +75,7 @@ def make_work(config: Config, *, engine: Engine, tokenizer: Any,
     decode: Optional[Callable[[list[int]], str]] = (
         (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None)
 
-    async def sample(prompt: Prompt, index: int, params: SamplingParams) -> Rollout:
-        rid = f"{'e' if prompt.is_eval else 'g'}{prompt.group_id}-{prompt.attempt}-{index}"
-        generation = await engine.generate(prompt.input_ids, params, rid)
+    def to_rollout(prompt: Prompt, rid: str, generation: Generation) -> Rollout:
         completion = decode(generation.output_ids) if decode else generation.text
         n_prompt, n_out = len(prompt.input_ids), len(generation.output_ids)
         return Rollout(group_id=prompt.group_id, episode_id=rid, env=prompt.env,
@@ -90,10 +87,9 @@ def make_work(config: Config, *, engine: Engine, tokenizer: Any,
                        prompt_len=n_prompt, completion=completion)
 
     async def work(prompt: Prompt) -> list[Rollout]:
-        if prompt.is_eval:
-            return [await sample(prompt, 0, eval_params)]
-        if group_size == 1:
-            return [await sample(prompt, 0, train_params)]
-        return list(await asyncio.gather(*(sample(prompt, i, train_params) for i in range(group_size))))
+        rid = f"{'e' if prompt.is_eval else 'g'}{prompt.group_id}-{prompt.attempt}"
+        n, params = (1, eval_params) if prompt.is_eval else (group_size, train_params)
+        generations = await engine.generate_group(prompt.input_ids, params, n, rid)
+        return [to_rollout(prompt, f"{rid}-{i}", g) for i, g in enumerate(generations)]
 
     return work

@@ -135,7 +135,7 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 def write_json_atomic(path: Path, value: Any) -> None:
-    write_atomic(path, json.dumps(value, indent=1).encode())
+    write_atomic(path, json.dumps(value, separators=(",", ":")).encode())
 
 
 def mark(path: Path, marker: str) -> None:

@@ -32,11 +32,11 @@ def run_sim(root: Path, name: str, *overrides: str) -> dict:
     return json.loads((root / name / "summary.json").read_text())
 
 
-def loop_throughput(root: Path, steps: int, batch: int) -> float:
-    summary = run_sim(root, "throughput", "inference.latency=[0,0]", "inference.tokens=4",
+def loop_throughput(root: Path, steps: int, batch: int, group: int) -> float:
+    summary = run_sim(root, f"throughput-{group}", "inference.latency=[0,0]", "inference.tokens=4",
                       "trainer.step_time=0", "watcher.poll_interval=0.0005", f"train.steps={steps}",
-                      f"rollout.batch_size={batch}", "rollout.group_size=1", "rollout.max_staleness=4",
-                      f"rollout.max_concurrent={5 * batch}", f"rollout.queue_size={5 * batch}",
+                      f"rollout.batch_size={batch}", f"rollout.group_size={group}", "rollout.max_staleness=4",
+                      f"rollout.max_concurrent={5 * batch}", f"rollout.queue_size={batch}",
                       f"rollout.max_buffered={5 * batch}", "metrics.interval=1000",
                       "trainer.checkpoint_every=1000000")
     return summary["trained"] / summary["wall_s"]
@@ -82,9 +82,10 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        rate = loop_throughput(root, args.steps, args.batch)
-        print(f"whole loop, instant engine: {rate:,.0f} rollouts/s "
-              f"({args.steps} steps x {args.batch} rollouts)")
+        for group in (8, 1):
+            rate = loop_throughput(root, args.steps, args.batch, group)
+            print(f"whole loop, instant engine, group size {group}: {rate:,.0f} rollouts/s "
+                  f"({args.steps} steps x {args.batch} rollouts)")
         small, large = asyncio.run(admission_cost(1_000)), asyncio.run(admission_cost(100_000))
         print(f"admission cost: {small * 1e6:.2f} us with 1,000 in flight, "
               f"{large * 1e6:.2f} us with 100,000 in flight (ratio {large / small:.2f})")

@@ -38,6 +38,19 @@ class SimEngine:
         return Generation(output_ids=ids, logprobs=[-1.0] * count,
                           versions=VersionStamps([[version, count]]), finish_reason="length")
 
+    async def generate_group(self, input_ids: list[int], params: SamplingParams, n: int,
+                             rid: str) -> list[Generation]:
+        """One latency draw for the whole group: its samples run side by side."""
+        version = self.loaded_version
+        self.requests += n
+        delay = self.lo if self.hi <= self.lo else self.rng.uniform(self.lo, self.hi)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        count = min(self.tokens, params.max_new_tokens)
+        return [Generation(output_ids=self._pattern[:count], logprobs=[-1.0] * count,
+                           versions=VersionStamps([[version, count]]), finish_reason="length")
+                for _ in range(n)]
+
     async def pause(self) -> None:
         pass
 

@@ -3,7 +3,8 @@
 It keeps the real trainer's contract with the run directory: it trains batch N only after the
 orchestrator shipped it, publishes weights/step_N with a PUBLISHED marker, appends a line to
 trainer/metrics.jsonl, and writes full checkpoints (trainer/COMPLETE) every checkpoint_every
-steps, at the last step and when asked to stop.
+steps, at the last step and when asked to stop. Its markers are plain files (no fsync): there
+are no weights to lose, and the loop benchmark measures the orchestrator, not the disk.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from typing import Optional
 
 from rlorch.config import Config
-from rlorch.rundir import COMPLETE, PUBLISHED, RunDir, mark, step_name, write_json_atomic
+from rlorch.rundir import COMPLETE, PUBLISHED, RunDir, step_name
 from rlorch.types import Batch
 
 
@@ -76,7 +77,7 @@ class SimTrainer:
         (staging / "sim_weights.json").write_text(json.dumps({"version": step}))
         target = self.run_dir.weights_for(step)
         staging.rename(target)
-        mark(target, PUBLISHED)
+        (target / PUBLISHED).touch()
         published = [path for _, path in self.run_dir.published_weights()]
         for old in published[:-self.config.trainer.keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -84,8 +85,8 @@ class SimTrainer:
     def _checkpoint(self, step: int) -> None:
         trainer_dir = self.run_dir.checkpoint(step) / "trainer"
         trainer_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(trainer_dir / "trainer_state.json", {"step": step, "backend": "sim"})
-        mark(trainer_dir, COMPLETE)
+        (trainer_dir / "trainer_state.json").write_text(json.dumps({"step": step, "backend": "sim"}))
+        (trainer_dir / COMPLETE).touch()
         self.checkpointed = step
 
     async def stop(self, timeout: float) -> None:
