@@ -1,0 +1,238 @@
+"""``SGLangEngine``: the Engine Protocol over one server's SGLang native HTTP API.
+
+The same client drives SGLang, a sglang-router and ``rlorch serve``.
+
+Interruptible generation: a weight update pauses the server, which answers in-flight requests
+with their partial output and finish type ``abort``. :meth:`SGLangEngine.generate` resubmits to
+the same server with the generated tokens appended to ``input_ids`` and ``max_new_tokens``
+reduced, and stamps each segment's tokens with the ``weight_version`` of the response that
+carried them, so one trajectory may span several policy versions and
+``Generation.versions`` shows exactly which.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Optional
+
+import aiohttp
+
+from rlorch.types import Generation, SamplingParams, VersionStamps
+
+MAX_SEGMENTS = 1000
+"""Resubmissions of one request before the client gives up (a guard against abort loops)."""
+
+
+class EngineError(RuntimeError):
+    """The server refused a request (HTTP 4xx/5xx with a message); retrying elsewhere won't help."""
+
+
+class EngineUnavailable(EngineError):
+    """The server did not answer (connection refused or reset, timeout).
+
+    ``partial`` holds what the request had generated before the failure, so it can continue on
+    another server instead of starting over.
+    """
+
+    def __init__(self, message: str, partial: Optional[Generation] = None):
+        super().__init__(message)
+        self.partial = partial
+
+
+def parse_weight_version(value: Any) -> int:
+    """SGLang reports ``weight_version`` as a string; its start-up default ``"default"`` means the
+    initial weights (version 0). Anything else must be an integer."""
+    if value is None or value == "default":
+        return 0
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise EngineError(f"weight_version {value!r} is not an integer policy version") from None
+
+
+def normalize_address(address: str) -> str:
+    return address.rstrip("/") if "://" in address else f"http://{address.rstrip('/')}"
+
+
+class SGLangEngine:
+    """One SGLang-compatible server. Keeps one keep-alive ``aiohttp.ClientSession``."""
+
+    def __init__(self, address: str, *, request_timeout: float = 300.0, control_timeout: float = 600.0,
+                 extra_params: Optional[dict] = None, name: Optional[str] = None):
+        """``request_timeout`` bounds each /generate call; ``control_timeout`` bounds pause, continue
+        and weight updates. ``extra_params`` are added to every request's sampling_params
+        (e.g. ``{"ignore_eos": True}``)."""
+        self.url = normalize_address(address)
+        self.name = name or self.url.split("://", 1)[1]
+        self.request_timeout = request_timeout
+        self.control_timeout = control_timeout
+        self.extra_params = dict(extra_params or {})
+        self._session: Optional[aiohttp.ClientSession] = None
+        self._cancelled: set[str] = set()
+        self.requests = 0
+        self.resubmits = 0
+        self.server_seconds = 0.0
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+            self._session = aiohttp.ClientSession(connector=connector)
+        return self._session
+
+    async def _request(self, method: str, path: str, *, timeout: float, payload: Any = None,
+                       partial: Optional[Generation] = None) -> tuple[int, Any]:
+        """One HTTP call; returns (status, parsed JSON or text). Transport failures raise
+        :class:`EngineUnavailable`."""
+        try:
+            async with self._client().request(method, self.url + path, json=payload,
+                                              timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+                body = await response.read()
+                status = response.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
+            reason = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+            raise EngineUnavailable(f"{self.name} {method} {path} failed: {reason}", partial) from err
+        if not body:
+            return status, None
+        try:
+            return status, json.loads(body)
+        except ValueError:
+            return status, body.decode(errors="replace")
+
+    @staticmethod
+    def _message(body: Any) -> str:
+        if isinstance(body, dict):
+            error = body.get("error")
+            if isinstance(error, dict) and "message" in error:
+                return str(error["message"])
+            if "message" in body:
+                return str(body["message"])
+            if "detail" in body:
+                return str(body["detail"])
+        return str(body)
+
+    # ---- generation -----------------------------------------------------------------------
+
+    async def generate(self, input_ids: list[int], params: SamplingParams, rid: str, *,
+                       prefix: Optional[Generation] = None) -> Generation:
+        """Generate until stop or length, resubmitting after pause-aborts (see the module doc).
+
+        ``prefix`` continues a generation started elsewhere (its tokens are already part of the
+        trajectory and count against ``max_new_tokens``).
+        """
+        done = copy_generation(prefix) if prefix is not None else Generation([], [], VersionStamps(), "abort")
+        self.requests += 1
+        for _ in range(MAX_SEGMENTS):
+            remaining = params.max_new_tokens - len(done.output_ids)
+            if remaining <= 0:
+                done.finish_reason = "length"
+                return done
+            answer = await self._generate_once(input_ids + done.output_ids, params, remaining, rid, done)
+            meta = answer["meta_info"]
+            self.server_seconds += float(meta.get("e2e_latency") or 0.0)
+            ids, logprobs = _segment(answer)
+            done.output_ids += ids
+            done.logprobs += logprobs
+            done.versions.extend(parse_weight_version(meta.get("weight_version")), len(ids))
+            done.text += answer.get("text") or ""
+            reason = meta.get("finish_reason") or {}
+            done.finish_reason = reason.get("type", "stop") if isinstance(reason, dict) else str(reason)
+            if done.finish_reason != "abort":
+                return done
+            if rid in self._cancelled:
+                self._cancelled.discard(rid)
+                return done
+            self.resubmits += 1
+        raise EngineError(f"{self.name}: request {rid} aborted {MAX_SEGMENTS} times in a row")
+
+    async def generate_group(self, input_ids: list[int], params: SamplingParams, n: int,
+                             rid: str) -> list[Generation]:
+        """``n`` independent samples (request ids ``f"{rid}-{i}"``), sent together so the server
+        batches them; each one is interruptible on its own."""
+        return list(await asyncio.gather(*(self.generate(input_ids, params, f"{rid}-{i}") for i in range(n))))
+
+    async def _generate_once(self, input_ids: list[int], params: SamplingParams, remaining: int,
+                             rid: str, partial: Generation) -> dict:
+        sampling = {**params.to_json(), **self.extra_params, "max_new_tokens": remaining}
+        payload = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True, "rid": rid}
+        status, body = await self._request("POST", "/generate", timeout=self.request_timeout,
+                                           payload=payload, partial=partial)
+        if status >= 500 and status != 501:
+            raise EngineUnavailable(f"{self.name} /generate answered {status}: {self._message(body)}", partial)
+        if status != 200 or not isinstance(body, dict):
+            raise EngineError(f"{self.name} /generate answered {status}: {self._message(body)}")
+        return body
+
+    async def abort(self, rid: str) -> None:
+        """Abort a request; its ``generate`` returns what it has with finish_reason ``abort``."""
+        self._cancelled.add(rid)
+        await self._control("POST", "/abort_request", {"rid": rid, "abort_all": False}, expect_json=False)
+
+    # ---- control --------------------------------------------------------------------------
+
+    async def _control(self, method: str, path: str, payload: Any = None, *, expect_json: bool = True) -> Any:
+        status, body = await self._request(method, path, timeout=self.control_timeout, payload=payload)
+        if status != 200:
+            raise EngineError(f"{self.name} {path} answered {status}: {self._message(body)}")
+        if expect_json and not isinstance(body, dict):
+            raise EngineError(f"{self.name} {path} answered {body!r}, expected a JSON object")
+        return body
+
+    async def pause(self) -> None:
+        """Pause generation: in-flight requests come back as aborts and are resubmitted by their
+        ``generate`` calls, which the server holds until :meth:`resume`."""
+        await self._control("POST", "/pause_generation", {})
+
+    async def resume(self) -> None:
+        await self._control("POST", "/continue_generation", {})
+
+    async def reload(self, path: str, version: int) -> None:
+        """Load the HF checkpoint at ``path`` as policy ``version``; raise with the server's message."""
+        payload = {"model_path": str(path), "load_format": None, "abort_all_requests": False,
+                   "weight_version": str(version)}
+        status, body = await self._request("POST", "/update_weights_from_disk", timeout=self.control_timeout,
+                                           payload=payload)
+        if status != 200 or not isinstance(body, dict) or not body.get("success", False):
+            raise EngineError(f"{self.name} could not load {path}: {self._message(body)}")
+
+    async def healthy(self) -> bool:
+        try:
+            status, _ = await self._request("GET", "/health_generate", timeout=min(30.0, self.control_timeout))
+        except EngineUnavailable:
+            return False
+        return status == 200
+
+    async def model_info(self) -> dict:
+        return await self._control("GET", "/get_model_info")
+
+    async def server_info(self) -> dict:
+        return await self._control("GET", "/get_server_info")
+
+    async def weight_version(self) -> int:
+        body = await self._control("GET", "/get_weight_version")
+        return parse_weight_version(body.get("weight_version"))
+
+    def gauges(self) -> dict:
+        """Requests started, resubmissions after pause-aborts, and the server-side seconds
+        (sum of ``e2e_latency``) they took."""
+        return {"requests": self.requests, "resubmits": self.resubmits, "server_seconds": self.server_seconds}
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+
+def copy_generation(generation: Generation) -> Generation:
+    return Generation(list(generation.output_ids), list(generation.logprobs),
+                      VersionStamps([list(run) for run in generation.versions.runs]),
+                      generation.finish_reason, generation.text)
+
+
+def _segment(answer: dict) -> tuple[list[int], list[float]]:
+    """Token ids and behaviour logprobs of one response (``output_token_logprobs`` entries are
+    ``[logprob, token_id, text]``)."""
+    entries = answer["meta_info"].get("output_token_logprobs")
+    if entries is None:
+        raise EngineError("response has no meta_info.output_token_logprobs (return_logprob ignored?)")
+    return [int(e[1]) for e in entries], [float(e[0]) for e in entries]

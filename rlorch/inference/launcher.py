@@ -1,0 +1,168 @@
+"""Start (or reach) the inference servers of a run and hand them over as one :class:`EnginePool`.
+
+- ``cpu``: ``inference.num_servers`` ``rlorch serve`` subprocesses on free local ports.
+- ``sglang``: ``python -m sglang.launch_server`` subprocesses.
+- With ``inference.addresses`` (either backend): the servers (or a sglang-router) already running
+  there; nothing is launched or stopped.
+
+Each launched server logs to ``log_dir/server-<i>.log``. The pool is returned only once every
+server answers ``/health_generate``; a server that exits or misses ``inference.ready_timeout``
+fails the start with the tail of its log. Every server's ``/get_server_info`` version is
+recorded in ``servers.json`` beside ``log_dir`` (and must equal ``inference.expect_version`` when
+set: engine and trainer are one unit). ``await pool.close()`` stops launched processes: SIGTERM,
+then SIGKILL after ``inference.shutdown_timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from rlorch.inference.client import SGLangEngine
+from rlorch.inference.pool import EnginePool
+
+LOG_TAIL_LINES = 40
+
+
+class LaunchError(RuntimeError):
+    """A server did not become ready (the message carries the tail of its log)."""
+
+
+@dataclass
+class ServerProcess:
+    index: int
+    address: str
+    process: Optional[subprocess.Popen]
+    log: Optional[Path]
+
+    def tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        if self.log is None or not self.log.exists():
+            return "(no log)"
+        text = self.log.read_text(errors="replace").splitlines()[-lines:]
+        return "\n".join(text) or "(empty log)"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def server_command(config, *, model_path: Path, port: int, host: str = "127.0.0.1") -> list[str]:
+    """The command line of one launched server."""
+    inference = config.inference
+    backend = getattr(inference.backend, "value", inference.backend)
+    if backend == "cpu":
+        return [sys.executable, "-m", "rlorch.cli", "serve", "--host", host, "--port", str(port),
+                f"model.path={model_path}", f"model.dtype={config.model.dtype}",
+                f"inference.threads={inference.threads}", f"inference.max_batch={inference.max_batch}",
+                f"run.seed={config.run.seed}", *inference.launch_args]
+    if backend == "sglang":
+        return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
+                "--host", host, "--port", str(port), "--weight-version", "0", *inference.launch_args]
+    raise ValueError(f"inference.backend={backend!r} is not launched by rlorch.inference.launcher")
+
+
+async def start_engines(config, *, log_dir: Path, model_path: Path) -> EnginePool:
+    """Launch or connect to the configured servers; return a ready pool (see the module doc)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    inference = config.inference
+    backend = getattr(inference.backend, "value", inference.backend)
+    if backend not in ("cpu", "sglang"):
+        raise ValueError(f"inference.backend={backend!r} is not launched by rlorch.inference.launcher")
+    if inference.addresses:
+        servers = [ServerProcess(i, a, None, None) for i, a in enumerate(inference.addresses)]
+    else:
+        servers = [_spawn(config, i, log_dir=log_dir, model_path=model_path)
+                   for i in range(inference.num_servers)]
+    engines = [SGLangEngine(s.address, request_timeout=config.rollout.request_timeout) for s in servers]
+
+    async def shutdown() -> None:
+        await stop_servers(servers, timeout=inference.shutdown_timeout)
+
+    try:
+        await asyncio.gather(*(_wait_ready(s, e, inference.ready_timeout) for s, e in zip(servers, engines)))
+        await record_versions(servers, engines, log_dir.parent / "servers.json", inference.expect_version)
+    except BaseException:
+        await asyncio.gather(*(e.close() for e in engines), return_exceptions=True)
+        await shutdown()
+        raise
+    return EnginePool(engines, request_timeout=config.rollout.request_timeout,
+                      max_retries=config.rollout.max_retries, name=f"{backend}-pool", on_close=shutdown)
+
+
+def _spawn(config, index: int, *, log_dir: Path, model_path: Path) -> ServerProcess:
+    port = free_port()
+    log = log_dir / f"server-{index}.log"
+    command = server_command(config, model_path=model_path, port=port)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log, "ab") as handle:
+        handle.write(f"$ {' '.join(command)}\n".encode())
+        handle.flush()
+        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env=env, start_new_session=True)
+    return ServerProcess(index, f"127.0.0.1:{port}", process, log)
+
+
+async def _wait_ready(server: ServerProcess, engine: SGLangEngine, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.process is not None and server.process.poll() is not None:
+            raise LaunchError(f"server {server.index} ({server.address}) exited with status "
+                              f"{server.process.returncode} before it was ready; log {server.log} ends:\n"
+                              f"{server.tail()}")
+        if await engine.healthy():
+            return
+        await asyncio.sleep(0.2)
+    raise LaunchError(f"server {server.index} ({server.address}) not ready after {timeout:.0f}s; "
+                      f"log {server.log} ends:\n{server.tail()}")
+
+
+async def record_versions(servers: list[ServerProcess], engines: list[SGLangEngine], path: Path,
+                           expect: Optional[str]) -> None:
+    infos = await asyncio.gather(*(e.server_info() for e in engines))
+    record = [{"index": s.index, "address": s.address, "version": info.get("version"),
+               "pid": s.process.pid if s.process is not None else None,
+               "log": str(s.log) if s.log is not None else None,
+               "model_path": info.get("model_path"), "weight_version": info.get("weight_version")}
+              for s, info in zip(servers, infos)]
+    path.write_text(json.dumps(record, indent=1))
+    if expect is not None:
+        wrong = [r for r in record if str(r["version"]) != str(expect)]
+        if wrong:
+            raise LaunchError("inference.expect_version is " + repr(expect) + " but " + ", ".join(
+                f"{r['address']} runs {r['version']!r}" for r in wrong))
+
+
+async def stop_servers(servers: list[ServerProcess], *, timeout: float) -> None:
+    """SIGTERM every launched server, SIGKILL those still running after ``timeout`` seconds."""
+    running = [s.process for s in servers if s.process is not None and s.process.poll() is None]
+    for process in running:
+        _signal(process, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in running) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    for process in running:
+        if process.poll() is None:
+            _signal(process, signal.SIGKILL)
+            process.wait()
+
+
+def _signal(process: subprocess.Popen, sig: int) -> None:
+    """Signal the server's whole process group (SGLang runs scheduler subprocesses)."""
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            process.send_signal(sig)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,214 @@
+"""``EnginePool``: the Engine Protocol over several servers.
+
+Invariants:
+- Every request handed to :meth:`EnginePool.generate` completes or raises; none is dropped. A
+  server that stops answering (connection error, timeout) is marked down and the request
+  continues on another live server from its partial progress, up to ``max_retries`` attempts.
+- A request resubmitted after a pause-abort stays on the server that started it (the client's
+  interruptible generation loop never leaves its server).
+- :meth:`EnginePool.reload` returns only once every live server runs the new version; a server
+  that was down during a reload is brought to the current checkpoint before it rejoins. Every
+  response is stamped with the version of the weights that produced it, whatever happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable, Optional
+
+from rlorch.inference.client import EngineError, EngineUnavailable, SGLangEngine
+from rlorch.types import Generation, SamplingParams
+
+log = logging.getLogger("rlorch.pool")
+
+
+class EnginePool:
+    def __init__(self, engines: list[SGLangEngine], *, request_timeout: float = 300.0, max_retries: int = 3,
+                 probe_interval: float = 1.0, name: str = "pool",
+                 on_close: Optional[Callable[[], Awaitable[None]]] = None):
+        """``on_close`` runs last in :meth:`close` (the launcher stops its processes there)."""
+        if not engines:
+            raise ValueError("an EnginePool needs at least one engine")
+        self.name = name
+        self.engines = list(engines)
+        self.request_timeout = request_timeout
+        self.max_retries = max_retries
+        self.probe_interval = probe_interval
+        self._on_close = on_close
+        self._up = {e.name: True for e in self.engines}
+        self._in_flight = {e.name: 0 for e in self.engines}
+        self._changed = asyncio.Event()
+        self._reload_lock = asyncio.Lock()
+        self._checkpoint: Optional[tuple[str, int]] = None
+        self._probe: Optional[asyncio.Task] = None
+        self._turn = 0
+        self.failovers = 0
+        self.completed = 0
+
+    # ---- routing --------------------------------------------------------------------------
+
+    def _live(self) -> list[SGLangEngine]:
+        return [e for e in self.engines if self._up[e.name]]
+
+    def _mark_down(self, engine: SGLangEngine, reason: str) -> None:
+        if self._up[engine.name]:
+            log.warning("%s: server %s marked down: %s", self.name, engine.name, reason)
+        self._up[engine.name] = False
+        self._changed.set()
+        self._ensure_probe()
+
+    async def _pick(self) -> SGLangEngine:
+        """The live server with the fewest requests in flight (ties rotate); waits for one to
+        come back when none is up, at most ``request_timeout``."""
+        deadline = time.monotonic() + self.request_timeout
+        while True:
+            live = self._live()
+            if live:
+                self._turn += 1
+                order = live[self._turn % len(live):] + live[:self._turn % len(live)]
+                return min(order, key=lambda e: self._in_flight[e.name])
+            self._changed.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EngineUnavailable(f"{self.name}: no live server for {self.request_timeout:.0f}s")
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=left)
+            except asyncio.TimeoutError:
+                pass
+
+    async def generate(self, input_ids: list[int], params: SamplingParams, rid: str) -> Generation:
+        return await self._generate(input_ids, params, rid)
+
+    async def generate_group(self, input_ids: list[int], params: SamplingParams, n: int,
+                             rid: str) -> list[Generation]:
+        """``n`` samples (request ids ``f"{rid}-{i}"``), started together on one server so it
+        batches them (and shares their prompt's cache); a sample whose server fails continues
+        elsewhere like any request."""
+        self._ensure_probe()
+        server = await self._pick()
+        return list(await asyncio.gather(*(self._generate(input_ids, params, f"{rid}-{i}", prefer=server)
+                                           for i in range(n))))
+
+    async def _generate(self, input_ids: list[int], params: SamplingParams, rid: str, *,
+                        prefer: Optional[SGLangEngine] = None) -> Generation:
+        self._ensure_probe()
+        partial: Optional[Generation] = None
+        for attempt in range(1, self.max_retries + 1):
+            use_preferred = attempt == 1 and prefer is not None and self._up[prefer.name]
+            engine = prefer if use_preferred else await self._pick()
+            self._in_flight[engine.name] += 1
+            try:
+                result = await engine.generate(input_ids, params, rid, prefix=partial)
+            except EngineUnavailable as err:
+                partial = err.partial if err.partial is not None else partial
+                self._mark_down(engine, str(err))
+                if attempt == self.max_retries:
+                    raise EngineUnavailable(f"{self.name}: request {rid} failed {attempt} times; last: {err}",
+                                            partial) from err
+                self.failovers += 1
+                continue
+            finally:
+                self._in_flight[engine.name] -= 1
+            self.completed += 1
+            return result
+        raise AssertionError("unreachable")
+
+    # ---- control --------------------------------------------------------------------------
+
+    async def _each(self, engines: list[SGLangEngine], call: Callable[[SGLangEngine], Awaitable]) -> list:
+        """Run ``call`` on every engine in parallel; mark unreachable ones down; return the
+        (engine, EngineError) pairs of servers that answered with a failure."""
+        results = await asyncio.gather(*(call(e) for e in engines), return_exceptions=True)
+        failed = []
+        for engine, result in zip(engines, results):
+            if isinstance(result, EngineUnavailable):
+                self._mark_down(engine, str(result))
+            elif isinstance(result, BaseException):
+                failed.append((engine, result))
+        return failed
+
+    async def pause(self) -> None:
+        failed = await self._each(self._live(), lambda e: e.pause())
+        if failed:
+            raise EngineError("; ".join(str(err) for _, err in failed))
+
+    async def resume(self) -> None:
+        failed = await self._each(self._live(), lambda e: e.resume())
+        if failed:
+            raise EngineError("; ".join(str(err) for _, err in failed))
+
+    async def reload(self, path: str, version: int) -> None:
+        """Pause every live server, load ``path`` as ``version`` on all of them in parallel,
+        continue; return once every live server has it, else raise with the servers' messages.
+
+        A server that refuses the checkpoint keeps its previous weights and says so in its
+        ``weight_version`` (loading is all-or-nothing), so it stays in rotation; one that stops
+        answering is marked down and loads the current checkpoint before it rejoins.
+        """
+        async with self._reload_lock:
+            live = self._live()
+            if not live:
+                raise EngineUnavailable(f"{self.name}: no live server to load version {version}")
+            failed = await self._each(live, lambda e: e.pause())
+            try:
+                refused = {e.name for e, _ in failed}
+                paused = [e for e in self._live() if e.name not in refused]
+                failed += await self._each(paused, lambda e: e.reload(path, version))
+            finally:
+                failed += await self._each(self._live(), lambda e: e.resume())
+            if failed:
+                raise EngineError(f"{self.name}: version {version} not loaded everywhere: "
+                                  + "; ".join(str(err) for _, err in failed))
+            if not self._live():
+                raise EngineUnavailable(f"{self.name}: every server went down while loading version {version}")
+            self._checkpoint = (str(path), version)
+
+    async def healthy(self) -> bool:
+        live = self._live()
+        if not live:
+            return False
+        return any(await asyncio.gather(*(e.healthy() for e in live)))
+
+    def gauges(self) -> dict:
+        return {"servers_up": len(self._live()), "servers": len(self.engines),
+                "in_flight": dict(self._in_flight), "in_flight_total": sum(self._in_flight.values()),
+                "failovers": self.failovers, "completed": self.completed,
+                "version": self._checkpoint[1] if self._checkpoint else None}
+
+    # ---- health probe ---------------------------------------------------------------------
+
+    def _ensure_probe(self) -> None:
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.get_running_loop().create_task(self._probe_loop(), name=f"{self.name}-probe")
+
+    async def _probe_loop(self) -> None:
+        """Bring down servers back once ``/health_generate`` answers and they hold the current
+        checkpoint; exits when every server is up."""
+        while not all(self._up.values()):
+            await asyncio.sleep(self.probe_interval)
+            for engine in [e for e in self.engines if not self._up[e.name]]:
+                if await engine.healthy():
+                    await self._rejoin(engine)
+
+    async def _rejoin(self, engine: SGLangEngine) -> None:
+        async with self._reload_lock:
+            try:
+                if self._checkpoint is not None and await engine.weight_version() != self._checkpoint[1]:
+                    await engine.reload(*self._checkpoint)
+                await engine.resume()
+            except EngineError as err:
+                log.warning("%s: server %s answers but cannot rejoin: %s", self.name, engine.name, err)
+                return
+            self._up[engine.name] = True
+            self._changed.set()
+            log.info("%s: server %s is back", self.name, engine.name)
+
+    async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            await asyncio.gather(self._probe, return_exceptions=True)
+        await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)
+        if self._on_close is not None:
+            await self._on_close()

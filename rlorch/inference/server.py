@@ -1,0 +1,443 @@
+"""``rlorch serve``: the CPU inference engine, a real HTTP server speaking SGLang's native API.
+
+Request and response shapes follow SGLang 0.5.x (see the reference notes on its HTTP API), so
+the same client drives this engine and SGLang. Generation is batched by
+:class:`~rlorch.inference.batcher.Batcher`; behaviour logprobs are defined in
+:mod:`rlorch.inference.sampling`.
+
+Errors answer HTTP 400 with ``{"error": {"message": ...}}`` (weight updates: ``{"success":
+false, "message": ...}``) and never stop the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+from aiohttp import web
+
+from rlorch.inference.batcher import Batcher, LoadError, Sequence
+from rlorch.inference.sampling import RequestError, RequestParams, is_int
+
+log = logging.getLogger("rlorch.serve")
+
+_DTYPES = ("float32", "bfloat16", "float16")
+_LOAD_FORMATS = (None, "auto", "safetensors")
+_PAUSE_MODES = ("abort", "in_place", "retract")
+
+
+def rlorch_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rlorch")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+async def _json_body(request: web.Request, *, empty_ok: bool = False) -> dict:
+    raw = await request.read()
+    if not raw.strip() and empty_ok:
+        return {}
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RequestError(f"invalid JSON body: {err}") from err
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+class CpuServer:
+    """A causal LM behind SGLang's native HTTP API; one instance serves one model."""
+
+    def __init__(self, model_path: Path, *, dtype: str = "float32", max_batch: int = 64, seed: int = 0,
+                 weight_version: str = "0", min_step_time: float = 0.0, threads: Optional[int] = None):
+        """``threads`` sets torch's (process-wide) intra-op threads; ``min_step_time`` throttles
+        each decode step (seconds) to emulate a slower engine."""
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+        if threads is not None:
+            torch.set_num_threads(threads)
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        self.model_path = str(model_path)
+        self.dtype = getattr(torch, dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).eval()
+        config = self.model.config
+        self.vocab_size = config.vocab_size
+        self.context_len = int(getattr(config, "max_position_embeddings", 4096))
+        self.max_batch = max_batch
+        self.seed = seed
+        self.min_step_time = min_step_time
+        self.initial_version = weight_version
+        self.address = ""
+        self.batcher: Optional[Batcher] = None
+        self._scheduler: Optional[asyncio.Task] = None
+        self._runner: Optional[web.AppRunner] = None
+
+    def _eos_ids(self) -> list[int]:
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = self.model.config.eos_token_id
+        if eos is None:
+            return []
+        return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        routes = [
+            web.post("/generate", self.generate),
+            web.post("/update_weights_from_disk", self.update_weights_from_disk),
+            web.post("/pause_generation", self.pause_generation),
+            web.post("/continue_generation", self.continue_generation),
+            web.post("/abort_request", self.abort_request),
+            web.get("/health", self.health),
+            web.get("/health_generate", self.health_generate),
+            web.get("/get_model_info", self.get_model_info),
+            web.get("/get_server_info", self.get_server_info),
+            web.get("/get_weight_version", self.get_weight_version),
+            web.post("/update_weight_version", self.update_weight_version),
+            web.get("/v1/models", self.models),
+            web.get("/flush_cache", self.flush_cache),
+            web.post("/flush_cache", self.flush_cache),
+        ]
+        app.add_routes(routes)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, app: web.Application) -> None:
+        pad = self.tokenizer.pad_token_id
+        self.batcher = Batcher(self.model, eos_ids=self._eos_ids(), pad_id=0 if pad is None else pad,
+                               max_batch=self.max_batch, context_len=self.context_len, seed=self.seed,
+                               weight_version=self.initial_version, min_step_time=self.min_step_time,
+                               decode=self._decode)
+        self._scheduler = asyncio.create_task(self.batcher.run(), name="rlorch-batcher")
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        if self._scheduler is not None:
+            self._scheduler.cancel()
+            await asyncio.gather(self._scheduler, return_exceptions=True)
+        if self.batcher is not None:
+            self.batcher.close()
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Bind and serve in the running loop; return ``host:port`` (the real port when 0)."""
+        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False,
+                                     handler_cancellation=True, shutdown_timeout=5.0)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port).start()
+        self.address = f"{host}:{self._runner.addresses[0][1]}"
+        return self.address
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # ---- /generate ------------------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.Response:
+        try:
+            body = await _json_body(request)
+            prompts, params, rids, batched = self._parse_generate(body)
+        except RequestError as err:
+            return _error(str(err))
+        loop = asyncio.get_running_loop()
+        seqs = []
+        for prompt, param, rid in zip(prompts, params, rids):
+            for sample in range(param.n):
+                name = rid if param.n == 1 else f"{rid}_{sample}"
+                seqs.append(Sequence(rid=name, prompt=prompt, params=param, done=loop.create_future()))
+        try:
+            await self.batcher.submit(seqs)
+            await asyncio.gather(*(seq.done for seq in seqs))
+        except asyncio.CancelledError:
+            self.batcher.abort_sequences(seqs, "Abort: client disconnected.")
+            raise
+        logprobs = body.get("return_logprob", False)
+        answers = [self._answer(seq, bool(logprobs)) for seq in seqs]
+        return web.json_response(answers if batched or len(seqs) > 1 else answers[0])
+
+    def _parse_generate(self, body: dict) -> tuple[list[list[int]], list[RequestParams], list[str], bool]:
+        text, input_ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (input_ids is None):
+            raise RequestError("exactly one of 'text' and 'input_ids' must be given")
+        if body.get("stream"):
+            raise RequestError("stream=true is not supported by rlorch serve")
+        if not isinstance(body.get("return_logprob", False), bool):
+            raise RequestError("return_logprob must be a boolean")
+        if body.get("top_logprobs_num", 0) not in (0, None):
+            raise RequestError("top_logprobs_num > 0 is not supported by rlorch serve")
+        if text is not None:
+            prompts, batched = self._parse_text(text)
+        else:
+            prompts, batched = self._parse_ids(input_ids)
+        params = self._parse_params(body.get("sampling_params"), len(prompts), batched)
+        rids = self._parse_rids(body.get("rid"), len(prompts), batched)
+        return prompts, params, rids, batched
+
+    def _parse_text(self, text: Any) -> tuple[list[list[int]], bool]:
+        batched = isinstance(text, list)
+        texts = text if batched else [text]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise RequestError("text must be a string or a non-empty list of strings")
+        prompts = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        return self._check_prompts(prompts, "text"), batched
+
+    def _parse_ids(self, input_ids: Any) -> tuple[list[list[int]], bool]:
+        if not isinstance(input_ids, list) or not input_ids:
+            raise RequestError("input_ids must be a non-empty list of token ids (or a list of such lists)")
+        batched = isinstance(input_ids[0], list)
+        prompts = input_ids if batched else [input_ids]
+        for prompt in prompts:
+            if not isinstance(prompt, list) or not all(is_int(t) for t in prompt):
+                raise RequestError("input_ids must be a list of integers or a list of lists of integers")
+        return self._check_prompts(prompts, "input_ids"), batched
+
+    def _check_prompts(self, prompts: list[list[int]], field: str) -> list[list[int]]:
+        for prompt in prompts:
+            if not prompt:
+                raise RequestError(f"{field} must not be empty")
+            if any(not 0 <= t < self.vocab_size for t in prompt):
+                raise RequestError(f"token ids must lie in [0, {self.vocab_size})")
+            if len(prompt) >= self.context_len:
+                raise RequestError(f"the input ({len(prompt)} tokens) is longer than the model's "
+                                   f"context length ({self.context_len} tokens)")
+        return prompts
+
+    def _parse_params(self, raw: Any, count: int, batched: bool) -> list[RequestParams]:
+        if isinstance(raw, list):
+            if not batched or len(raw) != count:
+                raise RequestError(f"a list of sampling_params needs a batch of the same length ({count})")
+            return [RequestParams.parse(item, self.vocab_size) for item in raw]
+        params = RequestParams.parse(raw, self.vocab_size)
+        return [params] * count
+
+    def _parse_rids(self, rid: Any, count: int, batched: bool) -> list[str]:
+        if rid is None:
+            rid = uuid.uuid4().hex
+        if isinstance(rid, list):
+            if not batched or len(rid) != count or not all(isinstance(r, str) for r in rid):
+                raise RequestError(f"a list rid needs a batch of the same length ({count}) of strings")
+            return rid
+        if not isinstance(rid, str):
+            raise RequestError("rid must be a string or a list of strings")
+        return [f"{rid}_{i}" for i in range(count)] if batched else [rid]
+
+    def _answer(self, seq: Sequence, logprobs: bool) -> dict:
+        text = seq.text if seq.text is not None else self._decode(
+            seq.output_ids, seq.params.skip_special_tokens)
+        meta = {"id": seq.rid, "finish_reason": seq.finish, "prompt_tokens": len(seq.prompt),
+                "completion_tokens": len(seq.output_ids), "cached_tokens": 0,
+                "weight_version": seq.weight_version, "total_retractions": 0,
+                "e2e_latency": seq.finished_at - seq.created}
+        if logprobs:
+            meta["input_token_logprobs"] = []
+            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.logprobs, seq.output_ids)]
+        return {"text": text, "output_ids": seq.output_ids, "meta_info": meta}
+
+    # ---- weights and flow control ---------------------------------------------------------
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        def failed(message: str) -> web.Response:
+            log.warning("update_weights_from_disk failed: %s", message)
+            return web.json_response({"success": False, "message": message, "num_paused_requests": 0},
+                                     status=400)
+
+        try:
+            body = await _json_body(request)
+        except RequestError as err:
+            return failed(str(err))
+        path, fmt, version = body.get("model_path"), body.get("load_format"), body.get("weight_version")
+        if not isinstance(path, str) or not path:
+            return failed("model_path must be a non-empty string")
+        if fmt not in _LOAD_FORMATS:
+            return failed(f"load_format {fmt!r} is not supported (use auto or safetensors)")
+        if version is not None and not isinstance(version, (str, int)) or isinstance(version, bool):
+            return failed("weight_version must be a string")
+        try:
+            await self.batcher.load_weights(path, dtype=self.dtype,
+                                            version=None if version is None else str(version),
+                                            abort_all=bool(body.get("abort_all_requests", False)))
+        except LoadError as err:
+            return failed(str(err))
+        self.model_path = path
+        log.info("loaded weights from %s (weight_version %s)", path, self.batcher.weight_version)
+        return web.json_response({"success": True, "message": "Succeeded to update model weights.",
+                                  "num_paused_requests": 0})
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        try:
+            body = await _json_body(request, empty_ok=True)
+        except RequestError as err:
+            return _error(str(err))
+        mode = body.get("mode", "abort")
+        if mode not in _PAUSE_MODES:
+            return _error(f"mode must be one of {_PAUSE_MODES}, got {mode!r}")
+        await self.batcher.pause(mode)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        self.batcher.resume()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        try:
+            body = await _json_body(request)
+        except RequestError as err:
+            return _error(str(err))
+        rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+        if not isinstance(rid, str) or not isinstance(abort_all, bool):
+            return _error("rid must be a string and abort_all a boolean")
+        self.batcher.abort(rid, all_requests=abort_all)
+        return web.Response(status=200)
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        try:
+            body = await _json_body(request)
+        except RequestError as err:
+            return _error(str(err))
+        version = body.get("new_version")
+        if not isinstance(version, (str, int)) or isinstance(version, bool):
+            return web.json_response({"success": False, "message": "new_version must be a string"}, status=400)
+        if body.get("abort_all_requests", True):
+            self.batcher.abort(all_requests=True, message="Abort: weight version update.")
+        self.batcher.weight_version = str(version)
+        return web.json_response({"success": True, "message": f"Weight version updated to {version}."})
+
+    # ---- health and info ------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        alive = self._scheduler is not None and not self._scheduler.done()
+        return web.Response(status=200 if alive else 503)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """200 once a one-token generation succeeds (or at once while paused: nothing may run)."""
+        if self._scheduler is None or self._scheduler.done():
+            return web.Response(status=503)
+        if self.batcher.paused:
+            return web.Response(status=200)
+        seq = Sequence(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", prompt=[self._health_token()],
+                       params=RequestParams(max_new_tokens=1), done=asyncio.get_running_loop().create_future())
+        await self.batcher.submit([seq])
+        try:
+            await asyncio.wait_for(asyncio.shield(seq.done), timeout=20)
+        except asyncio.TimeoutError:
+            self.batcher.abort(seq.rid)
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    def _health_token(self) -> int:
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None and bos < self.vocab_size else 0
+
+    def _server_args(self) -> dict:
+        return {"model_path": self.model_path, "tokenizer_path": self.model_path,
+                "served_model_name": self.model_path, "host": self.address.rsplit(":", 1)[0],
+                "port": int(self.address.rsplit(":", 1)[1]) if self.address else None,
+                "dtype": str(self.dtype).removeprefix("torch."), "max_running_requests": self.max_batch,
+                "context_length": self.context_len, "random_seed": self.seed, "device": "cpu",
+                "skip_tokenizer_init": False}
+
+    async def get_server_info(self, request: web.Request) -> web.Response:
+        import torch
+
+        info = {**self._server_args(), "weight_version": self.batcher.weight_version,
+                "version": rlorch_version(), "status": "ready", "engine": "rlorch",
+                "torch_threads": torch.get_num_threads(), "internal_states": [self.batcher.stats()]}
+        return web.json_response(info)
+
+    async def get_model_info(self, request: web.Request) -> web.Response:
+        config = self.model.config
+        return web.json_response({"model_path": self.model_path, "tokenizer_path": self.model_path,
+                                  "is_generation": True, "weight_version": self.batcher.weight_version,
+                                  "model_type": getattr(config, "model_type", None),
+                                  "architectures": getattr(config, "architectures", None),
+                                  "preferred_sampling_params": None})
+
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.batcher.weight_version})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_path, "object": "model", "created": int(time.time()), "owned_by": "rlorch",
+             "root": self.model_path, "max_model_len": self.context_len}]})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        stats = self.batcher.stats()
+        busy = stats["num_running_reqs"] or stats["num_waiting_reqs"]
+        message = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
+                   "or waiting requests, the operation will not be performed.)\n")
+        return web.Response(text=message, status=400 if busy else 200)
+
+
+class ServerThread:
+    """A :class:`CpuServer` on a background thread's own event loop (tests, benchmarks, embedding
+    in synchronous code). ``address`` is valid once the constructor returns."""
+
+    def __init__(self, server: CpuServer, host: str = "127.0.0.1", port: int = 0):
+        self.server = server
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="rlorch-serve", daemon=True)
+        self._thread.start()
+        self.address = asyncio.run_coroutine_threadsafe(server.start(host, port), self.loop).result(60)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+async def _serve_until_signal(server: CpuServer, host: str, port: int) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    address = await server.start(host, port)
+    log.info("rlorch serve %s listening on http://%s (model %s, weight_version %s)",
+             rlorch_version(), address, server.model_path, server.initial_version)
+    await stop.wait()
+    log.info("shutting down: aborting in-flight requests")
+    server.batcher.abort(all_requests=True, message="Abort: server shutting down.")
+    await server.stop()
+    log.info("stopped")
+
+
+def serve_command(config, *, host: str, port: int, weight_version: str = "0") -> int:
+    """Run the CPU engine until SIGINT/SIGTERM; the exit status (2 for a bad model path)."""
+    from rlorch.config import ConfigError
+    from rlorch.model import resolve_model_path
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        path = resolve_model_path(config.model.path)
+    except ConfigError as err:
+        log.error("cannot serve: %s", err)
+        return 2
+    server = CpuServer(path, dtype=config.model.dtype, max_batch=config.inference.max_batch,
+                       seed=config.run.seed, weight_version=weight_version, threads=config.inference.threads)
+    asyncio.run(_serve_until_signal(server, host, port))
+    return 0

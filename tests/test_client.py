@@ -1,0 +1,177 @@
+"""SGLangEngine against a real `rlorch serve` over HTTP: version stamps and interruptible generation.
+
+The client reads SGLang v0.5.x's native response: meta_info.output_token_logprobs entries
+[logprob, token_id, text] and meta_info.weight_version (a string; "default" means version 0),
+and resubmits a request whose finish_reason type is "abort" (a pause) to the same server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rlorch.inference.client import EngineError, SGLangEngine, parse_weight_version
+from rlorch.inference.server import CpuServer, ServerThread
+from rlorch.types import Engine, SamplingParams, VersionStamps
+
+PROMPT = [5, 6, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RLORCH_HOME", str(tmp_path_factory.getbasetemp() / "rlorch-home"))
+        from rlorch.model import ensure_default_model
+
+        yield ensure_default_model()
+
+
+@pytest.fixture(scope="module")
+def perturbed_dir(model_dir, tmp_path_factory):
+    """A second checkpoint of the same architecture with different weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.5)
+    target = tmp_path_factory.mktemp("perturbed")
+    model.save_pretrained(target, safe_serialization=True)
+    return target
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    thread = ServerThread(CpuServer(model_dir, min_step_time=0.01, threads=1))
+    yield thread
+    thread.stop()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_parse_weight_version():
+    assert parse_weight_version("3") == 3 and parse_weight_version("default") == 0
+    with pytest.raises(EngineError):
+        parse_weight_version("v1")
+
+
+def test_generate_stamps_every_token(server):
+    async def scenario():
+        engine = SGLangEngine(server.address, extra_params={"ignore_eos": True})
+        assert isinstance(engine, Engine)
+        try:
+            return await engine.generate(PROMPT, SamplingParams(max_new_tokens=6), "plain")
+        finally:
+            await engine.close()
+
+    gen = run(scenario())
+    assert len(gen.output_ids) == len(gen.logprobs) == 6
+    assert gen.versions == VersionStamps([[0, 6]]) and gen.finish_reason == "length"
+    assert all(lp <= 0 for lp in gen.logprobs)
+
+
+def test_generate_group_is_batched_on_the_server(server):
+    async def scenario():
+        engine = SGLangEngine(server.address, extra_params={"ignore_eos": True})
+        try:
+            before = (await engine.server_info())["internal_states"][0]
+            group = await engine.generate_group(PROMPT, SamplingParams(max_new_tokens=5), 4, "g")
+            after = (await engine.server_info())["internal_states"][0]
+            return group, before, after
+        finally:
+            await engine.close()
+
+    group, before, after = run(scenario())
+    assert len(group) == 4 and all(g.versions == VersionStamps([[0, 5]]) for g in group)
+    assert after["sequences"] - before["sequences"] == 4
+    assert after["batches"] - before["batches"] < 4
+
+
+async def _wait_generated(engine: SGLangEngine, at_least: int) -> None:
+    start = (await engine.server_info())["internal_states"][0]["generated_tokens"]
+    for _ in range(2000):
+        if (await engine.server_info())["internal_states"][0]["generated_tokens"] >= start + at_least:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("generation made no progress")
+
+
+def test_weight_update_mid_generation_spans_two_versions(server, model_dir, perturbed_dir):
+    greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
+
+    async def scenario():
+        engine = SGLangEngine(server.address, extra_params={"ignore_eos": True})
+        control = SGLangEngine(server.address)
+        try:
+            before = await engine.generate(PROMPT, greedy, "greedy-before")
+            pending = asyncio.ensure_future(engine.generate(PROMPT, SamplingParams(max_new_tokens=100), "long"))
+            await _wait_generated(control, 3)
+            await control.pause()
+            await control.reload(str(perturbed_dir), 1)
+            assert await control.weight_version() == 1
+            await control.resume()
+            long = await pending
+            after = await engine.generate(PROMPT, greedy, "greedy-after")
+            await control.reload(str(model_dir), 0)
+            return before, long, after
+        finally:
+            await engine.close()
+            await control.close()
+
+    before, long, after = run(scenario())
+    assert len(long.output_ids) == len(long.logprobs) == 100 and long.finish_reason == "length"
+    assert long.versions.head == 0 and long.versions.tail == 1
+    assert len(long.versions.runs) == 2 and long.versions.count == 100
+    (v0, first), (v1, second) = long.versions.runs
+    assert (v0, v1) == (0, 1) and first >= 3 and second >= 1
+    assert before.versions == VersionStamps([[0, 10]]) and after.versions == VersionStamps([[1, 10]])
+    assert before.output_ids != after.output_ids, "the new weights were not loaded into the live model"
+
+
+def test_reload_failure_raises_the_server_message(server, tmp_path):
+    async def scenario():
+        engine = SGLangEngine(server.address)
+        try:
+            with pytest.raises(EngineError, match="not a directory"):
+                await engine.reload(str(tmp_path / "nope"), 5)
+            return await engine.weight_version()
+        finally:
+            await engine.close()
+
+    assert run(scenario()) == 0
+
+
+def test_abort_returns_partial_without_resubmitting(server):
+    async def scenario():
+        engine = SGLangEngine(server.address, extra_params={"ignore_eos": True})
+        try:
+            pending = asyncio.ensure_future(engine.generate(PROMPT, SamplingParams(max_new_tokens=100), "stop-me"))
+            await _wait_generated(engine, 2)
+            await engine.abort("stop-me")
+            return await pending
+        finally:
+            await engine.close()
+
+    gen = run(scenario())
+    assert gen.finish_reason == "abort" and 2 <= len(gen.output_ids) < 100
+
+
+def test_info_health_and_unreachable_server(server):
+    async def scenario():
+        engine = SGLangEngine(server.address)
+        dead = SGLangEngine("127.0.0.1:9", request_timeout=2, control_timeout=2)
+        try:
+            info, model = await engine.server_info(), await engine.model_info()
+            return info, model, await engine.healthy(), await dead.healthy()
+        finally:
+            await engine.close()
+            await dead.close()
+
+    info, model, up, down = run(scenario())
+    assert info["status"] == "ready" and model["is_generation"] is True
+    assert up is True and down is False

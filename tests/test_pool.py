@@ -1,0 +1,225 @@
+"""EnginePool and the launcher over real servers: failover loses no request, reloads reach every
+live server, a returning server is synced before it rejoins, launch failures show the log tail.
+
+Servers speak SGLang v0.5.x's native API (/generate, /update_weights_from_disk,
+/pause_generation, /continue_generation, /health_generate, /get_server_info).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+
+import pytest
+
+from rlorch.config import Config, InferenceBackend
+from rlorch.inference.client import EngineError, SGLangEngine
+from rlorch.inference.launcher import LaunchError, start_engines
+from rlorch.inference.pool import EnginePool
+from rlorch.inference.server import CpuServer, ServerThread, rlorch_version
+from rlorch.types import Engine, SamplingParams
+
+PROMPT = [5, 6, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RLORCH_HOME", str(tmp_path_factory.getbasetemp() / "rlorch-home"))
+        from rlorch.model import ensure_default_model
+
+        yield ensure_default_model()
+
+
+@pytest.fixture(scope="module")
+def perturbed_dir(model_dir, tmp_path_factory):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(1.5)
+    target = tmp_path_factory.mktemp("perturbed")
+    model.save_pretrained(target, safe_serialization=True)
+    return target
+
+
+def cpu_config(num_servers: int) -> Config:
+    config = Config()
+    config.inference.backend = InferenceBackend.cpu
+    config.inference.num_servers = num_servers
+    config.inference.ready_timeout = 120
+    config.inference.shutdown_timeout = 5
+    config.inference.threads = 1
+    config.rollout.request_timeout = 60
+    return config
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def _progress(engine: SGLangEngine) -> int:
+    return (await engine.server_info())["internal_states"][0]["generated_tokens"]
+
+
+def test_launched_pool_reloads_and_survives_a_killed_server(model_dir, perturbed_dir, tmp_path):
+    config = cpu_config(2)
+    log_dir = tmp_path / "run" / "logs"
+
+    async def scenario():
+        pool = await start_engines(config, log_dir=log_dir, model_path=model_dir)
+        try:
+            assert isinstance(pool, Engine)
+            for engine in pool.engines:
+                engine.extra_params = {"ignore_eos": True}
+            await pool.reload(str(perturbed_dir), 1)
+            versions = [await e.weight_version() for e in pool.engines]
+            with pytest.raises(EngineError, match="not a directory"):
+                await pool.reload(str(tmp_path / "missing"), 2)
+            assert pool.gauges()["version"] == 1
+            servers = json.loads((tmp_path / "run" / "servers.json").read_text())
+            victim = pool.engines[0]
+            start = await _progress(victim)
+            params = SamplingParams(max_new_tokens=100)
+            pending = [asyncio.ensure_future(pool.generate(PROMPT, params, f"r{i}")) for i in range(16)]
+            while await _progress(victim) < start + 5:
+                await asyncio.sleep(0.01)
+            assert pool.gauges()["in_flight"][victim.name] > 0
+            os.kill(servers[0]["pid"], signal.SIGKILL)
+            results = await asyncio.gather(*pending)
+            gauges = pool.gauges()
+        finally:
+            await pool.close()
+        return versions, servers, results, gauges
+
+    versions, servers, results, gauges = asyncio.run(scenario())
+    assert versions == [1, 1]
+    assert [s["version"] for s in servers] == [rlorch_version()] * 2
+    assert all(len(r.output_ids) == 100 and r.versions.count == 100 for r in results)
+    assert all(r.versions.head == r.versions.tail == 1 for r in results)
+    assert gauges["servers_up"] == 1 and gauges["failovers"] >= 1 and gauges["completed"] == 16
+    assert not any(alive(s["pid"]) for s in servers)
+    assert (log_dir / "server-0.log").exists() and (log_dir / "server-1.log").exists()
+
+
+def test_launch_with_a_bad_model_path_fails_with_the_log_tail(tmp_path):
+    config = cpu_config(1)
+    (tmp_path / "not-a-model").mkdir()
+
+    async def scenario():
+        await start_engines(config, log_dir=tmp_path / "logs", model_path=tmp_path / "not-a-model")
+
+    with pytest.raises(LaunchError, match="not an HF model directory") as info:
+        asyncio.run(scenario())
+    assert "server-0.log" in str(info.value)
+
+
+def test_down_server_rejoins_synced_to_the_current_version(model_dir, perturbed_dir):
+    first = ServerThread(CpuServer(model_dir, threads=1))
+    second = ServerThread(CpuServer(model_dir, threads=1))
+    port = int(second.address.rsplit(":", 1)[1])
+    replacement = None
+
+    async def scenario():
+        nonlocal replacement
+        engines = [SGLangEngine(thread.address, request_timeout=30) for thread in (first, second)]
+        pool = EnginePool(engines, request_timeout=30, max_retries=3, probe_interval=0.1)
+        try:
+            second.stop()
+            results = await asyncio.gather(*(pool.generate(PROMPT, SamplingParams(max_new_tokens=4), f"q{i}")
+                                             for i in range(2)))
+            results += await pool.generate_group(PROMPT, SamplingParams(max_new_tokens=4), 2, "group")
+            assert pool.gauges()["servers_up"] == 1
+            await pool.reload(str(perturbed_dir), 1)
+            replacement = ServerThread(CpuServer(model_dir, threads=1), port=port)
+            for _ in range(300):
+                if pool.gauges()["servers_up"] == 2:
+                    break
+                await asyncio.sleep(0.05)
+            return results, pool.gauges(), await engines[1].weight_version()
+        finally:
+            await pool.close()
+
+    try:
+        results, gauges, rejoined_version = asyncio.run(scenario())
+    finally:
+        first.stop()
+        if replacement is not None:
+            replacement.stop()
+    assert len(results) == 4 and all(r.output_ids for r in results)
+    assert gauges["servers_up"] == 2 and gauges["version"] == 1
+    assert rejoined_version == 1
+
+
+def test_server_versions_are_recorded_and_a_mismatch_is_refused(model_dir, tmp_path):
+    from rlorch.inference.launcher import ServerProcess, record_versions
+
+    thread = ServerThread(CpuServer(model_dir, threads=1))
+
+    async def scenario():
+        engine = SGLangEngine(thread.address)
+        servers = [ServerProcess(0, thread.address, None, None)]
+        try:
+            await record_versions(servers, [engine], tmp_path / "servers.json", rlorch_version())
+            with pytest.raises(LaunchError, match="expect_version"):
+                await record_versions(servers, [engine], tmp_path / "mismatch.json", "0.0.0-other")
+        finally:
+            await engine.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        thread.stop()
+    (record,) = json.loads((tmp_path / "servers.json").read_text())
+    assert record["version"] == rlorch_version() and record["address"] == thread.address
+
+
+def test_server_commands(tmp_path):
+    from rlorch.inference.launcher import server_command
+
+    config = cpu_config(1)
+    config.inference.launch_args = ["inference.max_batch=8"]
+    cpu = server_command(config, model_path=tmp_path, port=1234)
+    assert cpu[1:4] == ["-m", "rlorch.cli", "serve"] and "--port" in cpu and f"model.path={tmp_path}" in cpu
+    assert "inference.threads=1" in cpu and cpu[-1] == "inference.max_batch=8"
+    config.inference.backend = InferenceBackend.sglang
+    config.inference.launch_args = ["--mem-fraction-static", "0.8"]
+    sglang = server_command(config, model_path=tmp_path, port=1234)
+    assert sglang[1:3] == ["-m", "sglang.launch_server"] and sglang[-2:] == ["--mem-fraction-static", "0.8"]
+    assert sglang[sglang.index("--model-path") + 1] == str(tmp_path) and "--weight-version" in sglang
+
+
+def test_connecting_to_running_servers_launches_nothing(model_dir, tmp_path):
+    thread = ServerThread(CpuServer(model_dir, threads=1))
+    config = cpu_config(1)
+    config.inference.addresses = [thread.address]
+
+    async def scenario():
+        pool = await start_engines(config, log_dir=tmp_path / "logs", model_path=model_dir)
+        try:
+            return await pool.generate(PROMPT, SamplingParams(max_new_tokens=3), "remote")
+        finally:
+            await pool.close()
+
+    try:
+        result = asyncio.run(scenario())
+        assert call_ok(thread.address)
+    finally:
+        thread.stop()
+    assert result.versions.count == len(result.output_ids) >= 1
+    assert json.loads((tmp_path / "servers.json").read_text())[0]["pid"] is None
+
+
+def call_ok(address: str) -> bool:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{address}/health", timeout=10) as response:
+        return response.status == 200

@@ -1,0 +1,316 @@
+"""`rlorch serve` over real HTTP: SGLang-shaped answers, batching, errors, flow control.
+
+Shapes follow SGLang 0.5.x's native API (checked against sgl-project/sglang sources of the 0.5
+line, around 0.5.3: srt/entrypoints/http_server.py for the routes and pause/continue answers,
+srt/managers/tokenizer_manager.py for meta_info): meta_info carries id, finish_reason
+({"type": "stop", "matched"} | {"type": "length", "length"} | {"type": "abort", "message"}),
+prompt_tokens, completion_tokens, cached_tokens, weight_version, e2e_latency and, with
+return_logprob, output_token_logprobs as [logprob, token_id, text]; a batch or n > 1 answers a
+prompt-major JSON array; errors answer 400 with {"error": {"message"}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+
+import aiohttp
+import pytest
+
+from rlorch.inference.server import CpuServer, ServerThread, rlorch_version
+
+PROMPT = [5, 6, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The tiny default model, created once per session under a temporary RLORCH_HOME."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RLORCH_HOME", str(tmp_path_factory.getbasetemp() / "rlorch-home"))
+        from rlorch.model import ensure_default_model
+
+        yield ensure_default_model()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    thread = ServerThread(CpuServer(model_dir, min_step_time=0.005, threads=1))
+    yield thread.address
+    thread.stop()
+
+
+def call(address: str, path: str, payload=None, *, raw: bytes | None = None, method: str | None = None):
+    data = raw if raw is not None else (None if payload is None else json.dumps(payload).encode())
+    request = urllib.request.Request(f"http://{address}{path}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            status, body = response.status, response.read()
+    except urllib.error.HTTPError as err:
+        status, body = err.code, err.read()
+    try:
+        return status, json.loads(body) if body else None
+    except ValueError:
+        return status, body.decode()
+
+
+def generate(address: str, **payload):
+    status, body = call(address, "/generate", payload)
+    assert status == 200, body
+    return body
+
+
+def stats(address: str) -> dict:
+    return call(address, "/get_server_info")[1]["internal_states"][0]
+
+
+def test_single_request_answers_sglang_shape(server):
+    out = generate(server, input_ids=PROMPT, rid="one", return_logprob=True,
+                   sampling_params={"max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
+                                    "ignore_eos": True})
+    meta = out["meta_info"]
+    assert set(out) == {"text", "output_ids", "meta_info"}
+    assert meta["id"] == "one"
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert meta["prompt_tokens"] == 4 and meta["completion_tokens"] == 6 and meta["cached_tokens"] == 0
+    assert meta["weight_version"] == "0" and meta["e2e_latency"] > 0
+    assert [entry[1] for entry in meta["output_token_logprobs"]] == out["output_ids"]
+    assert all(entry[0] <= 0 and entry[2] is None for entry in meta["output_token_logprobs"])
+    plain = generate(server, input_ids=PROMPT, sampling_params={"max_new_tokens": 2})
+    assert "output_token_logprobs" not in plain["meta_info"]
+
+
+def test_batch_and_n_answer_prompt_major_arrays(server):
+    out = generate(server, input_ids=[PROMPT, [9, 10]], rid="b",
+                   sampling_params={"max_new_tokens": 3, "n": 2, "ignore_eos": True})
+    assert [o["meta_info"]["id"] for o in out] == ["b_0_0", "b_0_1", "b_1_0", "b_1_1"]
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [4, 4, 2, 2]
+    assert all(len(o["output_ids"]) == 3 for o in out)
+    many = generate(server, input_ids=PROMPT, sampling_params={"max_new_tokens": 2, "n": 3})
+    assert isinstance(many, list) and len(many) == 3
+    per_prompt = generate(server, input_ids=[PROMPT, PROMPT], rid=["x", "y"],
+                          sampling_params=[{"max_new_tokens": 1}, {"max_new_tokens": 2, "ignore_eos": True}])
+    assert [o["meta_info"]["id"] for o in per_prompt] == ["x", "y"]
+    assert len(per_prompt[1]["output_ids"]) == 2
+
+
+def test_text_input_and_greedy_determinism(server):
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    first = generate(server, text="123+45=", sampling_params=params, return_logprob=True)
+    second = generate(server, text="123+45=", sampling_params=params, return_logprob=True)
+    assert first["output_ids"] == second["output_ids"]
+    assert first["meta_info"]["prompt_tokens"] == 7
+    assert isinstance(first["text"], str)
+    stop_at = first["output_ids"][2]
+    stopped = generate(server, text="123+45=", sampling_params={**params, "stop_token_ids": [stop_at]})
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
+    assert stopped["output_ids"] == first["output_ids"][:first["output_ids"].index(stop_at) + 1]
+    text = first["text"]
+    if len(text) >= 3:
+        by_string = generate(server, text="123+45=", sampling_params={**params, "stop": text[2]})
+        assert by_string["meta_info"]["finish_reason"] == {"type": "stop", "matched": text[2]}
+        assert by_string["text"] == text[:text.index(text[2])]
+
+
+@pytest.mark.parametrize("payload, fragment", [
+    ({"input_ids": []}, "input_ids"),
+    ({"input_ids": [[]]}, "empty"),
+    ({"input_ids": ["a", "b"]}, "integers"),
+    ({"input_ids": [1, 2], "text": "12"}, "exactly one"),
+    ({}, "exactly one"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "4"}}, "max_new_tokens"),
+    ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "temperature"),
+    ({"input_ids": [1, 2], "sampling_params": {"bogus": 1}}, "bogus"),
+    ({"input_ids": [1, 2], "sampling_params": [{}, {}]}, "sampling_params"),
+    ({"input_ids": [1, 10**9]}, "token ids"),
+    ({"input_ids": [1, 2], "return_logprob": "yes"}, "return_logprob"),
+])
+def test_bad_generate_requests_get_400_and_server_keeps_serving(server, payload, fragment):
+    status, body = call(server, "/generate", payload)
+    assert status == 400
+    assert fragment in body["error"]["message"]
+    assert generate(server, input_ids=PROMPT, sampling_params={"max_new_tokens": 1})["output_ids"]
+
+
+def test_invalid_json_and_bad_checkpoint_get_400(server, tmp_path):
+    status, body = call(server, "/generate", raw=b"{not json")
+    assert status == 400 and "JSON" in body["error"]["message"]
+    status, body = call(server, "/generate", raw=b"[1, 2]")
+    assert status == 400 and body["error"]["message"]
+    status, body = call(server, "/update_weights_from_disk", {"model_path": str(tmp_path / "missing")})
+    assert status == 400 and body["success"] is False and "missing" in body["message"]
+    (tmp_path / "empty").mkdir()
+    status, body = call(server, "/update_weights_from_disk", {"model_path": str(tmp_path / "empty")})
+    assert status == 400 and body["success"] is False and "safetensors" in body["message"]
+    assert call(server, "/get_weight_version")[1] == {"weight_version": "0"}
+    assert generate(server, input_ids=PROMPT, sampling_params={"max_new_tokens": 1})["output_ids"]
+
+
+def test_reloading_the_same_checkpoint_sets_the_version(server, model_dir):
+    status, body = call(server, "/update_weights_from_disk",
+                        {"model_path": str(model_dir), "weight_version": "0", "abort_all_requests": False})
+    assert status == 200 and body["success"] is True and body["num_paused_requests"] == 0
+
+
+def test_info_endpoints(server, model_dir):
+    status, info = call(server, "/get_server_info")
+    assert status == 200 and info["status"] == "ready" and info["version"] == rlorch_version()
+    status, model = call(server, "/get_model_info")
+    assert model["is_generation"] is True and model["weight_version"] == "0"
+    assert call(server, "/v1/models")[1]["data"][0]["object"] == "model"
+    assert call(server, "/health")[0] == 200 and call(server, "/health_generate")[0] == 200
+    assert call(server, "/flush_cache")[0] == 200
+    status, body = call(server, "/update_weight_version", {"new_version": "7", "abort_all_requests": False})
+    assert body["success"] and call(server, "/get_weight_version")[1] == {"weight_version": "7"}
+    call(server, "/update_weight_version", {"new_version": "0"})
+
+
+async def _post_all(address: str, payloads: list[dict]) -> list:
+    async with aiohttp.ClientSession() as session:
+        async def one(payload):
+            async with session.post(f"http://{address}/generate", json=payload) as response:
+                return await response.json()
+        return await asyncio.gather(*(one(p) for p in payloads))
+
+
+async def _wait_for(predicate, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def test_requests_held_by_pause_are_decoded_as_one_batch(server):
+    before = stats(server)
+
+    async def scenario():
+        assert call(server, "/pause_generation", {})[1]["status"] == "ok"
+        payloads = [{"input_ids": PROMPT + [i], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+                    for i in range(6)]
+        pending = asyncio.ensure_future(_post_all(server, payloads))
+        await _wait_for(lambda: stats(server)["num_held_reqs"] == 6)
+        assert call(server, "/continue_generation", {})[1]["status"] == "ok"
+        return await pending
+
+    answers = asyncio.run(scenario())
+    after = stats(server)
+    assert all(a["meta_info"]["finish_reason"]["type"] == "length" for a in answers)
+    assert after["batches"] == before["batches"] + 1
+    assert after["max_batch_seen"] >= 6
+
+
+def test_pause_returns_partial_output_as_abort(server):
+    async def scenario():
+        payload = {"input_ids": PROMPT, "rid": "long", "return_logprob": True,
+                   "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}}
+        start = stats(server)["generated_tokens"]
+        pending = asyncio.ensure_future(_post_all(server, [payload]))
+        await _wait_for(lambda: stats(server)["generated_tokens"] >= start + 3)
+        call(server, "/pause_generation", {"mode": "abort"})
+        (answer,) = await pending
+        held = asyncio.ensure_future(_post_all(server, [{**payload, "rid": "later"}]))
+        await _wait_for(lambda: stats(server)["num_held_reqs"] == 1)
+        call(server, "/continue_generation", {})
+        return answer, (await held)[0]
+
+    aborted, later = asyncio.run(scenario())
+    meta = aborted["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and meta["finish_reason"]["message"]
+    assert 3 <= meta["completion_tokens"] < 100
+    assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+    assert later["meta_info"]["finish_reason"] == {"type": "length", "length": 100}
+
+
+def test_abort_request_by_rid(server):
+    async def scenario():
+        payload = {"input_ids": PROMPT, "rid": "victim",
+                   "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}}
+        start = stats(server)["generated_tokens"]
+        pending = asyncio.ensure_future(_post_all(server, [payload]))
+        await _wait_for(lambda: stats(server)["generated_tokens"] >= start + 2)
+        assert call(server, "/abort_request", {"rid": "victim"})[0] == 200
+        return (await pending)[0]
+
+    answer = asyncio.run(scenario())
+    assert answer["meta_info"]["finish_reason"]["type"] == "abort"
+    assert answer["meta_info"]["completion_tokens"] < 100
+
+
+def test_sampler_reports_the_logprob_of_the_distribution_it_drew_from():
+    import torch
+
+    from rlorch.inference.sampling import RequestParams, sample
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 3.0, 1.0, 2.0], [1.0, 0.0, 0.0, 0.0]])
+    params = [RequestParams(temperature=2.0), RequestParams(temperature=1.0, top_k=1),
+              RequestParams(temperature=0.0)]
+    tokens, logprobs = sample(logits.clone(), params, [[], [], []], torch.Generator().manual_seed(0))
+    assert logprobs[0] == pytest.approx(torch.log_softmax(logits[0] / 2, -1)[tokens[0]].item())
+    assert tokens[1] == 1 and logprobs[1] == pytest.approx(0.0)
+    assert tokens[2] == 0 and logprobs[2] == pytest.approx(torch.log_softmax(logits[2], -1)[0].item())
+    nucleus = [RequestParams(top_p=0.5)]
+    tokens, logprobs = sample(logits[1:2].clone(), nucleus, [[1]], torch.Generator().manual_seed(0))
+    assert tokens == [3] and logprobs[0] == pytest.approx(0.0)
+
+
+def test_top_k_one_matches_greedy_over_http(server):
+    greedy = generate(server, input_ids=PROMPT, sampling_params={"max_new_tokens": 5, "temperature": 0,
+                                                                 "ignore_eos": True})
+    top1 = generate(server, input_ids=PROMPT, return_logprob=True,
+                    sampling_params={"max_new_tokens": 5, "top_k": 1, "ignore_eos": True})
+    assert top1["output_ids"] == greedy["output_ids"]
+    assert all(entry[0] == pytest.approx(0.0) for entry in top1["meta_info"]["output_token_logprobs"])
+
+
+def test_pause_in_place_keeps_requests_until_continue_or_abort(server):
+    async def scenario():
+        payload = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}}
+        start = stats(server)["generated_tokens"]
+        kept = asyncio.ensure_future(_post_all(server, [{**payload, "rid": "kept"}]))
+        await _wait_for(lambda: stats(server)["generated_tokens"] >= start + 2)
+        call(server, "/pause_generation", {"mode": "in_place"})
+        await asyncio.sleep(0.05)
+        frozen = stats(server)["generated_tokens"]
+        await asyncio.sleep(0.1)
+        assert stats(server)["generated_tokens"] == frozen and stats(server)["num_running_reqs"] == 1
+        call(server, "/continue_generation", {})
+        (kept_answer,) = await kept
+        start = stats(server)["generated_tokens"]
+        dropped = asyncio.ensure_future(_post_all(server, [{**payload, "rid": "dropped"}]))
+        await _wait_for(lambda: stats(server)["generated_tokens"] >= start + 2)
+        call(server, "/pause_generation", {"mode": "in_place"})
+        call(server, "/pause_generation", {"mode": "abort"})
+        call(server, "/continue_generation", {})
+        return kept_answer, (await dropped)[0]
+
+    kept, dropped = asyncio.run(scenario())
+    assert kept["meta_info"]["finish_reason"] == {"type": "length", "length": 60}
+    assert dropped["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_arrivals_join_a_running_batch_without_changing_greedy_outputs(server):
+    greedy = {"temperature": 0, "ignore_eos": True}
+    long_prompt, wide, narrow = PROMPT, list(range(4, 16)), [20, 21]
+    alone = [generate(server, input_ids=prompt, sampling_params={**greedy, "max_new_tokens": n})["output_ids"]
+             for prompt, n in ((long_prompt, 60), (wide, 8), (narrow, 8))]
+    before = stats(server)
+
+    async def scenario():
+        start = stats(server)["generated_tokens"]
+        running = asyncio.ensure_future(_post_all(server, [
+            {"input_ids": long_prompt, "sampling_params": {**greedy, "max_new_tokens": 60}}]))
+        await _wait_for(lambda: stats(server)["generated_tokens"] >= start + 3)
+        first = asyncio.ensure_future(_post_all(server, [
+            {"input_ids": wide, "sampling_params": {**greedy, "max_new_tokens": 8}}]))
+        await _wait_for(lambda: stats(server)["generated_tokens"] >= start + 30)
+        second = asyncio.ensure_future(_post_all(server, [
+            {"input_ids": narrow, "sampling_params": {**greedy, "max_new_tokens": 8}}]))
+        return [(await task)[0]["output_ids"] for task in (running, first, second)]
+
+    together = asyncio.run(scenario())
+    after = stats(server)
+    assert after["batches"] - before["batches"] == 1 and after["joined"] - before["joined"] == 2
+    assert together == alone
