@@ -130,9 +130,12 @@ async def _start_engines(config: Config, run_dir: RunDir, policy: PolicyVersion)
 
 def _make_trainer(config: Config, run_dir: RunDir, checkpoint: Optional[Path], start_step: int):
     if config.trainer.backend is TrainerBackend.sim:
+        from rlorch.model import resolve_model_path
         from rlorch.trainer.sim import SimTrainer
 
-        return SimTrainer(config, run_dir=run_dir, start_step=start_step)
+        real_engines = config.inference.backend is not InferenceBackend.sim
+        return SimTrainer(config, run_dir=run_dir, start_step=start_step,
+                          model_path=resolve_model_path(config.model.path) if real_engines else None)
     from rlorch.trainer.process import TorchrunTrainer
 
     return TorchrunTrainer(config, run_dir=run_dir, resume=checkpoint)

@@ -4,7 +4,9 @@ It keeps the real trainer's contract with the run directory: it trains batch N o
 orchestrator shipped it, publishes weights/step_N with a PUBLISHED marker, appends a line to
 trainer/metrics.jsonl, and writes full checkpoints (trainer/COMPLETE) every checkpoint_every
 steps, at the last step and when asked to stop. Its markers are plain files (no fsync): there
-are no weights to lose, and the loop benchmark measures the orchestrator, not the disk.
+are no weights to lose, and the loop benchmark measures the orchestrator, not the disk. With
+real engines (``model_path`` set) each published checkpoint is the unchanged base model,
+hard-linked, so engines load real HF weights at every version.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import os
 import shutil
 import time
+from pathlib import Path
 from typing import Optional
 
 from rlorch.config import Config
@@ -22,8 +26,10 @@ from rlorch.types import Batch
 
 
 class SimTrainer:
-    def __init__(self, config: Config, *, run_dir: RunDir, start_step: int = 0):
+    def __init__(self, config: Config, *, run_dir: RunDir, start_step: int = 0,
+                 model_path: Optional[Path] = None):
         self.config = config
+        self.model_path = model_path
         self.run_dir = run_dir
         self.step = start_step
         self.checkpointed = start_step
@@ -75,6 +81,7 @@ class SimTrainer:
         staging = weights / f".staging-{step_name(step)}"
         staging.mkdir(parents=True, exist_ok=True)
         (staging / "sim_weights.json").write_text(json.dumps({"version": step}))
+        self._link_model(staging)
         target = self.run_dir.weights_for(step)
         staging.rename(target)
         (target / PUBLISHED).touch()
@@ -82,9 +89,21 @@ class SimTrainer:
         for old in published[:-self.config.trainer.keep]:
             shutil.rmtree(old, ignore_errors=True)
 
+    def _link_model(self, target: Path) -> None:
+        if self.model_path is None:
+            return
+        target.mkdir(parents=True, exist_ok=True)
+        for source in self.model_path.iterdir():
+            if source.is_file() and not (target / source.name).exists():
+                try:
+                    os.link(source, target / source.name)
+                except OSError:
+                    shutil.copy2(source, target / source.name)
+
     def _checkpoint(self, step: int) -> None:
         trainer_dir = self.run_dir.checkpoint(step) / "trainer"
         trainer_dir.mkdir(parents=True, exist_ok=True)
+        self._link_model(self.run_dir.checkpoint(step) / "weights")
         (trainer_dir / "trainer_state.json").write_text(json.dumps({"step": step, "backend": "sim"}))
         (trainer_dir / COMPLETE).touch()
         self.checkpointed = step

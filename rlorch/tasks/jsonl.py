@@ -1,0 +1,76 @@
+"""A task read from a JSONL file of ``{prompt_key: ..., answer_key: ...}`` lines; exact-match reward.
+
+The file is read once and checked whole: a bad line fails at load time, naming file and line,
+not hours later when the prompt stream reaches it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from functools import lru_cache
+from typing import Any
+
+from rlorch.config import Config, ConfigError
+from rlorch.tasks import register
+
+
+class DataError(ValueError):
+    """The data file is unreadable or a line is malformed; the message names file and line."""
+
+
+def load_rows(path: Path, prompt_key: str, answer_key: str) -> list[tuple[str, Any]]:
+    if not path.is_file():
+        raise DataError(f"{path}: no such data file")
+    rows = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{number}: not valid JSON ({err.msg})") from err
+            if not isinstance(item, dict):
+                raise DataError(f"{path}:{number}: expected a JSON object")
+            missing = [key for key in (prompt_key, answer_key) if key not in item]
+            if missing:
+                raise DataError(f"{path}:{number}: missing key(s) {', '.join(map(repr, missing))}")
+            if not isinstance(item[prompt_key], str):
+                raise DataError(f"{path}:{number}: {prompt_key!r} must be a string")
+            rows.append((item[prompt_key], item[answer_key]))
+    if not rows:
+        raise DataError(f"{path}: no examples")
+    return rows
+
+
+@dataclass(frozen=True)
+class JsonlTask:
+    """Each pass over the file is a fresh permutation seeded by ``(seed, epoch)``."""
+
+    rows: tuple[tuple[str, Any], ...]
+    name: str = "jsonl"
+
+    def make_prompt(self, index: int, seed: int) -> tuple[str, Any]:
+        epoch, offset = divmod(index, len(self.rows))
+        return self.rows[_order(len(self.rows), seed, epoch)[offset]]
+
+    def score(self, completion: str, answer: Any) -> float:
+        return float(completion.strip() == str(answer).strip())
+
+
+@lru_cache(maxsize=8)
+def _order(size: int, seed: int, epoch: int) -> tuple[int, ...]:
+    order = list(range(size))
+    random.Random(f"jsonl:{seed}:{epoch}").shuffle(order)
+    return tuple(order)
+
+
+@register("jsonl")
+def jsonl_task(config: Config) -> JsonlTask:
+    if not config.data.path:
+        raise ConfigError("data.path", "the jsonl task needs data.path")
+    path = Path(config.data.path).expanduser()
+    return JsonlTask(tuple(load_rows(path, config.data.prompt_key, config.data.answer_key)))

@@ -1,0 +1,108 @@
+"""Reading a shipped batch file and cutting it into padded micro-batches.
+
+Every rank reads the whole file (it is small next to the model) so all ranks agree on the
+global token count without a collective; rank ``r`` trains rollouts ``r, r + W, r + 2W, ...``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_REQUIRED = ("tokens", "loss_mask", "logprobs", "advantage")
+
+
+class BatchError(ValueError):
+    """A batch file is malformed; the message names the file and line."""
+
+
+@dataclass
+class Sequence:
+    tokens: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    advantage: float
+    reward: float
+
+
+def _parse_line(path: Path, number: int, line: str) -> Sequence:
+    where = f"{path}:{number}"
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise BatchError(f"{where}: not valid JSON ({err.msg})") from err
+    if not isinstance(item, dict):
+        raise BatchError(f"{where}: expected a JSON object (a rollout plus 'advantage')")
+    missing = [key for key in _REQUIRED if key not in item]
+    if missing:
+        raise BatchError(f"{where}: missing key(s) {', '.join(map(repr, missing))}")
+    tokens, mask, logprobs = item["tokens"], item["loss_mask"], item["logprobs"]
+    if not (isinstance(tokens, list) and isinstance(mask, list) and isinstance(logprobs, list)):
+        raise BatchError(f"{where}: tokens, loss_mask and logprobs must be lists")
+    if not tokens or not len(tokens) == len(mask) == len(logprobs):
+        raise BatchError(f"{where}: tokens ({len(tokens)}), loss_mask ({len(mask)}) and logprobs "
+                         f"({len(logprobs)}) must be non-empty and of equal length")
+    if mask[0]:
+        raise BatchError(f"{where}: loss_mask[0] is set, but the first token has no context to be trained on")
+    try:
+        sequence = Sequence([int(t) for t in tokens], [int(bool(m)) for m in mask],
+                            [float(p) for p in logprobs], float(item["advantage"]),
+                            float(item.get("reward", 0.0)))
+    except (TypeError, ValueError) as err:
+        raise BatchError(f"{where}: non-numeric value ({err})") from err
+    if not math.isfinite(sequence.advantage) or not all(map(math.isfinite, sequence.logprobs)):
+        raise BatchError(f"{where}: advantage and logprobs must be finite")
+    return sequence
+
+
+def read_batch(path: Path, vocab_size: int) -> list[Sequence]:
+    """All sequences of a batch file; raises :class:`BatchError` naming the first bad line."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise BatchError(f"{path}: unreadable ({err})") from err
+    sequences = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        sequence = _parse_line(path, number, line)
+        if any(not 0 <= t < vocab_size for t in sequence.tokens):
+            raise BatchError(f"{path}:{number}: token id outside the vocabulary (size {vocab_size})")
+        sequences.append(sequence)
+    return sequences
+
+
+@dataclass
+class MicroBatch:
+    tokens: torch.Tensor
+    """[n, len] right-padded (causal attention never looks at the padding after a token)."""
+    mask: torch.Tensor
+    behaviour: torch.Tensor
+    advantages: torch.Tensor
+
+
+def micro_batches(sequences: list[Sequence], size: int, count: int, pad_id: int) -> list[MicroBatch]:
+    """Exactly ``count`` micro-batches of at most ``size`` sequences.
+
+    Every rank must run the same number of forward/backward passes (FSDP all-gathers are
+    collectives), so a rank short of data gets all-masked filler that contributes nothing.
+    """
+    filler = Sequence([pad_id, pad_id], [0, 0], [0.0, 0.0], 0.0, 0.0)
+    out = []
+    for index in range(count):
+        chunk = sequences[index * size:(index + 1) * size] or [filler]
+        length = max(len(s.tokens) for s in chunk)
+        tokens = torch.full((len(chunk), length), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), length))
+        behaviour = torch.zeros((len(chunk), length))
+        for row, s in enumerate(chunk):
+            n = len(s.tokens)
+            tokens[row, :n] = torch.tensor(s.tokens)
+            mask[row, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
+            behaviour[row, :n] = torch.tensor(s.logprobs)
+        out.append(MicroBatch(tokens, mask, behaviour, torch.tensor([s.advantage for s in chunk])))
+    return out

@@ -1,0 +1,125 @@
+"""Full resumable trainer state under ``checkpoints/step_N/``.
+
+Layout: ``trainer/dcp/`` (model and optimizer, sharded, torch.distributed.checkpoint),
+``trainer/trainer_state.json`` (step, RNG states), ``weights/`` (HF copy of version N) and,
+last, ``trainer/COMPLETE``. Invariant: a checkpoint without COMPLETE is never resumed from and
+is overwritten by the next save of the same step.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from rlorch.rundir import COMPLETE, PUBLISHED, RunDir, mark, write_json_atomic
+
+STATE_FILE = "trainer_state.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be resumed from; the message names the path."""
+
+
+def is_complete(checkpoint: Path) -> bool:
+    return (checkpoint / "trainer" / COMPLETE).exists()
+
+
+def _encode(state: torch.Tensor) -> str:
+    return base64.b64encode(state.cpu().numpy().tobytes()).decode()
+
+
+def _decode(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": _encode(torch.get_rng_state())}
+    if torch.cuda.is_available():
+        state["cuda"] = [_encode(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(_decode(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_decode(s) for s in state["cuda"]])
+
+
+def link_or_copy_tree(source: Path, target: Path, skip: tuple[str, ...] = (PUBLISHED,)) -> None:
+    """Hardlink every file (copy across filesystems); the weights are immutable once published."""
+    target.mkdir(parents=True, exist_ok=True)
+    for entry in source.iterdir():
+        if entry.name in skip:
+            continue
+        if entry.is_dir():
+            link_or_copy_tree(entry, target / entry.name, skip)
+            continue
+        destination = target / entry.name
+        destination.unlink(missing_ok=True)
+        try:
+            os.link(entry, destination)
+        except OSError:
+            shutil.copy2(entry, destination)
+
+
+def save(run: RunDir, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+         rank: int, write_weights: Callable[[Path], None]) -> Path:
+    """Collective: every rank calls it. Replaces whatever ``checkpoints/step_N/trainer`` and
+    ``weights`` held (a checkpoint of an abandoned trajectory, or a partial one): COMPLETE goes
+    first and comes back last, after a barrier. ``write_weights(dir)`` is called on every rank
+    (it gathers the full state dict) when version ``step`` was not published, else rank 0 links
+    the published files."""
+    checkpoint = run.checkpoint(step)
+    trainer_dir = checkpoint / "trainer"
+    if rank == 0:
+        (trainer_dir / COMPLETE).unlink(missing_ok=True)
+        shutil.rmtree(trainer_dir, ignore_errors=True)
+        shutil.rmtree(checkpoint / "weights", ignore_errors=True)
+        trainer_dir.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(trainer_dir / "dcp"))
+    published = run.weights_for(step)
+    if (published / PUBLISHED).exists():
+        if rank == 0:
+            link_or_copy_tree(published, checkpoint / "weights")
+    else:
+        write_weights(checkpoint / "weights")
+    if rank == 0:
+        write_json_atomic(trainer_dir / STATE_FILE, {"step": step, "rng": rng_state(),
+                                                     "world_size": dist.get_world_size()})
+    dist.barrier()
+    if rank == 0:
+        from rlorch.trainer.publish import fsync_tree
+
+        fsync_tree(checkpoint)
+        mark(trainer_dir, COMPLETE)
+    dist.barrier()
+    return checkpoint
+
+
+def load(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Restore model, optimizer and RNG from a COMPLETE checkpoint; returns its step."""
+    trainer_dir = checkpoint / "trainer"
+    if not is_complete(checkpoint):
+        raise CheckpointError(f"{checkpoint}: not a complete checkpoint (no trainer/{COMPLETE})")
+    try:
+        state = json.loads((trainer_dir / STATE_FILE).read_text())
+        step = int(state["step"])
+    except (OSError, ValueError, KeyError) as err:
+        raise CheckpointError(f"{trainer_dir / STATE_FILE}: unreadable ({err})") from err
+    model_state, optim_state = get_state_dict(model, optimizer)
+    loaded = {"model": model_state, "optim": optim_state}
+    dcp.load(loaded, checkpoint_id=str(trainer_dir / "dcp"))
+    set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    set_rng_state(state["rng"])
+    return step

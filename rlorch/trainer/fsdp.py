@@ -1,0 +1,307 @@
+"""The FSDP2 trainer worker: ``torchrun ... -m rlorch.trainer.fsdp --run-dir RUN_DIR [--resume CKPT]``.
+
+It talks to the orchestrator only through the run directory (see :mod:`rlorch.rundir`): it reads
+batch N from ``rollouts/step_N.jsonl``, takes one optimizer step, appends a line to
+``trainer/metrics.jsonl``, publishes version N into ``weights/`` and writes full checkpoints.
+
+Invariant: version N is the weights after exactly the batches 1..N, each trained once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+_MULTI_NODE_FLAGS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id",
+                     "--rdzv-conf", "--master-addr", "--master-port")
+POLL_SECONDS = 0.01
+
+
+def trainer_command(config, run_dir: Path, resume: Optional[Path] = None) -> list[str]:
+    """The torchrun command line the runner launches (``--standalone`` unless the extra
+    torchrun arguments set up their own rendezvous)."""
+    trainer = config.trainer
+    flags = {arg.split("=", 1)[0].replace("_", "-") for arg in trainer.torchrun_args}
+    command = [sys.executable, "-m", "torch.distributed.run"]
+    if not flags & set(_MULTI_NODE_FLAGS):
+        command.append("--standalone")
+    command += ["--nproc-per-node", str(trainer.nproc), *trainer.torchrun_args,
+                "-m", "rlorch.trainer.fsdp", "--run-dir", str(run_dir)]
+    if resume is not None:
+        command += ["--resume", str(resume)]
+    return command
+
+
+@dataclass
+class Worker:
+    """One rank's state: the sharded model, its optimizer and where it is in the run."""
+
+    config: object
+    run: object
+    model: object
+    optimizer: object
+    tokenizer: object
+    device: object
+    rank: int
+    world: int
+    step: int = 0
+    saved: set = field(default_factory=set)
+    """Checkpoints this life resumed from or wrote; any other one on disk gets overwritten."""
+
+
+def _setup_distributed(device_setting: str):
+    import torch
+    import torch.distributed as dist
+
+    use_cuda = device_setting == "cuda" or (device_setting == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    return device
+
+
+def _decoder_layers(model) -> list:
+    """The repeated blocks HF marks as not-to-split (``_no_split_modules``): one FSDP unit each."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [module for module in model.modules() if type(module).__name__ in names]
+
+
+def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlorch.model import resolve_model_path
+    from rlorch.trainer import checkpoint
+
+    torch.manual_seed(config.run.seed)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path = resolve_model_path(config.model.path) if rank == 0 else None
+    path = _broadcast(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, config.model.dtype))
+    mesh = init_device_mesh(device.type, (world,))
+    for layer in _decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.trainer.lr,
+                                  weight_decay=config.trainer.weight_decay)
+    tokenizer = AutoTokenizer.from_pretrained(path) if rank == 0 else None
+    worker = Worker(config, run, model, optimizer, tokenizer, device, rank, world)
+    if resume is not None:
+        worker.step = checkpoint.load(resume, model, optimizer)
+        worker.saved.add(worker.step)
+    return worker
+
+
+def _broadcast(value):
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_reduce(values: list[float], device, op: str = "sum") -> list[float]:
+    """All-reduce a few numbers (on the device: NCCL reduces only device tensors)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_world_size() == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return tensor.tolist()
+
+
+def wait_for_batch(run, step: int, device) -> bool:
+    """Block until batch ``step`` exists (True) or STOP appears first (False).
+
+    A batch already on disk is trained before STOP is honoured: the orchestrator persisted it as
+    trained data when it shipped it.
+    """
+    batch = run.batch(step)
+    while True:
+        # Every rank must take the same branch: any rank seeing a file decides for all.
+        has_batch, stop = _all_reduce([float(batch.exists()), float(run.stop_file.exists())], device, "max")
+        if has_batch:
+            while not batch.exists():
+                time.sleep(POLL_SECONDS)
+            return True
+        if stop:
+            return False
+        time.sleep(POLL_SECONDS)
+
+
+def train_step(worker: Worker, step: int) -> dict:
+    """One optimizer step on batch ``step``; returns its metrics line (global over ranks)."""
+    import torch
+
+    from rlorch.trainer.batch import micro_batches, read_batch
+
+    started = time.perf_counter()
+    trainer, model = worker.config.trainer, worker.model
+    sequences = read_batch(worker.run.batch(step), model.config.vocab_size)
+    total_tokens = sum(sum(s.loss_mask) for s in sequences)
+    count = max(1, math.ceil(math.ceil(len(sequences) / worker.world) / trainer.micro_batch_size))
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    micros = micro_batches(sequences[worker.rank::worker.world], trainer.micro_batch_size, count, pad_id)
+    model.train()
+    worker.optimizer.zero_grad(set_to_none=True)
+    loss_sum, stats = _accumulate(worker, micros, max(total_tokens, 1))
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.max_grad_norm)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    if total_tokens > 0:
+        worker.optimizer.step()
+    summed = _all_reduce(stats.as_tensor().tolist() + [loss_sum], worker.device)
+    ratio_max = _all_reduce([stats.ratio_max], worker.device, "max")[0]
+    merged = type(stats).from_tensor(torch.tensor(summed[:-1]), ratio_max)
+    rewards = [s.reward for s in sequences]
+    return {"step": step, "loss": summed[-1], "grad_norm": float(grad_norm), **merged.summary(),
+            "tokens": int(total_tokens), "sequences": len(sequences),
+            "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+            "step_s": time.perf_counter() - started}
+
+
+def _accumulate(worker: Worker, micros: list, total_tokens: int):
+    """Forward/backward every micro-batch; gradients accumulate to the global token mean."""
+    from rlorch.trainer.loss import LossStats, policy_loss, token_logprobs
+
+    trainer, device = worker.config.trainer, worker.device
+    loss_sum, stats = 0.0, LossStats()
+    for micro in micros:
+        tokens = micro.tokens.to(device)
+        logp = token_logprobs(worker.model(input_ids=tokens).logits, tokens, worker.config.rollout.temperature)
+        # One optimizer step per batch: the proximal policy (the weights before the update)
+        # is exactly the policy of this forward, so its logprobs are these, detached.
+        loss, micro_stats = policy_loss(
+            logp, micro.behaviour.to(device), micro.mask.to(device), micro.advantages.to(device),
+            correction=trainer.correction, clip_eps=trainer.clip_eps, is_cap=trainer.is_cap,
+            prox=logp.detach(), normalizer=total_tokens)
+        # FSDP averages gradients over ranks; scaling by the world size keeps the global token mean.
+        (loss * worker.world).backward()
+        loss_sum += loss.item()
+        stats = stats.merge(micro_stats)
+    return loss_sum, stats
+
+
+def _full_state_dict(model) -> dict:
+    """Collective: the full (unsharded) state dict on rank 0's CPU, empty elsewhere."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def write_weights(worker: Worker, target: Path) -> None:
+    """Collective: the HF checkpoint of the current weights into ``target`` (rank 0 writes)."""
+    from rlorch.trainer.publish import write_hf
+
+    state = _full_state_dict(worker.model)
+    if worker.rank == 0:
+        write_hf(target, worker.model, state, worker.tokenizer)
+
+
+def publish_version(worker: Worker, step: int) -> None:
+    import torch.distributed as dist
+
+    from rlorch.trainer.publish import prune, publish
+
+    state = _full_state_dict(worker.model)
+    if worker.rank == 0:
+        publish(worker.run, step, worker.model, state, worker.tokenizer)
+        prune(worker.run, worker.config.trainer.keep)
+    dist.barrier()
+
+
+def save_checkpoint(worker: Worker, step: int) -> None:
+    from rlorch.trainer import checkpoint
+
+    if step in worker.saved:
+        return
+    worker.saved.add(step)
+    checkpoint.save(worker.run, step, worker.model, worker.optimizer, rank=worker.rank,
+                    write_weights=lambda target: write_weights(worker, target))
+
+
+def _append_metrics(run, record: dict) -> None:
+    with open(run.trainer / "metrics.jsonl", "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
+def run_loop(worker: Worker) -> None:
+    """Train steps ``worker.step + 1 .. train.steps``; checkpoint on STOP and at the end."""
+    config, run = worker.config, worker.run
+    last = config.train.steps
+    for step in range(worker.step + 1, last + 1):
+        if not wait_for_batch(run, step, worker.device):
+            if worker.step > 0:  # step 0 is the base model: nothing to save
+                save_checkpoint(worker, worker.step)
+            _log(worker, f"STOP after step {worker.step}")
+            return
+        record = train_step(worker, step)
+        worker.step = step
+        if step % config.trainer.publish_every == 0 or step == last:
+            started = time.perf_counter()
+            publish_version(worker, step)
+            record["publish_s"] = time.perf_counter() - started
+        if worker.rank == 0:
+            _append_metrics(run, record)
+            _log(worker, " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                  for k, v in record.items()))
+        if step % config.trainer.checkpoint_every == 0 or step == last:
+            save_checkpoint(worker, step)
+
+
+def _log(worker: Worker, message: str) -> None:
+    if worker.rank == 0:
+        print(f"[trainer] {message}", flush=True)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rlorch.trainer.fsdp", description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--resume", type=Path, default=None, help="RUN_DIR/checkpoints/step_N")
+    args = parser.parse_args(argv)
+
+    import torch.distributed as dist
+
+    from rlorch.rundir import RunDir, load_config, write_json_atomic
+    from rlorch.trainer.batch import BatchError
+    from rlorch.trainer.checkpoint import CheckpointError
+    from rlorch.trainer.publish import clear_staging, discard_newer
+
+    run = RunDir(args.run_dir)
+    config = load_config(run.config)
+    device = _setup_distributed(config.trainer.device)
+    try:
+        worker = build_worker(config, run, device, args.resume)
+        if worker.rank == 0:
+            run.make()
+            clear_staging(run)
+            discard_newer(run, worker.step)
+            write_json_atomic(run.trainer / "ready", {"step": worker.step, "world_size": worker.world,
+                                                      "device": str(device), "pid": os.getpid()})
+        run_loop(worker)
+    except (BatchError, CheckpointError) as err:
+        print(f"rlorch trainer: {err}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

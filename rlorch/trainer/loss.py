@@ -1,0 +1,140 @@
+"""The policy loss: a token-level clipped policy-gradient objective with off-policy correction.
+
+Pure functions on tensors. Shapes: ``[batch, seq]`` per-token tensors aligned with the input
+tokens (position ``t`` holds the logprob of token ``t`` given tokens ``< t``), ``[batch]``
+advantages (one group-normalised advantage per rollout, shared by all its tokens).
+
+Aggregation is a global token mean: every masked token of the whole batch (all micro-batches,
+all ranks) has the same weight, so the caller passes ``normalizer`` = the batch's total masked
+token count and sums the returned losses (gradient accumulation) instead of averaging them.
+
+Corrections (``behaviour`` = logprobs of the engine that sampled the tokens):
+
+* ``decoupled``: PPO clip of ``exp(logp - prox)`` against the proximal policy (the trainer's
+  weights before the update), each token weighted by the detached behaviour importance weight
+  ``min(exp(prox - behaviour), is_cap)``. The clip bounds the update; the weight corrects for
+  the data being sampled by an older policy.
+* ``tis``: truncated importance sampling, no PPO clip: ``-min(exp(logp.detach() - behaviour),
+  is_cap) * A * logp``. Its gradient is the importance-weighted policy gradient with the weight
+  truncated at ``is_cap``; a clip would be redundant with the cap on a single update per batch.
+* ``none``: PPO clip of ``exp(logp - behaviour)``, no weighting. Treats the data as on-policy,
+  which is only sound when the behaviour policy is the current one (staleness 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from rlorch.config import Correction
+
+STAT_KEYS = ("kl", "ratio_mean", "ratio_max", "clip_frac", "is_capped_frac")
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Logprob of each token under the logits of the position before it; position 0 gets 0.
+
+    ``logits``: ``[batch, seq, vocab]``, ``tokens``: ``[batch, seq]`` -> ``[batch, seq]``.
+    Sampling at ``temperature`` draws from ``softmax(logits / temperature)``, the distribution
+    the engines report behaviour logprobs of, so ratios compare like with like (0 = greedy,
+    reported unscaled).
+    """
+    logits = logits[:, :-1].float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    picked = torch.gather(logits, -1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+    shifted = picked - torch.logsumexp(logits, dim=-1)
+    return torch.nn.functional.pad(shifted, (1, 0), value=0.0)
+
+
+@dataclass
+class LossStats:
+    """Sums over masked tokens, so micro-batches and ranks combine exactly (see :meth:`merge`)."""
+
+    tokens: float = 0.0
+    kl_sum: float = 0.0
+    ratio_sum: float = 0.0
+    ratio_max: float = 0.0
+    clipped: float = 0.0
+    capped: float = 0.0
+
+    def merge(self, other: "LossStats") -> "LossStats":
+        return LossStats(tokens=self.tokens + other.tokens, kl_sum=self.kl_sum + other.kl_sum,
+                         ratio_sum=self.ratio_sum + other.ratio_sum,
+                         ratio_max=max(self.ratio_max, other.ratio_max),
+                         clipped=self.clipped + other.clipped, capped=self.capped + other.capped)
+
+    def as_tensor(self) -> torch.Tensor:
+        """Summable fields (for an all-reduce SUM); ``ratio_max`` goes through a MAX reduce."""
+        return torch.tensor([self.tokens, self.kl_sum, self.ratio_sum, self.clipped, self.capped],
+                            dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, sums: torch.Tensor, ratio_max: float) -> "LossStats":
+        tokens, kl_sum, ratio_sum, clipped, capped = sums.tolist()
+        return cls(tokens, kl_sum, ratio_sum, ratio_max, clipped, capped)
+
+    def summary(self) -> dict[str, float]:
+        """Per-token means: ``kl`` approximates KL(behaviour || current) (k3 estimator),
+        ``ratio_*`` describe exp(current - behaviour), ``clip_frac`` the tokens whose gradient
+        the PPO clip removed, ``is_capped_frac`` the tokens whose weight hit ``is_cap``."""
+        n = max(self.tokens, 1.0)
+        return {"kl": self.kl_sum / n, "ratio_mean": self.ratio_sum / n, "ratio_max": self.ratio_max,
+                "clip_frac": self.clipped / n, "is_capped_frac": self.capped / n}
+
+
+def _ppo_term(log_ratio: torch.Tensor, adv: torch.Tensor, clip_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate (to minimise) and where the clip took the gradient away."""
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped).detach()
+
+
+def policy_loss(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
+                advantages: torch.Tensor, *, correction: Correction, clip_eps: float, is_cap: float,
+                prox: Optional[torch.Tensor] = None,
+                normalizer: Optional[float] = None) -> tuple[torch.Tensor, LossStats]:
+    """The loss of one micro-batch (sum over masked tokens / ``normalizer``) and its stats.
+
+    ``prox`` is required for ``decoupled`` (no gradient flows through it). ``normalizer``
+    defaults to this micro-batch's masked token count.
+    """
+    correction = Correction(correction)
+    mask = mask.to(logp.dtype)
+    behaviour = behaviour.to(logp.dtype)
+    adv = advantages.to(logp.dtype).unsqueeze(-1).expand_as(logp)
+    capped = torch.zeros_like(mask, dtype=torch.bool)
+    if correction == Correction.decoupled:
+        if prox is None:
+            raise ValueError("decoupled correction needs the proximal logprobs (prox)")
+        prox = prox.detach().to(logp.dtype)
+        per_token, clipped = _ppo_term(logp - prox, adv, clip_eps)
+        raw = torch.exp(prox - behaviour)
+        per_token = per_token * torch.clamp(raw, max=is_cap)
+        capped = raw > is_cap
+    elif correction == Correction.tis:
+        raw = torch.exp(logp.detach() - behaviour)
+        per_token = -torch.clamp(raw, max=is_cap) * adv * logp
+        clipped = torch.zeros_like(capped)
+        capped = raw > is_cap
+    else:
+        per_token, clipped = _ppo_term(logp - behaviour, adv, clip_eps)
+    total = mask.sum().item()
+    denom = float(normalizer) if normalizer is not None else max(total, 1.0)
+    loss = (per_token * mask).sum() / denom
+    return loss, _stats(logp.detach(), behaviour, mask, clipped, capped)
+
+
+def _stats(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
+           clipped: torch.Tensor, capped: torch.Tensor) -> LossStats:
+    log_ratio = (logp - behaviour) * mask
+    ratio = torch.exp(log_ratio)
+    k3 = torch.exp(-log_ratio) - 1.0 + log_ratio
+    on = mask > 0
+    return LossStats(tokens=float(mask.sum()), kl_sum=float((k3 * mask).sum()),
+                     ratio_sum=float((ratio * mask).sum()),
+                     ratio_max=float(ratio[on].max()) if on.any() else 0.0,
+                     clipped=float((clipped & on).sum()), capped=float((capped & on).sum()))

@@ -1,0 +1,144 @@
+"""The policy loss as pure tensor math: gradient direction, clipping, IS caps, corrections, masking."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlorch.config import Correction
+from rlorch.trainer.loss import LossStats, policy_loss, token_logprobs
+
+ARGS = dict(clip_eps=0.2, is_cap=2.0)
+
+
+def _leaf(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64, requires_grad=True)
+
+
+def _grad(logp: torch.Tensor, behaviour, mask, adv, correction, prox=None, **kwargs):
+    loss, stats = policy_loss(logp, torch.tensor(behaviour, dtype=torch.float64),
+                              torch.tensor(mask, dtype=torch.float64),
+                              torch.tensor(adv, dtype=torch.float64), correction=correction,
+                              prox=prox, **{**ARGS, **kwargs})
+    loss.backward()
+    return loss, stats, logp.grad
+
+
+@pytest.mark.parametrize("correction", list(Correction))
+def test_on_policy_is_plain_policy_gradient(correction):
+    """ratio = 1: every mode's gradient is -A * grad(logp) / tokens (raise logp where A > 0)."""
+    values = [[-1.0, -2.0, -0.5], [-0.3, -1.5, -2.5]]
+    logp = _leaf(values)
+    _, stats, grad = _grad(logp, values, [[1, 1, 1], [1, 1, 1]], [1.0, -0.5], correction,
+                           prox=torch.tensor(values, dtype=torch.float64))
+    expected = torch.tensor([[-1.0] * 3, [0.5] * 3], dtype=torch.float64) / 6
+    assert torch.allclose(grad, expected)
+    assert stats.summary()["ratio_mean"] == pytest.approx(1.0)
+    assert stats.summary()["kl"] == pytest.approx(0.0)
+    assert stats.summary()["clip_frac"] == 0.0
+
+
+def test_ppo_clip_removes_gradient_outside_the_trust_region():
+    behaviour = [[-1.0, -1.0]]
+    logp = _leaf([[-1.0 + math.log(1.5), -1.0 + math.log(0.5)]])  # ratios 1.5 and 0.5
+    _, stats, grad = _grad(logp, behaviour, [[1, 1]], [1.0], Correction.none)
+    assert grad[0, 0] == 0.0  # A > 0 and ratio above 1 + eps: clipped
+    assert grad[0, 1] == pytest.approx(-0.5 / 2)  # A > 0, ratio below 1 - eps: min keeps it
+    assert stats.summary()["clip_frac"] == 0.5
+    assert stats.summary()["ratio_max"] == pytest.approx(1.5)
+
+    logp = _leaf([[-1.0 + math.log(1.5), -1.0 + math.log(0.5)]])
+    _, _, grad = _grad(logp, behaviour, [[1, 1]], [-1.0], Correction.none)
+    assert grad[0, 0] == pytest.approx(1.5 / 2)  # A < 0: a too-likely token is still pushed down
+    assert grad[0, 1] == 0.0
+
+
+def test_decoupled_weights_by_capped_behaviour_ratio_and_clips_against_prox():
+    prox = torch.tensor([[-1.0, -1.0, -1.0]], dtype=torch.float64)
+    behaviour = [[-1.0 - math.log(1.5), -1.0 - math.log(5.0), -1.0]]  # weights 1.5, 5 -> cap 2, 1
+    logp = _leaf(prox.tolist())
+    _, stats, grad = _grad(logp, behaviour, [[1, 1, 1]], [1.0], Correction.decoupled, prox=prox)
+    assert torch.allclose(grad, -torch.tensor([[1.5, 2.0, 1.0]], dtype=torch.float64) / 3)
+    assert stats.summary()["is_capped_frac"] == pytest.approx(1 / 3)
+
+    moved = _leaf([[-1.0 + math.log(1.5), -1.0, -1.0]])  # ratio to prox 1.5 > 1 + eps
+    _, stats, grad = _grad(moved, behaviour, [[1, 1, 1]], [1.0], Correction.decoupled, prox=prox)
+    assert grad[0, 0] == 0.0 and stats.summary()["clip_frac"] == pytest.approx(1 / 3)
+
+
+def test_decoupled_needs_prox():
+    with pytest.raises(ValueError, match="prox"):
+        _grad(_leaf([[-1.0]]), [[-1.0]], [[1]], [1.0], Correction.decoupled)
+
+
+def test_tis_truncates_the_importance_weight_without_clipping():
+    behaviour = [[-2.0, -1.0 - math.log(3.0)]]
+    logp = _leaf([[-2.0 + math.log(1.5), -1.0]])  # weights 1.5 and 3 -> 2
+    _, stats, grad = _grad(logp, behaviour, [[1, 1]], [1.0], Correction.tis)
+    assert torch.allclose(grad, -torch.tensor([[1.5, 2.0]], dtype=torch.float64) / 2)
+    assert stats.summary()["clip_frac"] == 0.0 and stats.summary()["is_capped_frac"] == 0.5
+
+
+def _one_token_grad(correction, current: float, prox: float, behaviour: float) -> float:
+    logp = _leaf([[math.log(current)]])
+    prox_t = torch.tensor([[math.log(prox)]], dtype=torch.float64)
+    return _grad(logp, [[math.log(behaviour)]], [[1]], [1.0], correction, prox=prox_t)[2].item()
+
+
+def test_corrections_differ_off_policy():
+    """Stale data: ``none`` clips it away as if it were a large update, ``decoupled`` and ``tis``
+    keep it, importance-weighted (capped); ``decoupled`` clips only the move away from prox."""
+    fresh = {c: _one_token_grad(c, current=0.3, prox=0.3, behaviour=0.2) for c in Correction}
+    assert fresh[Correction.none] == 0.0  # ratio 1.5 to behaviour: outside the clip
+    assert fresh[Correction.decoupled] == pytest.approx(-1.5)  # weight 1.5, ratio 1 to prox
+    assert fresh[Correction.tis] == pytest.approx(-1.5)
+    very_stale = {c: _one_token_grad(c, current=0.3, prox=0.3, behaviour=0.1) for c in Correction}
+    assert very_stale[Correction.decoupled] == pytest.approx(-2.0)  # weight 3 capped at is_cap
+    assert very_stale[Correction.tis] == pytest.approx(-2.0)
+    moved = {c: _one_token_grad(c, current=0.3, prox=0.2, behaviour=0.2) for c in Correction}
+    assert moved[Correction.decoupled] == 0.0  # already 1.5x the proximal policy: clipped
+    assert moved[Correction.none] == 0.0
+    assert moved[Correction.tis] == pytest.approx(-1.5)  # no trust region, only the cap
+
+
+def test_masked_tokens_contribute_nothing():
+    logp = _leaf([[-1.0, -7.0, -2.0]])
+    loss, stats, grad = _grad(logp, [[-1.0, -0.1, -2.0]], [[1, 0, 1]], [2.0], Correction.none)
+    assert grad[0, 1] == 0.0
+    assert stats.tokens == 2 and stats.summary()["ratio_max"] == pytest.approx(1.0)
+    unmasked = _leaf([[-1.0, 0.0, -2.0]])
+    same, _, _ = _grad(unmasked, [[-1.0, 5.0, -2.0]], [[1, 0, 1]], [2.0], Correction.none)
+    assert loss.item() == pytest.approx(same.item())
+
+
+def test_global_token_mean_across_micro_batches():
+    """Summing micro-batch losses normalised by the batch's token count equals one big batch."""
+    logp = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -0.7, -0.9]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.float64)
+    adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    whole, whole_stats = policy_loss(logp, logp, mask, adv, correction=Correction.none, **ARGS)
+    parts = [policy_loss(logp[i:i + 1], logp[i:i + 1], mask[i:i + 1], adv[i:i + 1],
+                         correction=Correction.none, normalizer=5, **ARGS) for i in range(2)]
+    assert sum(p[0] for p in parts).item() == pytest.approx(whole.item())
+    merged = parts[0][1].merge(parts[1][1])
+    assert merged.tokens == whole_stats.tokens == 5
+    assert LossStats.from_tensor(merged.as_tensor(), merged.ratio_max).summary() == whole_stats.summary()
+
+
+def test_token_logprobs_align_with_tokens():
+    logits = torch.randn(2, 4, 7)
+    tokens = torch.randint(0, 7, (2, 4))
+    got = token_logprobs(logits, tokens)
+    assert got.shape == (2, 4) and torch.all(got[:, 0] == 0)
+    expected = torch.log_softmax(logits[0, 1], -1)[tokens[0, 2]]
+    assert got[0, 2].item() == pytest.approx(expected.item(), abs=1e-5)
+
+
+def test_token_logprobs_use_the_sampling_temperature():
+    logits = torch.randn(1, 3, 5)
+    tokens = torch.tensor([[1, 2, 3]])
+    hot = token_logprobs(logits, tokens, temperature=2.0)
+    assert torch.allclose(hot, token_logprobs(logits / 2.0, tokens))
+    assert torch.allclose(token_logprobs(logits, tokens, temperature=0.0), token_logprobs(logits, tokens))

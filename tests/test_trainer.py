@@ -1,0 +1,173 @@
+"""The FSDP2 trainer for real: torchrun on CPU (gloo) with the tiny model, batches written by hand."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlorch.compose import compose
+from rlorch.rundir import COMPLETE, PUBLISHED, RunDir, save_config, write_atomic
+
+
+@pytest.fixture(autouse=True)
+def _home(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("RLORCH_HOME", str(tmp_path_factory.getbasetemp() / "rlorch-home"))
+
+
+def _make_run(root: Path, *overrides: str) -> tuple[RunDir, object]:
+    run = RunDir(root).make()
+    config = compose(["trainer.device=cpu", "train.steps=3", "trainer.checkpoint_every=2",
+                      "trainer.micro_batch_size=2", *overrides])
+    save_config(config, run.config)
+    return run, config
+
+
+def _rollout(prompt: str, completion: str, advantage: float, logprob: float = -2.5) -> dict:
+    from rlorch.model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    tokens = prompt_ids + completion_ids
+    mask = [0] * len(prompt_ids) + [1] * len(completion_ids)
+    return {"group_id": 0, "episode_id": "e", "env": "reverse", "tokens": tokens, "loss_mask": mask,
+            "logprobs": [logprob * m for m in mask], "versions": [[0, len(completion_ids)]],
+            "reward": max(advantage, 0.0), "origin": "live", "finish_reason": "stop", "is_eval": False,
+            "prompt_len": len(prompt_ids), "completion": completion, "advantage": advantage}
+
+
+def _write_batch(run: RunDir, step: int, lines: list[dict] | None = None) -> None:
+    lines = lines or [_rollout("123=", "321", 1.0), _rollout("123=", "999", -1.0),
+                      _rollout("4567=", "7654", 0.5), _rollout("4567=", "76", -0.5),
+                      _rollout("89=", "98", 0.0)]
+    write_atomic(run.batch(step), "".join(json.dumps(line) + "\n" for line in lines).encode())
+
+
+def _launch(config, run: RunDir, resume: Path | None = None) -> subprocess.Popen:
+    from rlorch.trainer.fsdp import trainer_command
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen(trainer_command(config, run.root, resume), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(process: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
+    output, _ = process.communicate(timeout=timeout)
+    return process.returncode, output
+
+
+def _metrics(run: RunDir) -> list[dict]:
+    path = run.trainer / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_trainer_command_standalone_unless_rendezvous(tmp_path):
+    from rlorch.trainer.fsdp import trainer_command
+
+    config = compose(["trainer.nproc=2"])
+    command = trainer_command(config, tmp_path, tmp_path / "checkpoints" / "step_000002")
+    assert command[:4] == [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    assert command[command.index("--nproc-per-node") + 1] == "2"
+    assert command[-4:] == ["--run-dir", str(tmp_path), "--resume", str(tmp_path / "checkpoints" / "step_000002")]
+    cluster = compose(['trainer.torchrun_args=["--nnodes=2","--rdzv_endpoint=host:29400"]'])
+    assert "--standalone" not in trainer_command(cluster, tmp_path, None)
+
+
+def _wait_for(condition, process: subprocess.Popen, timeout: float = 90) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        if process.poll() is not None or time.time() > deadline:
+            process.kill()
+            raise AssertionError(process.communicate()[0])
+        time.sleep(0.05)
+
+
+def test_trains_publishes_checkpoints_resumes_and_stops(tmp_path):
+    """Two ranks train 3 steps; one rank resumes from step 2 (DCP reshards), re-trains step 3
+    identically, then checkpoints step 3 on STOP while waiting for batch 4."""
+    from transformers import AutoModelForCausalLM
+
+    run, config = _make_run(tmp_path / "run", "trainer.nproc=2", "trainer.keep=2")
+    for step in (1, 2, 3):
+        _write_batch(run, step)
+    code, output = _finish(_launch(config, run))
+    assert code == 0, output
+    assert json.loads((run.trainer / "ready").read_text())["world_size"] == 2
+    first_life = _metrics(run)
+    assert [m["step"] for m in first_life] == [1, 2, 3]
+    assert first_life[0]["tokens"] == 19 and first_life[0]["sequences"] == 5
+    assert first_life[0]["grad_norm"] > 0
+    assert set(first_life[0]) >= {"loss", "kl", "ratio_mean", "ratio_max", "clip_frac", "step_s"}
+    assert [step for step, _ in run.published_weights()] == [2, 3]  # keep=2 pruned version 1
+    model = AutoModelForCausalLM.from_pretrained(run.weights_for(3))
+    assert model.config.vocab_size > 0 and (run.weights_for(3) / "tokenizer.json").exists()
+    assert json.loads((run.weights_for(3) / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    assert [step for step, _ in run.complete_checkpoints()] == [2, 3]
+    assert AutoModelForCausalLM.from_pretrained(run.checkpoint(2) / "weights").config.vocab_size > 0
+
+    # Step 3's weights and checkpoint now belong to an abandoned trajectory: both get replaced.
+    (run.weights_for(3) / "abandoned").write_text("")
+    (run.checkpoint(3) / "trainer" / "abandoned").write_text("")
+    config = compose(["trainer.device=cpu", "train.steps=5", "trainer.checkpoint_every=10",
+                      "trainer.micro_batch_size=2", "trainer.nproc=1"])
+    save_config(config, run.config)
+    process = _launch(config, run, run.checkpoint(2))
+    _wait_for(lambda: len(_metrics(run)) == 4 and (run.weights_for(3) / PUBLISHED).exists(), process)
+    write_atomic(run.stop_file, b"")
+    code, output = _finish(process)
+    assert code == 0, output
+    resumed = _metrics(run)[3]
+    assert resumed["step"] == 3
+    # Same checkpoint, same batch: the resumed step reproduces the first life's step 3.
+    assert resumed["loss"] == pytest.approx(first_life[2]["loss"], rel=1e-4, abs=1e-6)
+    assert resumed["grad_norm"] == pytest.approx(first_life[2]["grad_norm"], rel=1e-4)
+    assert (run.checkpoint(3) / "trainer" / COMPLETE).exists()
+    assert not (run.checkpoint(3) / "trainer" / "abandoned").exists()
+    assert not (run.weights_for(3) / "abandoned").exists()
+    assert json.loads((run.checkpoint(3) / "trainer" / "trainer_state.json").read_text())["step"] == 3
+    assert not run.weights_for(4).exists()
+
+
+def test_malformed_batch_names_file_and_line(tmp_path):
+    run, config = _make_run(tmp_path / "run", "train.steps=1")
+    good = json.dumps(_rollout("12=", "21", 1.0))
+    write_atomic(run.batch(1), f"{good}\n{{\"tokens\": [1, 2]}}\n".encode())
+    code, output = _finish(_launch(config, run))
+    assert code != 0
+    assert f"{run.batch(1)}:2: missing key(s)" in output
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"logprobs": [0.0]}, "must be non-empty and of equal length"),
+    ({"advantage": float("nan")}, "must be finite"),
+    ({"tokens": [1, 10_000, 3, 4, 5]}, "outside the vocabulary"),
+    ({"loss_mask": [1, 0, 0, 0, 0]}, "loss_mask[0] is set"),
+    ({"tokens": "12"}, "must be lists"),
+])
+def test_read_batch_rejects_malformed_lines(tmp_path, change, message):
+    from rlorch.trainer.batch import BatchError, read_batch
+
+    good = _rollout("12=", "2", 1.0)
+    path = tmp_path / "step_000001.jsonl"
+    path.write_text(json.dumps(good) + "\n\n" + json.dumps({**good, **change}) + "\n")
+    with pytest.raises(BatchError) as caught:
+        read_batch(path, vocab_size=64)
+    assert str(caught.value).startswith(f"{path}:3: ") and message in str(caught.value)
+
+
+def test_micro_batches_pad_and_fill_to_the_same_count():
+    from rlorch.trainer.batch import Sequence, micro_batches
+
+    sequences = [Sequence([5, 6, 7], [0, 1, 1], [0.0, -1.0, -2.0], 1.0, 1.0),
+                 Sequence([5, 6], [0, 1], [0.0, -1.0], -1.0, 0.0)]
+    micros = micro_batches(sequences, size=1, count=3, pad_id=0)
+    assert [m.tokens.tolist() for m in micros] == [[[5, 6, 7]], [[5, 6]], [[0, 0]]]
+    assert micros[2].mask.sum() == 0  # filler for a rank short of data trains nothing
+    both = micro_batches(sequences, size=2, count=1, pad_id=0)[0]
+    assert both.tokens.tolist() == [[5, 6, 7], [5, 6, 0]] and both.mask.tolist() == [[0, 1, 1], [0, 1, 0]]
