@@ -53,31 +53,43 @@ def test_group_advantages_and_zero_variance_filter():
     assert zero_variance_filter([rollout(0, 1.0, [[0, 1]]), rollout(0, 0.0, [[0, 1]])]) is None
 
 
-def test_sink_emits_batches_of_whole_groups_and_filters_flat_ones():
+def test_sink_filters_flat_groups_on_arrival_and_emits_full_batches():
     sink = TrainSink(batch_size=4, max_staleness=2, strict=False)
-    sink.add([rollout(0, 1.0, [[0, 2]]), rollout(0, 0.0, [[0, 2]])], step=1)
+    assert sink.add([rollout(0, 1.0, [[0, 2]]), rollout(0, 0.0, [[0, 2]])], step=1) is None
+    assert sink.add([rollout(1, 0.5, [[0, 2]]), rollout(1, 0.5, [[0, 2]])], step=1) == "zero_variance"
     assert not sink.ready()
-    sink.add([rollout(1, 0.5, [[0, 2]]), rollout(1, 0.5, [[0, 2]])], step=1)
-    assert sink.ready()
-    batch, filtered = sink.emit(step=1)
-    assert filtered == 2 and [r.group_id for r in batch.rollouts] == [0, 0]
+    assert sink.add([rollout(2, 0.0, [[0, 2]]), rollout(2, 0.2, [[0, 2]])], step=1) is None
+    batch = sink.emit(step=1)
+    assert [r.group_id for r in batch.rollouts] == [0, 0, 2, 2] and batch.filtered == 2
     assert sink.totals.filtered_by == {"zero_variance": 2} and sink.buffered == 0
 
 
-def test_sink_counts_a_batch_with_nothing_trainable_as_empty():
+def test_sink_counts_each_batch_worth_of_filtered_rollouts_as_an_empty_batch():
+    sink = TrainSink(batch_size=4, max_staleness=0, strict=False)
+    for group in range(4):
+        sink.add([rollout(group, 1.0, [[0, 1]]), rollout(group, 1.0, [[0, 1]])], step=1)
+    assert sink.totals.empty_batches == 2 and sink.totals.consecutive_empty == 2
+    sink.add([rollout(9, 1.0, [[0, 1]]), rollout(9, 0.0, [[0, 1]])], step=1)
+    sink.add([rollout(10, 1.0, [[0, 1]]), rollout(10, 0.0, [[0, 1]])], step=1)
+    assert sink.emit(step=1) is not None and sink.totals.consecutive_empty == 0
+
+
+def test_single_sample_groups_are_normalised_across_the_batch():
     sink = TrainSink(batch_size=2, max_staleness=0, strict=False)
-    sink.add([rollout(0, 1.0, [[0, 1]]), rollout(0, 1.0, [[0, 1]])], step=1)
-    batch, filtered = sink.emit(step=1)
-    assert batch is None and filtered == 2
-    assert sink.totals.empty_batches == 1 and sink.totals.consecutive_empty == 1
+    sink.add([rollout(0, 1.0, [[0, 1]])], step=1)
+    sink.add([rollout(1, 0.0, [[0, 1]])], step=1)
+    assert sink.emit(step=1).advantages[0] > 0
+    sink.add([rollout(2, 1.0, [[0, 1]])], step=2)
+    sink.add([rollout(3, 1.0, [[0, 1]])], step=2)
+    assert sink.emit(step=2) is None and sink.totals.filtered_by == {"no_signal": 2}
 
 
 def test_strict_sink_hands_back_groups_older_than_the_bound():
     sink = TrainSink(batch_size=2, max_staleness=1, strict=True)
     fresh = [rollout(0, 1.0, [[4, 3]]), rollout(0, 0.0, [[4, 3]])]
     spanning_old = [rollout(1, 1.0, [[2, 1], [4, 2]]), rollout(1, 0.0, [[4, 3]])]
-    assert sink.add(fresh, step=6) == []          # trained at version 5: age 1
-    assert sink.add(spanning_old, step=6) == [spanning_old]  # head 2: age 3 > 1
+    assert sink.add(fresh, step=6) is None        # trained at version 5: age 1
+    assert sink.add(spanning_old, step=6) == "stale"  # head 2: age 3 > 1
     assert sink.totals.stale_rollouts == 2 and sink.totals.stale_tokens == 6
     assert sink.restale(step=7) == [fresh]        # by step 7 the fresh group is age 2
 

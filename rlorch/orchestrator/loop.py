@@ -171,13 +171,22 @@ class Orchestrator:
         buffered = sum(len(group) for group in state.untrained)
         self.gate.on_version_recovered(state.step, buffered=buffered)
         for group in state.untrained:
-            for stale in self.sink.add(group, state.step + 1):
-                self._stale(stale)
+            self._file(group, state.step + 1)
         for prompt in reversed(state.pending_prompts):
             self.dispatcher.requeue(prompt)
         if not self.ship_side:
             self.resume_admitted_limit = (self.config.rollout.max_staleness + 1) * self.batch_size
         self.snapshotted.add(state.step)
+
+    def _file(self, group: list[Rollout], step: int) -> None:
+        """Hand a finished group to the sink; a rejected one leaves the gate's accounting."""
+        verdict = self.sink.add(group, step)
+        if verdict == "stale":
+            self._stale(group)
+        elif verdict is not None:
+            self.gate.on_discarded(len(group))
+            self.dispatcher.notify()
+            self._check_empty()
 
     def _stale(self, group: list[Rollout]) -> None:
         """Strict mode: a group too old to train is regenerated, or dropped after max_regenerations."""
@@ -276,14 +285,12 @@ class Orchestrator:
             for stale in self.sink.restale(step):
                 self._stale(stale)
             while not self.sink.ready():
-                for stale in self.sink.add(await self._next_group(alarm_task), step):
-                    self._stale(stale)
+                self._file(await self._next_group(alarm_task), step)
                 self._check_alarm()
-            batch, filtered = self.sink.emit(step)
-            if filtered:
-                self.gate.on_discarded(filtered)
-                self.dispatcher.notify()
+            batch = self.sink.emit(step)
             if batch is None:
+                self.gate.on_discarded(self.batch_size)
+                self.dispatcher.notify()
                 self._check_empty()
                 continue
             if self.ship_side:

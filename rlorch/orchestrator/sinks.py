@@ -55,10 +55,13 @@ class SinkTotals:
 
 
 class TrainSink:
-    """Accumulates groups into batches of B rollouts; filters, advantages, staleness check.
+    """Filters groups as they arrive and emits batches of exactly B kept rollouts.
 
-    Invariant: every rollout handed to :meth:`add` leaves either in an emitted batch, in the
-    ``removed`` list of an emission (filtered or stale), or in :meth:`pending` at the end.
+    Filtering on arrival (rather than inside an assembled batch) keeps every batch full and the
+    gate's accounting exact: a filtered or stale group is discarded from the gate, which frees
+    its slots for a replacement, and each shipped batch consumes exactly B accepted rollouts.
+    Invariant: every rollout handed to :meth:`add` is in an emitted batch, rejected (filtered or
+    stale, counted) or still in :meth:`pending_groups`.
     """
 
     def __init__(self, *, batch_size: int, max_staleness: int, strict: bool,
@@ -70,12 +73,11 @@ class TrainSink:
         self.totals = SinkTotals()
         self._groups: list[list[Rollout]] = []
         self._count = 0
-
-    def pending(self) -> list[Rollout]:
-        """Finished rollouts not yet in a batch."""
-        return [r for group in self._groups for r in group]
+        self._filtered_run = 0
+        self._filtered_at_emit = 0
 
     def pending_groups(self) -> list[list[Rollout]]:
+        """Kept groups not yet in a batch, oldest first."""
         return list(self._groups)
 
     @property
@@ -86,20 +88,35 @@ class TrainSink:
         ages = head_ages(group, train_version)
         return bool(ages) and max(ages) > self.max_staleness
 
-    def add(self, group: list[Rollout], step: int) -> list[list[Rollout]]:
+    def _count_stale(self, group: Sequence[Rollout]) -> None:
+        self.totals.stale_groups += 1
+        self.totals.stale_rollouts += len(group)
+        self.totals.stale_tokens += sum(r.generated_tokens for r in group)
+
+    def add(self, group: list[Rollout], step: int) -> Optional[str]:
         """Take a finished group for the batch of ``step`` (trained at version step - 1).
 
-        Returns groups handed back as too stale (strict mode only); the caller regenerates or
-        drops them.
+        Returns None when kept, ``"stale"`` (strict mode: too old to train; the caller
+        regenerates or drops it) or the reason a filter gave. Every batch-worth of consecutive
+        filtered rollouts counts as one empty batch.
         """
         if self.strict and self.is_stale(group, step - 1):
-            self.totals.stale_groups += 1
-            self.totals.stale_rollouts += len(group)
-            self.totals.stale_tokens += sum(r.generated_tokens for r in group)
-            return [group]
+            self._count_stale(group)
+            return "stale"
+        reason = next((why for check in self.filters if (why := check(group))), None)
+        if reason:
+            self.totals.filtered += len(group)
+            self.totals.filtered_by[reason] = self.totals.filtered_by.get(reason, 0) + len(group)
+            self._filtered_run += len(group)
+            if self._filtered_run >= self.batch_size:
+                self._filtered_run = 0
+                self.totals.empty_batches += 1
+                self.totals.consecutive_empty += 1
+            return reason
+        self._filtered_run = 0
         self._groups.append(group)
         self._count += len(group)
-        return []
+        return None
 
     def restale(self, step: int) -> list[list[Rollout]]:
         """Strict mode: hand back buffered groups that became too stale for ``step``."""
@@ -110,19 +127,19 @@ class TrainSink:
             (stale if self.is_stale(group, step - 1) else keep).append(group)
         for group in stale:
             self._count -= len(group)
-            self.totals.stale_groups += 1
-            self.totals.stale_rollouts += len(group)
-            self.totals.stale_tokens += sum(r.generated_tokens for r in group)
+            self._count_stale(group)
         self._groups = keep
         return stale
 
     def ready(self) -> bool:
         return self._count >= self.batch_size
 
-    def emit(self, step: int) -> tuple[Optional[Batch], int]:
-        """Take B rollouts (whole groups, oldest first) and make the batch for ``step``.
+    def emit(self, step: int) -> Optional[Batch]:
+        """Take B rollouts (whole groups, oldest first) as the batch for ``step``.
 
-        Returns (batch or None when nothing was trainable, rollouts filtered out).
+        Groups of one sample are normalised across the batch instead; a batch whose rewards
+        are then all equal carries no signal: it is counted as empty and None is returned
+        (its rollouts are the caller's to discard).
         """
         taken, count = [], 0
         while self._groups and count < self.batch_size:
@@ -130,33 +147,23 @@ class TrainSink:
             taken.append(group)
             count += len(group)
         self._count -= count
-        kept_groups, filtered = [], 0
-        for group in taken:
-            reason = next((why for f in self.filters if (why := f(group))), None)
-            if reason:
-                filtered += len(group)
-                self.totals.filtered_by[reason] = self.totals.filtered_by.get(reason, 0) + len(group)
-            else:
-                kept_groups.append(group)
-        self.totals.filtered += filtered
-        rollouts, advantages = [], []
-        for group in kept_groups:
-            rollouts.extend(group)
-            advantages.extend(group_advantages([r.reward for r in group]) if len(group) > 1 else [0.0] * len(group))
-        if kept_groups and all(len(g) == 1 for g in kept_groups):
+        rollouts = [r for group in taken for r in group]
+        if all(len(group) == 1 for group in taken):
             advantages = group_advantages([r.reward for r in rollouts])
-        trainable = sum(1 for a in advantages if abs(a) > 1e-8)
-        if trainable == 0:
+        else:
+            advantages = [a for group in taken for a in group_advantages([r.reward for r in group])]
+        if not any(abs(a) > 1e-8 for a in advantages):
             self.totals.empty_batches += 1
             self.totals.consecutive_empty += 1
             self.totals.filtered += len(rollouts)
-            if rollouts:
-                self.totals.filtered_by["no_signal"] = self.totals.filtered_by.get("no_signal", 0) + len(rollouts)
-            return None, filtered + len(rollouts)
+            self.totals.filtered_by["no_signal"] = self.totals.filtered_by.get("no_signal", 0) + len(rollouts)
+            return None
         self.totals.consecutive_empty = 0
         self.totals.batches += 1
         self.totals.trained += len(rollouts)
-        return Batch(step=step, rollouts=rollouts, advantages=advantages, filtered=filtered), filtered
+        filtered = self.totals.filtered - self._filtered_at_emit
+        self._filtered_at_emit = self.totals.filtered
+        return Batch(step=step, rollouts=rollouts, advantages=advantages, filtered=filtered)
 
 
 @dataclass
