@@ -60,6 +60,9 @@ def resume_training(checkpoint: str, overrides: list[str]) -> int:
         console.print(f"[bold red]cannot resume[/] {err}", highlight=False)
         return 2
     _supersede_batches(run_dir, step_of(path))
+    if overrides:
+        shutil.copy2(run_dir.config, run_dir.root / f"config.before-resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml")
+        save_config(config, run_dir.config)
     console.print(f"resuming {run_dir.root} at step {step_of(path) + 1}", highlight=False)
     return asyncio.run(_run(config, run_dir, checkpoint=path))
 
@@ -146,6 +149,7 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
     from rlorch.orchestrator.loop import Orchestrator, ResumeState
     from rlorch.tasks import make_environment
 
+    started = time.monotonic()
     policy = PolicyVersion(0)
     env = make_environment(config)
     engines, tokenizer, trainer = None, None, None
@@ -164,7 +168,7 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
         work = make_work(config, engine=engines, tokenizer=tokenizer,
                          reward=make_reward(config, env, config.run.seed))
         orchestrator = Orchestrator(config, run_dir=run_dir, policy=policy, engines=engines, trainer=trainer,
-                                    work=work, prompts=prompts, resume=resume)
+                                    work=work, prompts=prompts, resume=resume, started=started)
         _install_signals(orchestrator)
         progress = _progress(config, orchestrator)
         try:

@@ -81,7 +81,8 @@ def age_stats(ages: list[int]) -> dict:
 
 class Orchestrator:
     def __init__(self, config: Config, *, run_dir: RunDir, policy: PolicyVersion, engines: Engine,
-                 trainer: Trainer, work: Work, prompts: Any, resume: Optional[ResumeState] = None):
+                 trainer: Trainer, work: Work, prompts: Any, resume: Optional[ResumeState] = None,
+                 started: Optional[float] = None):
         self.config = config
         self.run_dir = run_dir
         self.policy = policy
@@ -123,7 +124,7 @@ class Orchestrator:
         self.snapshotted: set[int] = set()
         self.alarm = asyncio.Event()
         self.alarm_reason: Optional[str] = None
-        self.started = time.monotonic()
+        self.started = started if started is not None else time.monotonic()
         self.last_step_record: dict = {}
         self.checkpoint_step: Optional[int] = None
         self.eval_tasks: set[asyncio.Task] = set()

@@ -60,8 +60,14 @@ class TorchrunTrainer:
         return None
 
     def error(self) -> Optional[str]:
-        if self.process is None or self.process.poll() is None or self.process.returncode == 0:
+        """Why the trainer can no longer make progress, if it cannot: it died, or it exited
+        before training the last step (it only exits cleanly at train.steps or on STOP)."""
+        if self.process is None or self.process.poll() is None:
             return None
+        if self.process.returncode == 0:
+            published = [version for version, _ in self.run_dir.published_weights()]
+            if self.run_dir.stop_file.exists() or (published and published[-1] >= self.config.train.steps):
+                return None
         return f"trainer exited with code {self.process.returncode}; {self.log}:\n{log_tail(self.log)}"
 
     async def stop(self, timeout: float) -> None:

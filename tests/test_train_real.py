@@ -1,0 +1,96 @@
+"""Real runs on CPU: `rlorch serve` engines, the FSDP2 trainer under torchrun, the tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SMALL = ["rollout.batch_size=16", "rollout.group_size=4", "rollout.max_concurrent=48", "run.progress=false",
+         "inference.num_servers=1"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict:
+    return {**os.environ, "RLORCH_HOME": str(tmp_path_factory.mktemp("home")), "PYTHONUNBUFFERED": "1"}
+
+
+def rlorch(env: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlorch.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def records(run_dir: Path) -> tuple[dict, list[dict]]:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return summary, lines
+
+
+def steps_of(lines: list[dict]) -> list[dict]:
+    return [r for r in lines if r["kind"] == "step"]
+
+
+@pytest.mark.slow
+def test_train_then_resume_continues_from_the_checkpoint(env, tmp_path):
+    run_dir = tmp_path / "real"
+    done = rlorch(env, "train", f"run.dir={run_dir}", "train.steps=4", "trainer.checkpoint_every=2", *SMALL)
+    assert done.returncode == 0, done.stderr
+    summary, lines = records(run_dir)
+    assert summary["lost"] == 0 and summary["steps"] == 4
+    step_lines = steps_of(lines)
+    assert all(r["loss"] is not None and r["grad_norm"] is not None for r in step_lines)
+    assert (run_dir / "config.yaml").exists() and (run_dir / "rollouts" / "step_000004.jsonl").exists()
+
+    from transformers import AutoModelForCausalLM
+
+    published = sorted((run_dir / "weights").glob("step_*"))
+    assert published and (published[-1] / "PUBLISHED").exists()
+    AutoModelForCausalLM.from_pretrained(published[-1])
+
+    again = rlorch(env, "resume", f"checkpoint={run_dir / 'checkpoints' / 'step_000004'}", "train.steps=6")
+    assert again.returncode == 0, again.stderr
+    summary, lines = records(run_dir)
+    resumed = [r for r in steps_of(lines) if r["step"] > 4]
+    assert [r["step"] for r in resumed] == [5, 6]
+    assert resumed[0]["admitted"] <= 3 * 16 and max(r["age_max"] for r in resumed) <= 2
+    assert summary["lost"] == 0 and summary["steps"] == 6
+
+
+@pytest.mark.slow
+def test_sync_preset_trains_on_policy_at_every_step(env, tmp_path):
+    run_dir = tmp_path / "sync"
+    done = rlorch(env, "train", "conf=sync", f"run.dir={run_dir}", "train.steps=4", *SMALL)
+    assert done.returncode == 0, done.stderr
+    _, lines = records(run_dir)
+    assert [r["age_max"] for r in steps_of(lines)] == [0, 0, 0, 0]
+
+
+@pytest.mark.slow
+def test_interrupted_real_run_resumes_without_losing_rollouts(env, tmp_path):
+    run_dir = tmp_path / "interrupted"
+    command = [sys.executable, "-m", "rlorch.cli", "train", f"run.dir={run_dir}", "train.steps=200",
+               "trainer.checkpoint_every=50", "run.shutdown_timeout=20", *SMALL]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if metrics.exists() and metrics.read_text().count('"kind": "step"') >= 3:
+            break
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 143, output
+    summary, _ = records(run_dir)
+    assert summary["status"] == "interrupted" and summary["lost"] == 0 and summary["checkpoint"]
+    stopped_at = summary["steps"]
+    again = rlorch(env, "resume", f"checkpoint={summary['checkpoint']}", f"train.steps={stopped_at + 2}")
+    assert again.returncode == 0, again.stderr
+    summary, lines = records(run_dir)
+    assert summary["lost"] == 0 and summary["steps"] == stopped_at + 2
+    assert max(r["age_max"] for r in steps_of(lines) if r["step"] > stopped_at) <= 2
