@@ -19,31 +19,6 @@ PROMPT = [5, 6, 7, 8]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RLORCH_HOME", str(tmp_path_factory.getbasetemp() / "rlorch-home"))
-        from rlorch.model import ensure_default_model
-
-        yield ensure_default_model()
-
-
-@pytest.fixture(scope="module")
-def perturbed_dir(model_dir, tmp_path_factory):
-    """A second checkpoint of the same architecture with different weights."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.5)
-    target = tmp_path_factory.mktemp("perturbed")
-    model.save_pretrained(target, safe_serialization=True)
-    return target
-
-
-@pytest.fixture(scope="module")
 def server(model_dir):
     thread = ServerThread(CpuServer(model_dir, min_step_time=0.01, threads=1))
     yield thread

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import pytest
 
 from rlorch.orchestrator.dispatcher import Dispatcher, GenerationFailed
 from rlorch.orchestrator.gate import CapacityGate

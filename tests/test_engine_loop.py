@@ -10,20 +10,13 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 
-@pytest.fixture(scope="module")
-def rlorch_home(tmp_path_factory) -> dict:
-    home = tmp_path_factory.mktemp("rlorch-home")
-    return {**os.environ, "RLORCH_HOME": str(home)}
-
-
-def start_train(env: dict, run_dir: Path, *overrides: str) -> subprocess.Popen:
+def start_train(run_dir: Path, *overrides: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "rlorch.cli", "train", "inference=cpu", "trainer=sim",
                f"run.dir={run_dir}", "run.progress=false", "rollout.batch_size=16", "rollout.group_size=4",
                "rollout.max_concurrent=32", "rollout.max_new_tokens=8", "trainer.step_time=0.2", *overrides]
-    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def finish(process: subprocess.Popen, run_dir: Path) -> tuple[dict, list[dict]]:
@@ -34,10 +27,10 @@ def finish(process: subprocess.Popen, run_dir: Path) -> tuple[dict, list[dict]]:
     return summary, [r for r in steps if r["kind"] == "step"]
 
 
-def test_train_with_real_generation_end_to_end(rlorch_home, tmp_path):
+def test_train_with_real_generation_end_to_end(tmp_path):
     run_dir = tmp_path / "cpu"
-    summary, steps = finish(start_train(rlorch_home, run_dir, "train.steps=6", "inference.num_servers=1"), run_dir)
-    assert summary["lost"] == 0 and summary["trained"] + summary["filtered"] == 6 * 16
+    summary, steps = finish(start_train(run_dir, "train.steps=6", "inference.num_servers=1"), run_dir)
+    assert summary["lost"] == 0 and summary["trained"] == 6 * 16
     first = json.loads((run_dir / "rollouts" / "step_000001.jsonl").read_text().splitlines()[0])
     assert first["prompt_len"] > 0 and sum(first["loss_mask"]) == len(first["tokens"]) - first["prompt_len"]
     assert len(first["logprobs"]) == len(first["tokens"]) and all(lp <= 0 for lp in first["logprobs"])
@@ -47,9 +40,9 @@ def test_train_with_real_generation_end_to_end(rlorch_home, tmp_path):
     assert max(r["age_max"] for r in steps) <= 2
 
 
-def test_killing_one_of_two_servers_mid_run_loses_no_rollout(rlorch_home, tmp_path):
+def test_killing_one_of_two_servers_mid_run_loses_no_rollout(tmp_path):
     run_dir = tmp_path / "kill"
-    process = start_train(rlorch_home, run_dir, "train.steps=10", "inference.num_servers=2",
+    process = start_train(run_dir, "train.steps=10", "inference.num_servers=2",
                           "rollout.request_timeout=30")
     servers_file, metrics = run_dir / "servers.json", run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 120
@@ -61,4 +54,4 @@ def test_killing_one_of_two_servers_mid_run_loses_no_rollout(rlorch_home, tmp_pa
     os.killpg(victim, signal.SIGKILL)
     summary, steps = finish(process, run_dir)
     assert summary["status"] == "completed" and summary["lost"] == 0
-    assert summary["trained"] + summary["filtered"] == 10 * 16 and len(steps) == 10
+    assert summary["trained"] == 10 * 16 and len(steps) == 10

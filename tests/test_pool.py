@@ -24,29 +24,6 @@ from rlorch.types import Engine, SamplingParams
 PROMPT = [5, 6, 7, 8]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RLORCH_HOME", str(tmp_path_factory.getbasetemp() / "rlorch-home"))
-        from rlorch.model import ensure_default_model
-
-        yield ensure_default_model()
-
-
-@pytest.fixture(scope="module")
-def perturbed_dir(model_dir, tmp_path_factory):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.mul_(1.5)
-    target = tmp_path_factory.mktemp("perturbed")
-    model.save_pretrained(target, safe_serialization=True)
-    return target
-
-
 def cpu_config(num_servers: int) -> Config:
     config = Config()
     config.inference.backend = InferenceBackend.cpu

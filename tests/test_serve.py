@@ -26,16 +26,6 @@ PROMPT = [5, 6, 7, 8]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """The tiny default model, created once per session under a temporary RLORCH_HOME."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RLORCH_HOME", str(tmp_path_factory.getbasetemp() / "rlorch-home"))
-        from rlorch.model import ensure_default_model
-
-        yield ensure_default_model()
-
-
-@pytest.fixture(scope="module")
 def server(model_dir):
     thread = ServerThread(CpuServer(model_dir, min_step_time=0.005, threads=1))
     yield thread.address

@@ -17,8 +17,8 @@ SMALL = ["rollout.batch_size=16", "rollout.group_size=4", "rollout.max_concurren
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory) -> dict:
-    return {**os.environ, "RLORCH_HOME": str(tmp_path_factory.mktemp("home")), "PYTHONUNBUFFERED": "1"}
+def env() -> dict:
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def rlorch(env: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -15,11 +15,6 @@ from rlorch.compose import compose
 from rlorch.rundir import COMPLETE, PUBLISHED, RunDir, save_config, write_atomic
 
 
-@pytest.fixture(autouse=True)
-def _home(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("RLORCH_HOME", str(tmp_path_factory.getbasetemp() / "rlorch-home"))
-
-
 def _make_run(root: Path, *overrides: str) -> tuple[RunDir, object]:
     run = RunDir(root).make()
     config = compose(["trainer.device=cpu", "train.steps=3", "trainer.checkpoint_every=2",
