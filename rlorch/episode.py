@@ -75,13 +75,14 @@ def make_work(config: Config, *, engine: Engine, tokenizer: Any,
     decode: Optional[Callable[[list[int]], str]] = (
         (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None)
 
-    def to_rollout(prompt: Prompt, rid: str, generation: Generation) -> Rollout:
+    def to_rollout(prompt: Prompt, rid: str, generation: Generation, prompt_mask: list[int],
+                   prompt_logprobs: list[float]) -> Rollout:
         completion = decode(generation.output_ids) if decode else generation.text
-        n_prompt, n_out = len(prompt.input_ids), len(generation.output_ids)
+        n_prompt = len(prompt_mask)
         return Rollout(group_id=prompt.group_id, episode_id=rid, env=prompt.env,
                        tokens=prompt.input_ids + generation.output_ids,
-                       loss_mask=[0] * n_prompt + [1] * n_out,
-                       logprobs=[0.0] * n_prompt + generation.logprobs,
+                       loss_mask=prompt_mask + [1] * len(generation.output_ids),
+                       logprobs=prompt_logprobs + generation.logprobs,
                        versions=generation.versions, reward=reward(completion, prompt.answer),
                        finish_reason=generation.finish_reason, is_eval=prompt.is_eval,
                        prompt_len=n_prompt, completion=completion)
@@ -90,6 +91,8 @@ def make_work(config: Config, *, engine: Engine, tokenizer: Any,
         rid = f"{'e' if prompt.is_eval else 'g'}{prompt.group_id}-{prompt.attempt}"
         n, params = (1, eval_params) if prompt.is_eval else (group_size, train_params)
         generations = await engine.generate_group(prompt.input_ids, params, n, rid)
-        return [to_rollout(prompt, f"{rid}-{i}", g) for i, g in enumerate(generations)]
+        prompt_mask, prompt_logprobs = [0] * len(prompt.input_ids), [0.0] * len(prompt.input_ids)
+        return [to_rollout(prompt, f"{rid}-{i}", g, prompt_mask, prompt_logprobs)
+                for i, g in enumerate(generations)]
 
     return work

@@ -77,16 +77,25 @@ class VersionStamps:
     @property
     def head(self) -> int:
         """Oldest version that produced a trained token (-1 when there are none)."""
-        return min((v for v, _ in self.runs), default=-1)
+        runs = self.runs
+        if len(runs) == 1:
+            return runs[0][0]
+        return min((v for v, _ in runs), default=-1)
 
     @property
     def tail(self) -> int:
         """Newest version that produced a trained token (-1 when there are none)."""
-        return max((v for v, _ in self.runs), default=-1)
+        runs = self.runs
+        if len(runs) == 1:
+            return runs[0][0]
+        return max((v for v, _ in runs), default=-1)
 
     @property
     def count(self) -> int:
-        return sum(c for _, c in self.runs)
+        runs = self.runs
+        if len(runs) == 1:
+            return runs[0][1]
+        return sum(c for _, c in runs)
 
     def expand(self) -> list[int]:
         return [v for v, c in self.runs for _ in range(c)]
@@ -141,7 +150,7 @@ class Rollout:
     def to_json(self) -> dict:
         return {"group_id": self.group_id, "episode_id": self.episode_id, "env": self.env,
                 "tokens": self.tokens, "loss_mask": self.loss_mask, "logprobs": self.logprobs,
-                "versions": self.versions.runs, "reward": self.reward, "origin": self.origin.value,
+                "versions": self.versions.runs, "reward": self.reward, "origin": self.origin,
                 "finish_reason": self.finish_reason, "is_eval": self.is_eval,
                 "prompt_len": self.prompt_len, "completion": self.completion}
 

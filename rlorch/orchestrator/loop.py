@@ -212,6 +212,7 @@ class Orchestrator:
         return remaining - (buffered + self.dispatcher.in_flight) > 0
 
     async def run(self) -> dict:
+        self.loop_started = time.monotonic()
         self.dispatcher.admission_open = self._admission_open
         self._restore()
         self.metrics.write({"kind": "start", "version": self.policy.value, "resumed": self.resume is not None,
@@ -481,7 +482,8 @@ class Orchestrator:
                 "empty_batches": self.sink.totals.empty_batches + self.totals["empty_batches"],
                 "checkpoint": str(self.run_dir.checkpoint(checkpoint)) if checkpoint else None,
                 "parked_s": round(self.parked_s, 4), "reward_mean_last": last.get("reward_mean"),
-                "wall_s": round(time.monotonic() - self.started, 3)}
+                "wall_s": round(time.monotonic() - self.started, 3),
+                "loop_s": round(time.monotonic() - self.loop_started, 3)}
 
 
 def _regroup(rollouts: list[Rollout]) -> list[list[Rollout]]:
