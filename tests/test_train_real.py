@@ -94,3 +94,17 @@ def test_interrupted_real_run_resumes_without_losing_rollouts(env, tmp_path):
     summary, lines = records(run_dir)
     assert summary["lost"] == 0 and summary["steps"] == stopped_at + 2
     assert max(r["age_max"] for r in steps_of(lines) if r["step"] > stopped_at) <= 2
+
+
+@pytest.mark.slow
+def test_the_default_run_learns(env, tmp_path):
+    """`rlorch train` with no arguments: the product's main job, on the embedded CPU default."""
+    run_dir = tmp_path / "default"
+    done = rlorch(env, "train", f"run.dir={run_dir}", "run.progress=false", timeout=600)
+    assert done.returncode == 0, done.stderr
+    summary, lines = records(run_dir)
+    rewards = [r["reward_mean"] for r in steps_of(lines)]
+    tenth = len(rewards) // 10
+    gain = sum(rewards[-tenth:]) / tenth - sum(rewards[:tenth]) / tenth
+    assert gain >= 0.3, rewards
+    assert summary["lost"] == 0 and max(r["age_max"] for r in steps_of(lines)) <= 2
