@@ -216,6 +216,8 @@ class TrainerConfig:
     """Cap on per-token importance ratios (decoupled and tis)."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm."""
+    entropy_coef: float = 0.0
+    """Weight of an entropy bonus on trained tokens (keeps a collapsing policy exploring)."""
     micro_batch_size: int = 16
     """Sequences per forward/backward pass."""
     publish_every: int = 1
@@ -235,6 +237,7 @@ class TrainerConfig:
         _require(self.lr > 0, "trainer.lr", "must be > 0")
         _require(self.clip_eps > 0, "trainer.clip_eps", "must be > 0")
         _require(self.is_cap >= 1, "trainer.is_cap", "must be >= 1")
+        _require(self.entropy_coef >= 0, "trainer.entropy_coef", "must be >= 0")
         _require(self.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
         _require(self.publish_every >= 1, "trainer.publish_every", "must be >= 1")
         _require(self.checkpoint_every >= 1, "trainer.checkpoint_every", "must be >= 1")

@@ -226,12 +226,14 @@ def _progress(config: Config, orchestrator: Any) -> Optional[asyncio.Task]:
             while True:
                 gauges = orchestrator.metrics.snapshot()
                 last = orchestrator.last_step_record
+                elapsed = max(time.monotonic() - orchestrator.started, 1e-9)
+                trained = gauges["version"] * config.rollout.batch_size
                 table = Table.grid(padding=(0, 2))
-                table.add_row(f"step {gauges['step']}/{config.train.steps}", f"version {gauges['version']}",
-                              f"reward {last.get('reward_mean', float('nan')):.3f}" if last else "reward -",
-                              f"age max {last.get('age_max')}" if last else "age -",
+                table.add_row(f"step {gauges['version']}/{config.train.steps}",
+                              f"reward {last['reward_mean']:.3f}" if last else "reward -",
+                              f"head age max {last['age_max']}" if last else "head age -",
                               f"in flight {gauges['in_flight']}", f"out queue {gauges['out_queue']}",
-                              f"admitted {gauges['admitted_total']}")
+                              f"buffered {gauges['buffered']}", f"{trained / elapsed:.1f} rollouts/s")
                 live.update(table)
                 await asyncio.sleep(0.5)
 

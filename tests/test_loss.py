@@ -142,3 +142,15 @@ def test_token_logprobs_use_the_sampling_temperature():
     hot = token_logprobs(logits, tokens, temperature=2.0)
     assert torch.allclose(hot, token_logprobs(logits / 2.0, tokens))
     assert torch.allclose(token_logprobs(logits, tokens, temperature=0.0), token_logprobs(logits, tokens))
+
+
+def test_token_entropy_is_log_vocab_for_uniform_logits_and_zero_when_certain():
+    import math
+
+    from rlorch.trainer.loss import token_entropy
+
+    uniform = torch.zeros(1, 3, 10)
+    assert torch.allclose(token_entropy(uniform)[0, 1:], torch.full((2,), math.log(10)))
+    certain = torch.full((1, 3, 10), -1e4)
+    certain[..., 0] = 1e4
+    assert token_entropy(certain)[0].abs().max() < 1e-4

@@ -109,7 +109,7 @@ class Orchestrator:
         gauges = {"dispatcher": self.dispatcher.gauges, "watcher": self.watcher.gauges,
                   "loop": self._gauges}
         if hasattr(engines, "gauges"):
-            gauges["engines"] = engines.gauges
+            gauges["engines"] = lambda: {f"engines_{key}": value for key, value in engines.gauges().items()}
         self.metrics = MetricsLoop(path=run_dir.metrics, interval=config.metrics.interval, gauges=gauges)
         self.shipped = 0
         self.shipped_batches: deque[Batch] = deque()

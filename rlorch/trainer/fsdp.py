@@ -178,19 +178,24 @@ def train_step(worker: Worker, step: int) -> dict:
 
 def _accumulate(worker: Worker, micros: list, total_tokens: int):
     """Forward/backward every micro-batch; gradients accumulate to the global token mean."""
-    from rlorch.trainer.loss import LossStats, policy_loss, token_logprobs
+    from rlorch.trainer.loss import LossStats, policy_loss, token_entropy, token_logprobs
 
     trainer, device = worker.config.trainer, worker.device
     loss_sum, stats = 0.0, LossStats()
     for micro in micros:
-        tokens = micro.tokens.to(device)
-        logp = token_logprobs(worker.model(input_ids=tokens).logits, tokens, worker.config.rollout.temperature)
+        tokens, mask = micro.tokens.to(device), micro.mask.to(device)
+        logits = worker.model(input_ids=tokens).logits
+        temperature = worker.config.rollout.temperature
+        logp = token_logprobs(logits, tokens, temperature)
         # One optimizer step per batch: the proximal policy (the weights before the update)
         # is exactly the policy of this forward, so its logprobs are these, detached.
         loss, micro_stats = policy_loss(
-            logp, micro.behaviour.to(device), micro.mask.to(device), micro.advantages.to(device),
+            logp, micro.behaviour.to(device), mask, micro.advantages.to(device),
             correction=trainer.correction, clip_eps=trainer.clip_eps, is_cap=trainer.is_cap,
             prox=logp.detach(), normalizer=total_tokens)
+        if trainer.entropy_coef:
+            entropy = token_entropy(logits, temperature)
+            loss = loss - trainer.entropy_coef * (entropy * mask).sum() / total_tokens
         # FSDP averages gradients over ranks; scaling by the world size keeps the global token mean.
         (loss * worker.world).backward()
         loss_sum += loss.item()

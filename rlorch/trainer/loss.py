@@ -85,6 +85,17 @@ class LossStats:
                 "clip_frac": self.clipped / n, "is_capped_frac": self.capped / n}
 
 
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of the sampling distribution that produced each token (aligned like
+    :func:`token_logprobs`; position 0 gets 0)."""
+    logits = logits[:, :-1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return torch.nn.functional.pad(entropy, (1, 0), value=0.0)
+
+
 def _ppo_term(log_ratio: torch.Tensor, adv: torch.Tensor, clip_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token clipped surrogate (to minimise) and where the clip took the gradient away."""
     ratio = torch.exp(log_ratio)
