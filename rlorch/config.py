@@ -344,6 +344,9 @@ class Config:
                  "trainer.correction",
                  "'none' trains off-policy data (rollout.max_staleness > 0) as if on-policy; "
                  "use decoupled or tis, set rollout.max_staleness=0, or trainer.allow_uncorrected=true")
+        _require(not (self.inference.backend == InferenceBackend.sim and self.trainer.backend == TrainerBackend.fsdp),
+                 "trainer", "the fsdp trainer needs real tokens: use inference=cpu or inference=sglang "
+                            "with trainer=fsdp, or trainer=sim with inference=sim")
         _require(self.rollout.max_concurrent >= self.rollout.group_size, "rollout.max_concurrent",
                  f"must be >= rollout.group_size ({self.rollout.group_size}): a group is admitted whole")
 

@@ -46,10 +46,15 @@ def test_sim_preset_is_the_simulator_baseline():
 
 
 def test_overrides_reach_the_typed_config():
-    config = compose(["rollout.max_staleness=4", "rollout.max_concurrent=160", "inference=sim"])
+    config = compose(["rollout.max_staleness=4", "rollout.max_concurrent=160", "inference=sim", "trainer=sim"])
     assert config.rollout.max_staleness == 4
     assert config.rollout.max_concurrent == 160
     assert config.inference.backend.value == "sim"
+
+
+def test_the_fsdp_trainer_refuses_simulated_tokens():
+    result = runner.invoke(app, ["validate-config", "inference=sim"])
+    assert result.exit_code != 0 and "trainer" in result.output and "inference=cpu" in result.output
 
 
 @pytest.mark.parametrize("override,key,fragment", [
