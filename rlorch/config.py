@@ -340,10 +340,12 @@ class Config:
 
     def __post_init__(self) -> None:
         uncorrected = self.trainer.correction == Correction.none
-        _require(not (uncorrected and self.rollout.max_staleness > 0 and not self.trainer.allow_uncorrected),
+        off_policy = self.rollout.max_staleness > 0 or self.rollout.enforce == Enforce.ship
+        _require(not (uncorrected and off_policy and not self.trainer.allow_uncorrected),
                  "trainer.correction",
-                 "'none' trains off-policy data (rollout.max_staleness > 0) as if on-policy; "
-                 "use decoupled or tis, set rollout.max_staleness=0, or trainer.allow_uncorrected=true")
+                 "'none' trains off-policy data (rollout.max_staleness > 0, or enforce=ship) as if "
+                 "on-policy; use decoupled or tis, set rollout.max_staleness=0 with admission or "
+                 "strict, or trainer.allow_uncorrected=true")
         _require(not (self.inference.backend == InferenceBackend.sim and self.trainer.backend == TrainerBackend.fsdp),
                  "trainer", "the fsdp trainer needs real tokens: use inference=cpu or inference=sglang "
                             "with trainer=fsdp, or trainer=sim with inference=sim")

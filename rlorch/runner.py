@@ -100,16 +100,19 @@ def _resume_target(path: Path, overrides: list[str]) -> tuple[Config, RunDir]:
 
 
 def _supersede_batches(run_dir: RunDir, step: int) -> None:
-    """Batches shipped after the checkpoint were not trained; their rollouts are in the
-    checkpoint's untrained set, so the files move aside rather than being trained twice."""
+    """Resuming at ``step`` abandons what came after it. Batches shipped after the checkpoint
+    were not trained there (their rollouts are in its untrained set) and later checkpoints
+    belong to the abandoned trajectory: both move aside rather than being trained or resumed."""
     from rlorch.rundir import parse_step
 
-    aside = run_dir.rollouts / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}"
-    for path in sorted(run_dir.rollouts.glob("step_*.jsonl")):
-        shipped = parse_step(path.stem)
-        if shipped is not None and shipped > step:
-            aside.mkdir(exist_ok=True)
-            shutil.move(str(path), aside / path.name)
+    stamp = time.strftime('%Y%m%d-%H%M%S')
+    for parent, pattern in ((run_dir.rollouts, "step_*.jsonl"), (run_dir.checkpoints, "step_*")):
+        aside = parent / f"superseded-{stamp}"
+        for path in sorted(parent.glob(pattern)):
+            later = parse_step(path.name.split(".")[0])
+            if later is not None and later > step:
+                aside.mkdir(exist_ok=True)
+                shutil.move(str(path), aside / path.name)
     for path in sorted(run_dir.weights.glob("step_*")):
         version = parse_step(path.name)
         if version is not None and version > step:

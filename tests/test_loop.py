@@ -146,3 +146,58 @@ def test_resume_alarm_fails_the_run_when_the_gate_is_not_recovered(tmp_path, mon
     code = resume_training(str(tmp_path / "run" / "checkpoints" / "step_000020"), ["train.steps=40"])
     summary, _ = read_run(tmp_path / "run")
     assert code != 0 and "resume alarm" in summary["error"]
+
+
+def test_resume_from_a_checkpoint_the_watcher_skipped_past_trains_every_step(tmp_path):
+    code, _, _ = train(tmp_path, "skip", "train.steps=20", "trainer.publish_every=3", "trainer.checkpoint_every=10")
+    assert code == 0
+    run_dir = tmp_path / "skip"
+    older = (run_dir / "checkpoints" / "step_000010" / "orchestrator.json").read_text()
+    assert resume_training(str(run_dir / "checkpoints" / "step_000010"), ["train.steps=25"]) == 0
+    summary, steps = read_run(run_dir)
+    assert summary["lost"] == 0 and summary["trained"] == 25 * 8
+    trained_groups = sorted(json.loads(line)["group_id"] for step in range(1, 26)
+                            for line in (run_dir / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines())
+    assert trained_groups == list(range(len(trained_groups)))
+    assert (run_dir / "checkpoints" / "step_000010" / "orchestrator.json").read_text() == older
+    assert list((run_dir / "checkpoints").glob("superseded-*/step_000020"))
+
+
+def test_ship_mode_bounds_age_by_two_s_plus_two(tmp_path):
+    code, summary, steps = train(tmp_path, "shipbound", "rollout.enforce=ship", "rollout.max_staleness=0",
+                                 "inference.latency=[0.001,0.001]", "trainer.step_time=0.05", "train.steps=15")
+    assert code == 0 and summary["lost"] == 0
+    assert max(r["age_max"] for r in steps) <= 2
+
+
+def test_a_group_that_fails_every_retry_stops_the_run_and_keeps_its_prompt(tmp_path, monkeypatch):
+    from rlorch.inference.sim import SimEngine
+
+    original = SimEngine.generate_group
+
+    async def fails_for_group_30(self, input_ids, params, n, rid):
+        if rid.startswith("g30-"):
+            raise ConnectionError("engine died")
+        return await original(self, input_ids, params, n, rid)
+
+    monkeypatch.setattr(SimEngine, "generate_group", fails_for_group_30)
+    code, summary, _ = train(tmp_path, "failing", "train.steps=50", "trainer.checkpoint_every=2")
+    assert code != 0 and summary["status"] == "failed" and "group 30 failed 3 times" in summary["error"]
+    assert summary["lost"] == 0
+    state = json.loads((Path(summary["checkpoint"]) / "orchestrator.json").read_text())
+    assert 30 in [p["group_id"] for p in state["pending_prompts"]]
+
+
+def test_a_prompt_that_cannot_be_made_fails_the_run_instead_of_hanging(tmp_path, monkeypatch):
+    from rlorch.episode import PromptSource
+
+    original = PromptSource.make
+
+    def broken_row(self, index, *, is_eval=False):
+        if index == 30:
+            raise ValueError("bad prompt row 30")
+        return original(self, index, is_eval=is_eval)
+
+    monkeypatch.setattr(PromptSource, "make", broken_row)
+    code, summary, _ = train(tmp_path, "badrow", "train.steps=50", "rollout.queue_size=8")
+    assert code != 0 and "bad prompt row 30" in summary["error"] and summary["lost"] == 0

@@ -42,6 +42,7 @@ class Dispatcher:
         self.admitted = 0
         self.retries = 0
         self.error: Optional[BaseException] = None
+        self.failed: list[Prompt] = []
         self.admission_open: Callable[[], bool] = lambda: True
         self._in_flight: dict[asyncio.Task, list] = {}
         self._timed_out: set[asyncio.Task] = set()
@@ -120,13 +121,14 @@ class Dispatcher:
             return False
 
     async def cancel_in_flight(self) -> list[Prompt]:
-        """Abandon in-flight groups (bounded shutdown); their prompts are returned for requeueing."""
-        prompts = self.in_flight_prompts()
-        tasks = list(self._in_flight)
-        for task in tasks:
+        """Abandon in-flight groups (bounded shutdown); the prompts of those actually cancelled
+        are returned for requeueing (a group that finished in the same tick is kept)."""
+        await self.close()
+        entries = list(self._in_flight.items())
+        for task, _ in entries:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        return prompts
+        await asyncio.gather(*(task for task, _ in entries), return_exceptions=True)
+        return [prompt for task, (prompt, _) in entries if task.cancelled()]
 
     # submission and fetch --------------------------------------------------------------------
     def _refill(self) -> None:
@@ -154,10 +156,16 @@ class Dispatcher:
             self.admitted += size
 
     async def _submission_loop(self) -> None:
-        while True:
-            self._wake.clear()
-            self._admit_all()
-            await self._wake.wait()
+        try:
+            while True:
+                self._wake.clear()
+                self._admit_all()
+                await self._wake.wait()
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            self.error = self.error or RuntimeError(f"admitting the next prompt failed: {err!r}")
+            self._out_ready.set()
 
     async def _watchdog(self) -> None:
         loop = asyncio.get_running_loop()
@@ -193,7 +201,7 @@ class Dispatcher:
         raise GenerationFailed(f"group {prompt.group_id} failed {self.max_retries} times: {last!r}") from last
 
     def _finished(self, task: asyncio.Task) -> None:
-        self._in_flight.pop(task, None)
+        entry = self._in_flight.pop(task, None)
         self._timed_out.discard(task)
         if not self._in_flight:
             self._idle.set()
@@ -201,6 +209,7 @@ class Dispatcher:
             self.gate.on_rejected(self.group_size)
         elif task.exception() is not None:
             self.gate.on_rejected(self.group_size)
+            self.failed.append(entry[0])
             self.error = self.error or task.exception()
         else:
             group = task.result()

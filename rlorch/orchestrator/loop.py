@@ -31,7 +31,6 @@ from rlorch.orchestrator.watcher import WeightWatcher
 from rlorch.rundir import RunDir, write_atomic, write_json_atomic
 from rlorch.types import Batch, Engine, PolicyVersion, Prompt, Rollout, Trainer
 
-UNGATED = 10**12
 TOTAL_KEYS = ("admitted", "trained", "filtered", "dropped_stale", "requeued", "regenerated",
               "stale_tokens", "empty_batches")
 
@@ -95,8 +94,13 @@ class Orchestrator:
         self.batch_size = r.batch_size
         self.strict = r.enforce is Enforce.strict
         self.ship_side = r.enforce is Enforce.ship
-        self.gate = CapacityGate(max_staleness=UNGATED if self.ship_side else r.max_staleness,
-                                 batch_size=r.batch_size, max_concurrent=r.max_concurrent, policy=policy)
+        # Ship-side gating counts batches shipped rather than versions trained: at most (S+1)*B
+        # rollouts wait unshipped, and parking keeps shipping within S versions of the trainer,
+        # so generation never waits on the trainer at admission and age stays bounded by 2S+2.
+        self.shipped_handle = PolicyVersion(0)
+        self.gate = CapacityGate(max_staleness=r.max_staleness, batch_size=r.batch_size,
+                                 max_concurrent=r.max_concurrent,
+                                 policy=self.shipped_handle if self.ship_side else policy)
         self.dispatcher = Dispatcher(gate=self.gate, work=work, prompts=iter(prompts), group_size=r.group_size,
                                      queue_size=r.queue_size, max_buffered=r.max_buffered,
                                      request_timeout=r.request_timeout, max_retries=r.max_retries)
@@ -122,6 +126,9 @@ class Orchestrator:
         self.resume_admitted_limit: Optional[int] = None
         self.resume_admissions_checked = False
         self.snapshotted: set[int] = set()
+        self.first_step = 1
+        self.last_snapshot = 0
+        self.parked: Optional[Batch] = None
         self.alarm = asyncio.Event()
         self.alarm_reason: Optional[str] = None
         self.started = started if started is not None else time.monotonic()
@@ -155,7 +162,8 @@ class Orchestrator:
         self._raise_alarm(f"shutdown:{signal_name}")
 
     def _check_resume_admissions(self) -> None:
-        admitted = self.dispatcher.admitted
+        """Admissions kept in the system since the resume (discarded ones freed their slots)."""
+        admitted = self.gate.submitted - self.gate.rejected
         if self.resume_admitted_limit is not None and admitted > self.resume_admitted_limit:
             self._raise_alarm(f"resume alarm: {admitted} rollouts admitted before the first step after "
                               f"resume, more than (S+1)*B = {self.resume_admitted_limit}: the staleness bound is lost")
@@ -166,6 +174,7 @@ class Orchestrator:
             return
         self.policy.bump(state.step)
         self.shipped = state.step
+        self.shipped_handle.bump(state.step)
         for key in TOTAL_KEYS:
             self.totals[key] = state.totals.get(key, 0)
         self.base_admitted = state.totals.get("admitted", 0)
@@ -177,7 +186,9 @@ class Orchestrator:
             self.dispatcher.requeue(prompt)
         if not self.ship_side:
             self.resume_admitted_limit = (self.config.rollout.max_staleness + 1) * self.batch_size
-        self.snapshotted.add(state.step)
+        self.first_step = state.step + 1
+        self.last_snapshot = state.step
+        self.snapshotted.update(step for step, _ in self.run_dir.complete_checkpoints() if step <= state.step)
 
     def _file(self, group: list[Rollout], step: int) -> None:
         """Hand a finished group to the sink; a rejected one leaves the gate's accounting."""
@@ -208,7 +219,8 @@ class Orchestrator:
         buffered = self.sink.buffered + self.dispatcher.out_rollouts
         if buffered >= self.config.rollout.max_buffered:
             return False
-        remaining = (self.config.train.steps - self.shipped) * self.batch_size
+        parked = len(self.parked.rollouts) if self.parked is not None else 0
+        remaining = (self.config.train.steps - self.shipped) * self.batch_size - parked
         return remaining - (buffered + self.dispatcher.in_flight) > 0
 
     async def run(self) -> dict:
@@ -296,7 +308,9 @@ class Orchestrator:
                 self._check_empty()
                 continue
             if self.ship_side:
+                self.parked = batch
                 await self._park(step, alarm_task)
+                self.parked = None
             self._ship(batch)
             await self.trainer.submit(batch)
 
@@ -326,6 +340,7 @@ class Orchestrator:
             lines.append(orjson.dumps(record))
         write_atomic(self.run_dir.batch(batch.step), b"\n".join(lines) + b"\n")
         self.shipped = batch.step
+        self.shipped_handle.bump(batch.step)
         self.shipped_batches.append(batch)
         admitted = self.dispatcher.admitted
         rewards = [r.reward for r in batch.rollouts]
@@ -378,13 +393,12 @@ class Orchestrator:
                 task = asyncio.get_running_loop().create_task(self._evaluate(step))
                 self.eval_tasks.add(task)
                 task.add_done_callback(self.eval_tasks.discard)
-        while self.shipped_batches and self.shipped_batches[0].step <= trained:
-            batch = self.shipped_batches.popleft()
-            self.totals["trained"] += len(batch.rollouts)
 
     async def _evaluate(self, step: int) -> None:
         prompts = [self.prompts.make(i, is_eval=True) for i in range(self.config.eval.prompts)]
-        groups = await asyncio.gather(*(self.work(p) for p in prompts), return_exceptions=True)
+        timeout = self.config.rollout.request_timeout
+        groups = await asyncio.gather(*(asyncio.wait_for(self.work(p), timeout) for p in prompts),
+                                      return_exceptions=True)
         rollouts = [r for g in groups if not isinstance(g, BaseException) for r in g]
         self.metrics.write(self.eval_sink.add(step, rollouts))
 
@@ -394,6 +408,8 @@ class Orchestrator:
         for batch in self.shipped_batches:
             if batch.step > trained_step:
                 groups.extend(_regroup(batch.rollouts))
+        if self.parked is not None:
+            groups.extend(_regroup(self.parked.rollouts))
         groups.extend(self.sink.pending_groups())
         groups.extend(self.dispatcher.out_queue)
         return groups
@@ -407,10 +423,10 @@ class Orchestrator:
         untrained = self._untrained(step)
         trained = self.totals["trained"] + sum(len(b.rollouts) for b in self.shipped_batches if b.step <= step)
         in_flight = self.dispatcher.in_flight_prompts() if abandoned is None else abandoned
-        requeued = self.totals["requeued"]
+        requeued = self._requeued()
         if abandoned is None:
             requeued += len(in_flight) * self.config.rollout.group_size
-        pending = in_flight + list(self.dispatcher.in_queue)
+        pending = in_flight + self.dispatcher.failed + list(self.dispatcher.in_queue)
         totals = {**self.totals, "admitted": self._admitted(), "trained": trained,
                   "filtered": self._filtered(), "untrained": sum(len(g) for g in untrained),
                   "requeued": requeued,
@@ -419,11 +435,21 @@ class Orchestrator:
                             pending_prompts=pending, totals=totals)
         write_json_atomic(self.run_dir.checkpoint(step) / "orchestrator.json", state.to_json())
         self.snapshotted.add(step)
+        self.last_snapshot = max(self.last_snapshot, step)
+        # Batches at or below the newest snapshot can no longer be untrained in any checkpoint
+        # this run writes; the rest stay so a snapshot of an older step still lists them.
+        while self.shipped_batches and self.shipped_batches[0].step <= self.last_snapshot:
+            self.totals["trained"] += len(self.shipped_batches.popleft().rollouts)
 
     def _snapshot_new_checkpoints(self) -> None:
         for step, _ in self.run_dir.complete_checkpoints():
-            if step not in self.snapshotted and step <= self.policy.value:
+            if step not in self.snapshotted and self.first_step <= step <= self.policy.value:
                 self._snapshot(step)
+
+    def _requeued(self) -> int:
+        """Rollouts whose prompts go back to the queue: abandoned at shutdown, or whose group
+        failed on every retry (the run stops; a resume generates them again)."""
+        return self.totals["requeued"] + len(self.dispatcher.failed) * self.config.rollout.group_size
 
     def _admitted(self) -> int:
         return self.base_admitted + self.gate.submitted
@@ -444,11 +470,16 @@ class Orchestrator:
         await self._wait_version(self.config.train.steps, alarm_task)
         await self.trainer.stop(self.config.run.shutdown_timeout)
         self._flush_step_records()
-        await asyncio.gather(*self.eval_tasks)
+        pending = set(self.eval_tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending | {alarm_task}, return_when=asyncio.FIRST_COMPLETED)
+            pending.discard(alarm_task)
+            self._check_alarm()
         self._final_checkpoint(abandoned=[])
 
     def _final_checkpoint(self, abandoned: list[Prompt]) -> None:
-        complete = [step for step, _ in self.run_dir.complete_checkpoints()]
+        complete = [step for step, _ in self.run_dir.complete_checkpoints()
+                    if self.first_step - 1 <= step <= self.policy.value]
         if complete:
             self._snapshot(complete[-1], abandoned=abandoned)
             self.checkpoint_step = complete[-1]
@@ -460,8 +491,12 @@ class Orchestrator:
         await self.dispatcher.wait_idle(max(0.0, deadline - time.monotonic()) * 0.5)
         abandoned = await self.dispatcher.cancel_in_flight()
         self.totals["requeued"] += len(abandoned) * self.config.rollout.group_size
-        await self.trainer.stop(max(1.0, deadline - time.monotonic()))
-        await self.watcher.poll_once()
+        await self.trainer.stop(max(0.5, deadline - time.monotonic()))
+        await self.watcher.stop()
+        try:
+            await asyncio.wait_for(self.watcher.poll_once(), max(0.5, deadline - time.monotonic()))
+        except (asyncio.TimeoutError, OSError, RuntimeError):
+            pass
         self._flush_step_records()
         self._final_checkpoint(abandoned=abandoned)
 
@@ -472,13 +507,14 @@ class Orchestrator:
         trained = self.totals["trained"] + sum(len(b.rollouts) for b in self.shipped_batches if b.step <= trained_step)
         admitted = self._admitted()
         filtered = self._filtered()
-        accounted = trained + filtered + self.totals["dropped_stale"] + untrained + self.totals["requeued"]
+        requeued = self._requeued()
+        accounted = trained + filtered + self.totals["dropped_stale"] + untrained + requeued
         last = self.last_step_record
         return {"status": status, "error": error, "reason": self.alarm_reason, "steps": trained_step, "version": self.policy.value,
                 "admitted": admitted, "trained": trained, "filtered": filtered,
                 "dropped_stale": self.totals["dropped_stale"], "regenerated": self.totals["regenerated"],
                 "stale_tokens": self.totals["stale_tokens"], "persisted_untrained": untrained,
-                "requeued": self.totals["requeued"], "lost": admitted - accounted,
+                "requeued": requeued, "lost": admitted - accounted,
                 "empty_batches": self.sink.totals.empty_batches + self.totals["empty_batches"],
                 "checkpoint": str(self.run_dir.checkpoint(checkpoint)) if checkpoint else None,
                 "parked_s": round(self.parked_s, 4), "reward_mean_last": last.get("reward_mean"),

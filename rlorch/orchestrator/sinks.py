@@ -114,6 +114,8 @@ class TrainSink:
                 self.totals.consecutive_empty += 1
             return reason
         self._filtered_run = 0
+        if len(group) > 1:
+            self.totals.consecutive_empty = 0
         self._groups.append(group)
         self._count += len(group)
         return None
