@@ -88,8 +88,9 @@ class RolloutConfig:
     queue_size: int = 1024
     """Capacity of the prompt input queue (>= batch_size)."""
     enforce: Enforce = Enforce.admission
-    """admission: refuse to start too-stale rollouts; ship: park full batches until the trainer
-    catches up; strict: admission plus a head-age check at consumption (never train age > S)."""
+    """admission: refuse to start too-stale rollouts; ship: count staleness against shipped
+    batches and park a full batch until the trainer is within S versions (age <= 2S+2);
+    strict: admission plus a head-age check at consumption (never train age > S)."""
     max_buffered: int = 1024
     """Backpressure: most finished-but-unconsumed rollouts held before admission pauses."""
     request_timeout: float = 300.0
