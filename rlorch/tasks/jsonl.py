@@ -6,7 +6,6 @@ not hours later when the prompt stream reaches it.
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +13,7 @@ from functools import lru_cache
 from typing import Any
 
 from rlorch.config import Config, ConfigError
+from rlorch.jsonlines import parse_record
 from rlorch.tasks import register
 
 
@@ -29,15 +29,7 @@ def load_rows(path: Path, prompt_key: str, answer_key: str) -> list[tuple[str, A
         for number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{number}: not valid JSON ({err.msg})") from err
-            if not isinstance(item, dict):
-                raise DataError(f"{path}:{number}: expected a JSON object")
-            missing = [key for key in (prompt_key, answer_key) if key not in item]
-            if missing:
-                raise DataError(f"{path}:{number}: missing key(s) {', '.join(map(repr, missing))}")
+            item = parse_record(line, f"{path}:{number}", (prompt_key, answer_key), DataError)
             if not isinstance(item[prompt_key], str):
                 raise DataError(f"{path}:{number}: {prompt_key!r} must be a string")
             rows.append((item[prompt_key], item[answer_key]))

@@ -6,12 +6,13 @@ global token count without a collective; rank ``r`` trains rollouts ``r, r + W, 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from rlorch.jsonlines import parse_record
 
 _REQUIRED = ("tokens", "loss_mask", "logprobs", "advantage")
 
@@ -31,15 +32,7 @@ class Sequence:
 
 def _parse_line(path: Path, number: int, line: str) -> Sequence:
     where = f"{path}:{number}"
-    try:
-        item = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise BatchError(f"{where}: not valid JSON ({err.msg})") from err
-    if not isinstance(item, dict):
-        raise BatchError(f"{where}: expected a JSON object (a rollout plus 'advantage')")
-    missing = [key for key in _REQUIRED if key not in item]
-    if missing:
-        raise BatchError(f"{where}: missing key(s) {', '.join(map(repr, missing))}")
+    item = parse_record(line, where, _REQUIRED, BatchError)
     tokens, mask, logprobs = item["tokens"], item["loss_mask"], item["logprobs"]
     if not (isinstance(tokens, list) and isinstance(mask, list) and isinstance(logprobs, list)):
         raise BatchError(f"{where}: tokens, loss_mask and logprobs must be lists")
