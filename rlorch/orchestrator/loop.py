@@ -121,7 +121,10 @@ class Orchestrator:
         self.base_admitted = 0
         self.parked_s = 0.0
         self.step_records: dict[int, dict] = {}
-        self.trainer_metrics_offset = 0
+        metrics_file = run_dir.trainer / "metrics.jsonl"
+        # A resumed run reads only the trainer lines written from now on: older ones belong to
+        # steps this run does not train (or to an abandoned trajectory).
+        self.trainer_metrics_offset = metrics_file.stat().st_size if metrics_file.exists() else 0
         self.admitted_at_last_step = 0
         self.resume_admitted_limit: Optional[int] = None
         self.resume_admissions_checked = False
@@ -509,12 +512,17 @@ class Orchestrator:
         filtered = self._filtered()
         requeued = self._requeued()
         accounted = trained + filtered + self.totals["dropped_stale"] + untrained + requeued
+        unsaved = 0
+        if checkpoint is None:
+            # No checkpoint was written (stopped before the first one): nothing is persisted,
+            # and a new run starts these prompts again.
+            unsaved, untrained, requeued = untrained + requeued, 0, 0
         last = self.last_step_record
         return {"status": status, "error": error, "reason": self.alarm_reason, "steps": trained_step, "version": self.policy.value,
                 "admitted": admitted, "trained": trained, "filtered": filtered,
                 "dropped_stale": self.totals["dropped_stale"], "regenerated": self.totals["regenerated"],
                 "stale_tokens": self.totals["stale_tokens"], "persisted_untrained": untrained,
-                "requeued": requeued, "lost": admitted - accounted,
+                "requeued": requeued, "unsaved": unsaved, "lost": admitted - accounted,
                 "empty_batches": self.sink.totals.empty_batches + self.totals["empty_batches"],
                 "checkpoint": str(self.run_dir.checkpoint(checkpoint)) if checkpoint else None,
                 "parked_s": round(self.parked_s, 4), "reward_mean_last": last.get("reward_mean"),
