@@ -115,6 +115,8 @@ class Orchestrator:
         if hasattr(engines, "gauges"):
             gauges["engines"] = lambda: {f"engines_{key}": value for key, value in engines.gauges().items()}
         self.metrics = MetricsLoop(path=run_dir.metrics, interval=config.metrics.interval, gauges=gauges)
+        if config.metrics.tensorboard:
+            self.metrics.enable_tensorboard(run_dir.root / "tensorboard")
         self.shipped = 0
         self.shipped_batches: deque[Batch] = deque()
         self.totals = {key: 0 for key in TOTAL_KEYS}

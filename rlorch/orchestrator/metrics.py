@@ -27,8 +27,13 @@ class MetricsLoop:
         self._tensorboard = None
 
     def enable_tensorboard(self, log_dir: Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:
+            from rlorch.config import ConfigError
 
+            raise ConfigError("metrics.tensorboard", "needs the tensorboard package "
+                                                     "(pip install tensorboard)") from err
         self._tensorboard = SummaryWriter(str(log_dir))
 
     def snapshot(self) -> dict:

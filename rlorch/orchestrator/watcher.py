@@ -93,5 +93,5 @@ class WeightWatcher:
         return time.monotonic() - self._last_advance
 
     def gauges(self) -> dict:
-        return {"version": self.policy.value, "reload_s": self.reload_s,
+        return {"version": self.policy.value, "reloads": self.reloads, "reload_s": self.reload_s,
                 "publish_to_reload_s": self.publish_to_reload_s, "version_idle_s": round(self.stalled_for(), 3)}

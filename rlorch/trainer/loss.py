@@ -30,7 +30,6 @@ import torch
 
 from rlorch.config import Correction
 
-STAT_KEYS = ("kl", "ratio_mean", "ratio_max", "clip_frac", "is_capped_frac")
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
