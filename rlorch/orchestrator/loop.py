@@ -389,7 +389,7 @@ class Orchestrator:
             record.update({"loss": extra.get("loss"), "grad_norm": extra.get("grad_norm"),
                            "version": self.policy.value, **self.dispatcher.gauges(),
                            "reload_s": self.watcher.reload_s, "wall_s": round(time.monotonic() - self.started, 3)})
-            for key in ("kl", "ratio_mean", "ratio_max", "clip_frac", "step_s"):
+            for key in ("kl", "ratio_mean", "ratio_max", "clip_frac", "is_capped_frac", "step_s"):
                 if key in extra:
                     record[key] = extra[key]
             self.last_step_record = record
