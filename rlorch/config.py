@@ -265,8 +265,11 @@ class TaskConfig:
     """reverse/sort: shortest digit string."""
     max_digits: int = 5
     """reverse/sort: longest digit string."""
+    max_turns: int = 1
+    """Model turns per episode; environments that reply (reverse_retry) use more than one."""
 
     def __post_init__(self) -> None:
+        _require(self.max_turns >= 1, "task.max_turns", "must be >= 1")
         _require(1 <= self.min_digits <= self.max_digits, "task.min_digits",
                  "must satisfy 1 <= task.min_digits <= task.max_digits")
 

@@ -6,11 +6,13 @@ function built here, so the dispatcher knows neither.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from typing import Any, Callable, Iterator, Optional
 
 from rlorch.config import Config, InferenceBackend, SimReward
-from rlorch.types import Engine, Environment, Generation, Prompt, Rollout, SamplingParams
+from rlorch.types import (Engine, Environment, Generation, MultiTurnEnvironment, Prompt, Rollout,
+                          SamplingParams)
 
 EVAL_SEED_OFFSET = 1_000_003
 
@@ -40,13 +42,18 @@ class PromptSource:
         return prompt
 
 
-def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` (the sim backends have no tokenizer: one id per character)."""
     if tokenizer is None:
-        return [1 + (ord(c) % 60) for c in text] or [1]
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if tokenizer.bos_token_id is not None:
-        ids = [tokenizer.bos_token_id] + ids
-    return ids
+        return [1 + (ord(c) % 60) for c in text]
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    ids = encode_text(tokenizer, text)
+    if tokenizer is not None and tokenizer.bos_token_id is not None:
+        return [tokenizer.bos_token_id] + ids
+    return ids or [1]
 
 
 def sampling_params(config: Config, tokenizer: Any, *, greedy: bool = False) -> SamplingParams:
@@ -66,9 +73,15 @@ def make_reward(config: Config, env: Environment, seed: int) -> Callable[[str, A
     return env.score
 
 
-def make_work(config: Config, *, engine: Engine, tokenizer: Any,
-              reward: Callable[[str, Any], float]) -> Callable[[Prompt], Any]:
-    """The dispatcher's work: one prompt to a group of scored, version-stamped rollouts."""
+def make_work(config: Config, *, engine: Engine, tokenizer: Any, reward: Callable[[str, Any], float],
+              env: Optional[Environment] = None) -> Callable[[Prompt], Any]:
+    """The dispatcher's work: one prompt to a group of scored, version-stamped rollouts.
+
+    With an environment that replies and task.max_turns > 1, each sample continues as a
+    conversation: the reply's tokens join the trajectory unmasked, the next model turn is
+    generated on the whole trajectory, and its tokens' versions extend the same stamps.
+    """
+    multi_turn = config.task.max_turns > 1 and isinstance(env, MultiTurnEnvironment)
     train_params = sampling_params(config, tokenizer)
     eval_params = sampling_params(config, tokenizer, greedy=True)
     group_size = config.rollout.group_size
@@ -87,12 +100,34 @@ def make_work(config: Config, *, engine: Engine, tokenizer: Any,
                        finish_reason=generation.finish_reason, is_eval=prompt.is_eval,
                        prompt_len=n_prompt, completion=completion)
 
+    async def converse(prompt: Prompt, rollout: Rollout, params: SamplingParams) -> Rollout:
+        for turn in range(1, config.task.max_turns):
+            message = env.reply(rollout.completion, prompt.answer, turn)
+            if message is None:
+                break
+            reply_ids = encode_text(tokenizer, message)
+            rollout.tokens += reply_ids
+            rollout.loss_mask += [0] * len(reply_ids)
+            rollout.logprobs += [0.0] * len(reply_ids)
+            generation = await engine.generate(rollout.tokens, params, f"{rollout.episode_id}-t{turn + 1}")
+            rollout.tokens += generation.output_ids
+            rollout.loss_mask += [1] * len(generation.output_ids)
+            rollout.logprobs += generation.logprobs
+            rollout.versions.concat(generation.versions)
+            rollout.completion = decode(generation.output_ids) if decode else generation.text
+            rollout.finish_reason = generation.finish_reason
+        rollout.reward = reward(rollout.completion, prompt.answer)
+        return rollout
+
     async def work(prompt: Prompt) -> list[Rollout]:
         rid = f"{'e' if prompt.is_eval else 'g'}{prompt.group_id}-{prompt.attempt}"
         n, params = (1, eval_params) if prompt.is_eval else (group_size, train_params)
         generations = await engine.generate_group(prompt.input_ids, params, n, rid)
         prompt_mask, prompt_logprobs = [0] * len(prompt.input_ids), [0.0] * len(prompt.input_ids)
-        return [to_rollout(prompt, f"{rid}-{i}", g, prompt_mask, prompt_logprobs)
-                for i, g in enumerate(generations)]
+        rollouts = [to_rollout(prompt, f"{rid}-{i}", g, prompt_mask, prompt_logprobs)
+                    for i, g in enumerate(generations)]
+        if multi_turn:
+            rollouts = list(await asyncio.gather(*(converse(prompt, r, params) for r in rollouts)))
+        return rollouts
 
     return work

@@ -169,7 +169,7 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
             await engines.reload(str(weights if weights.is_dir() else run_dir.weights_for(resume.step)), resume.step)
         trainer = _make_trainer(config, run_dir, checkpoint, resume.step if resume else 0)
         await trainer.start()
-        work = make_work(config, engine=engines, tokenizer=tokenizer,
+        work = make_work(config, engine=engines, tokenizer=tokenizer, env=env,
                          reward=make_reward(config, env, config.run.seed))
         orchestrator = Orchestrator(config, run_dir=run_dir, policy=policy, engines=engines, trainer=trainer,
                                     work=work, prompts=prompts, resume=resume, started=started)

@@ -246,3 +246,12 @@ class Environment(Protocol):
     def make_prompt(self, index: int, seed: int) -> tuple[str, Any]: ...
 
     def score(self, completion: str, answer: Any) -> float: ...
+
+
+@runtime_checkable
+class MultiTurnEnvironment(Environment, Protocol):
+    """An environment that answers the model between turns (a tool result, feedback)."""
+
+    def reply(self, completion: str, answer: Any, turn: int) -> Optional[str]:
+        """The environment's message after model turn ``turn`` (1-based), or None to end."""
+        ...

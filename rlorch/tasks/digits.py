@@ -78,6 +78,20 @@ def reverse_task(config: Config) -> DigitTask:
     return DigitTask("reverse", lambda s: s[::-1], config.task.min_digits, config.task.max_digits)
 
 
+@dataclass(frozen=True)
+class RetryTask(DigitTask):
+    """Reverse, with feedback: after a wrong answer the environment replies ``no=`` and the
+    model tries again (up to task.max_turns turns); the last answer is scored."""
+
+    def reply(self, completion: str, answer: str, turn: int) -> str | None:
+        return None if clean_completion(completion) == answer else "no="
+
+
+@register("reverse_retry")
+def reverse_retry_task(config: Config) -> RetryTask:
+    return RetryTask("reverse_retry", lambda s: s[::-1], config.task.min_digits, config.task.max_digits)
+
+
 @register("sort")
 def sort_task(config: Config) -> DigitTask:
     return DigitTask("sort", lambda s: "".join(sorted(s)), config.task.min_digits, config.task.max_digits)
