@@ -144,8 +144,10 @@ class Orchestrator:
 
     # wiring ----------------------------------------------------------------------------------
     def _gauges(self) -> dict:
+        gate = self.gate.counts()
         return {"step": self.shipped, "buffered": self.sink.buffered, "admitted_total": self.dispatcher.admitted,
-                "parked_s_total": round(self.parked_s, 4), "capacity": self.gate.capacity()}
+                "parked_s_total": round(self.parked_s, 4), "capacity": gate.capacity,
+                "gate_running": gate.running, "gate_accepted": gate.accepted, "gate_rejected": gate.rejected}
 
     def _on_version(self, version: int) -> None:
         self.dispatcher.notify()
