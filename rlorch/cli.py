@@ -92,12 +92,14 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
     port: int = typer.Option(30000, "--port", help="Port to bind."),
     weight_version: str = typer.Option("0", "--weight-version", help="Version reported for the initial weights."),
+    parent_pid: Optional[int] = typer.Option(None, "--parent-pid", help="Exit when this process is gone."),
 ) -> None:
     """Run the CPU inference engine: a real HTTP server speaking SGLang's native API."""
     from rlorch.inference.server import serve_command
 
     config = _config_or_exit(overrides or [])
-    raise typer.Exit(serve_command(config, host=host, port=port, weight_version=weight_version))
+    raise typer.Exit(serve_command(config, host=host, port=port, weight_version=weight_version,
+                                   parent=parent_pid))
 
 
 def main() -> None:

@@ -55,3 +55,16 @@ def test_killing_one_of_two_servers_mid_run_loses_no_rollout(tmp_path):
     summary, steps = finish(process, run_dir)
     assert summary["status"] == "completed" and summary["lost"] == 0
     assert summary["trained"] == 10 * 16 and len(steps) == 10
+
+
+def test_a_launched_server_exits_when_its_launcher_is_gone(tmp_path):
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    server = subprocess.Popen([sys.executable, "-m", "rlorch.cli", "serve", "--port", "0",
+                               "--parent-pid", str(launcher.pid)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    time.sleep(8)
+    assert server.poll() is None
+    launcher.kill()
+    launcher.wait()
+    output, _ = server.communicate(timeout=30)
+    assert f"launching process {launcher.pid} is gone" in output

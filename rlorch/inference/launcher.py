@@ -63,6 +63,7 @@ def server_command(config, *, model_path: Path, port: int, host: str = "127.0.0.
     backend = getattr(inference.backend, "value", inference.backend)
     if backend == "cpu":
         return [sys.executable, "-m", "rlorch.cli", "serve", "--host", host, "--port", str(port),
+                "--parent-pid", str(os.getpid()),
                 f"model.path={model_path}", f"model.dtype={config.model.dtype}",
                 f"inference.threads={inference.threads}", f"inference.max_batch={inference.max_batch}",
                 f"run.seed={config.run.seed}", *inference.launch_args]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -411,11 +412,27 @@ class ServerThread:
         self._thread.join(10)
 
 
-async def _serve_until_signal(server: CpuServer, host: str, port: int) -> None:
+async def _watch_parent(parent: int, stop: asyncio.Event) -> None:
+    """Stop when the launching process is gone, so a killed runner leaves no engine behind."""
+    while True:
+        try:
+            os.kill(parent, 0)
+        except ProcessLookupError:
+            break
+        except PermissionError:
+            pass
+        await asyncio.sleep(1.0)
+    log.warning("launching process %d is gone; shutting down", parent)
+    stop.set()
+
+
+async def _serve_until_signal(server: CpuServer, host: str, port: int, parent: Optional[int] = None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if parent is not None:
+        loop.create_task(_watch_parent(parent, stop))
     address = await server.start(host, port)
     log.info("rlorch serve %s listening on http://%s (model %s, weight_version %s)",
              rlorch_version(), address, server.model_path, server.initial_version)
@@ -426,8 +443,10 @@ async def _serve_until_signal(server: CpuServer, host: str, port: int) -> None:
     log.info("stopped")
 
 
-def serve_command(config, *, host: str, port: int, weight_version: str = "0") -> int:
-    """Run the CPU engine until SIGINT/SIGTERM; the exit status (2 for a bad model path)."""
+def serve_command(config, *, host: str, port: int, weight_version: str = "0",
+                  parent: Optional[int] = None) -> int:
+    """Run the CPU engine until SIGINT/SIGTERM (or until process ``parent`` is gone); the exit
+    status (2 for a bad model path)."""
     from rlorch.config import ConfigError
     from rlorch.model import resolve_model_path
 
@@ -439,5 +458,5 @@ def serve_command(config, *, host: str, port: int, weight_version: str = "0") ->
         return 2
     server = CpuServer(path, dtype=config.model.dtype, max_batch=config.inference.max_batch,
                        seed=config.run.seed, weight_version=weight_version, threads=config.inference.threads)
-    asyncio.run(_serve_until_signal(server, host, port))
+    asyncio.run(_serve_until_signal(server, host, port, parent))
     return 0
