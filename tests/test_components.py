@@ -101,6 +101,18 @@ def make_dispatcher(work, **overrides) -> Dispatcher:
     return Dispatcher(gate=gate, work=work, prompts=prompts, **settings)
 
 
+def run_until_ready(work, **overrides) -> Dispatcher:
+    """Start a dispatcher, wait for the first finished (or failed) group, stop it."""
+    async def scenario():
+        dispatcher = make_dispatcher(work, **overrides)
+        await dispatcher.start()
+        await asyncio.wait_for(dispatcher.wait_ready(), 5)
+        await dispatcher.close()
+        return dispatcher
+
+    return asyncio.run(scenario())
+
+
 def test_dispatcher_retries_a_failed_request_and_loses_nothing():
     attempts: dict[int, int] = {}
 
@@ -134,14 +146,7 @@ def test_dispatcher_times_out_a_hung_request_and_retries_it():
             await asyncio.sleep(3600)
         return [rollout(prompt.group_id, 1.0, [[0, 1]])]
 
-    async def scenario():
-        dispatcher = make_dispatcher(hangs_once, prompts=1, request_timeout=0.2)
-        await dispatcher.start()
-        await asyncio.wait_for(dispatcher.wait_ready(), 5)
-        await dispatcher.close()
-        return dispatcher
-
-    dispatcher = asyncio.run(scenario())
+    dispatcher = run_until_ready(hangs_once, prompts=1, request_timeout=0.2)
     assert calls == [0, 0] and dispatcher.retries == 1 and len(dispatcher.out_queue) == 1
 
 
@@ -149,14 +154,7 @@ def test_dispatcher_fails_loudly_after_max_retries():
     async def broken(prompt: Prompt):
         raise ConnectionError("no engine")
 
-    async def scenario():
-        dispatcher = make_dispatcher(broken, prompts=1, max_retries=2)
-        await dispatcher.start()
-        await asyncio.wait_for(dispatcher.wait_ready(), 5)
-        await dispatcher.close()
-        return dispatcher
-
-    dispatcher = asyncio.run(scenario())
+    dispatcher = run_until_ready(broken, prompts=1, max_retries=2)
     assert isinstance(dispatcher.error, GenerationFailed) and "failed 2 times" in str(dispatcher.error)
     assert dispatcher.gate.rejected == 1 and dispatcher.gate.running == 0
 

@@ -221,11 +221,9 @@ class Orchestrator:
 
     # the loop --------------------------------------------------------------------------------
     def _admission_open(self) -> bool:
-        """Admit only what the remaining steps need (the drain budget), and stop while the
-        finished-but-untrained buffer is full (backpressure)."""
+        """Admit only what the remaining steps need (the drain budget); the dispatcher applies
+        the backpressure bound (rollout.max_buffered) to its own queue."""
         buffered = self.sink.buffered + self.dispatcher.out_rollouts
-        if buffered >= self.config.rollout.max_buffered:
-            return False
         parked = len(self.parked.rollouts) if self.parked is not None else 0
         remaining = (self.config.train.steps - self.shipped) * self.batch_size - parked
         return remaining - (buffered + self.dispatcher.in_flight) > 0
@@ -284,7 +282,7 @@ class Orchestrator:
 
     async def _next_group(self, alarm_task: asyncio.Task) -> list[Rollout]:
         """The oldest finished group. The caller files it before yielding to the event loop, so
-        the admission budget never sees it in neither place."""
+        the admission budget always finds it in the dispatcher's queue or in the sink."""
         while True:
             group = self.dispatcher.try_get()
             if group is not None:
@@ -428,7 +426,7 @@ class Orchestrator:
         are saved, so a resume neither skips nor repeats data.
         """
         untrained = self._untrained(step)
-        trained = self.totals["trained"] + sum(len(b.rollouts) for b in self.shipped_batches if b.step <= step)
+        trained = self._trained_through(step)
         in_flight = self.dispatcher.in_flight_prompts() if abandoned is None else abandoned
         requeued = self._requeued()
         if abandoned is None:
@@ -437,7 +435,7 @@ class Orchestrator:
         totals = {**self.totals, "admitted": self._admitted(), "trained": trained,
                   "filtered": self._filtered(), "untrained": sum(len(g) for g in untrained),
                   "requeued": requeued,
-                  "empty_batches": self.totals["empty_batches"] + self.sink.totals.empty_batches}
+                  "empty_batches": self._empty_batches()}
         state = ResumeState(step=step, prompt_position=self.prompts.position, untrained=untrained,
                             pending_prompts=pending, totals=totals)
         write_json_atomic(self.run_dir.checkpoint(step) / "orchestrator.json", state.to_json())
@@ -458,13 +456,19 @@ class Orchestrator:
         failed on every retry (the run stops; a resume generates them again)."""
         return self.totals["requeued"] + len(self.dispatcher.failed) * self.config.rollout.group_size
 
+    def _trained_through(self, step: int) -> int:
+        return self.totals["trained"] + sum(len(b.rollouts) for b in self.shipped_batches if b.step <= step)
+
+    def _empty_batches(self) -> int:
+        return self.totals["empty_batches"] + self.sink.totals.empty_batches
+
     def _admitted(self) -> int:
         return self.base_admitted + self.gate.submitted
 
     def _filtered(self) -> int:
         return self.totals["filtered"] + self.sink.totals.filtered
 
-    async def _wait_version(self, version: int, alarm_task: asyncio.Task) -> None:
+    async def _wait_version(self, version: int) -> None:
         while self.policy.value < version:
             self._check_alarm()
             await asyncio.sleep(self.config.watcher.poll_interval)
@@ -474,7 +478,7 @@ class Orchestrator:
         await self.dispatcher.stop()
         while not await self.dispatcher.wait_idle(0.2):
             self._check_alarm()
-        await self._wait_version(self.config.train.steps, alarm_task)
+        await self._wait_version(self.config.train.steps)
         await self.trainer.stop(self.config.run.shutdown_timeout)
         self._flush_step_records()
         pending = set(self.eval_tasks)
@@ -511,7 +515,7 @@ class Orchestrator:
         checkpoint = self.checkpoint_step
         trained_step = checkpoint if checkpoint is not None else self.policy.value
         untrained = sum(len(g) for g in self._untrained(trained_step))
-        trained = self.totals["trained"] + sum(len(b.rollouts) for b in self.shipped_batches if b.step <= trained_step)
+        trained = self._trained_through(trained_step)
         admitted = self._admitted()
         filtered = self._filtered()
         requeued = self._requeued()
@@ -527,7 +531,7 @@ class Orchestrator:
                 "dropped_stale": self.totals["dropped_stale"], "regenerated": self.totals["regenerated"],
                 "stale_tokens": self.totals["stale_tokens"], "persisted_untrained": untrained,
                 "requeued": requeued, "unsaved": unsaved, "lost": admitted - accounted,
-                "empty_batches": self.sink.totals.empty_batches + self.totals["empty_batches"],
+                "empty_batches": self._empty_batches(),
                 "checkpoint": str(self.run_dir.checkpoint(checkpoint)) if checkpoint else None,
                 "parked_s": round(self.parked_s, 4), "reward_mean_last": last.get("reward_mean"),
                 "wall_s": round(time.monotonic() - self.started, 3),
