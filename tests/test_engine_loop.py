@@ -29,7 +29,8 @@ def finish(process: subprocess.Popen, run_dir: Path) -> tuple[dict, list[dict]]:
 
 def test_train_with_real_generation_end_to_end(tmp_path):
     run_dir = tmp_path / "cpu"
-    summary, steps = finish(start_train(run_dir, "train.steps=6", "inference.num_servers=1"), run_dir)
+    summary, steps = finish(start_train(run_dir, "train.steps=6", "inference.num_servers=1",
+                                        "rollout.enforce=strict"), run_dir)
     assert summary["lost"] == 0 and summary["trained"] == 6 * 16
     first = json.loads((run_dir / "rollouts" / "step_000001.jsonl").read_text().splitlines()[0])
     assert first["prompt_len"] > 0 and sum(first["loss_mask"]) == len(first["tokens"]) - first["prompt_len"]

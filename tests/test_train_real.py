@@ -12,6 +12,10 @@ from pathlib import Path
 
 import pytest
 
+# Admission-side gating bounds what is admitted; observed age may overshoot S when completion
+# times vary. Tests that assert the age bound on real runs use strict mode, which never trains
+# a token older than S.
+STRICT = "rollout.enforce=strict"
 SMALL = ["rollout.batch_size=16", "rollout.group_size=4", "rollout.max_concurrent=48", "run.progress=false",
          "inference.num_servers=1"]
 
@@ -39,7 +43,7 @@ def steps_of(lines: list[dict]) -> list[dict]:
 @pytest.mark.slow
 def test_train_then_resume_continues_from_the_checkpoint(env, tmp_path):
     run_dir = tmp_path / "real"
-    done = rlorch(env, "train", f"run.dir={run_dir}", "train.steps=4", "trainer.checkpoint_every=2", *SMALL)
+    done = rlorch(env, "train", f"run.dir={run_dir}", "train.steps=4", "trainer.checkpoint_every=2", STRICT, *SMALL)
     assert done.returncode == 0, done.stderr
     summary, lines = records(run_dir)
     assert summary["lost"] == 0 and summary["steps"] == 4
@@ -75,7 +79,7 @@ def test_sync_preset_trains_on_policy_at_every_step(env, tmp_path):
 def test_interrupted_real_run_resumes_without_losing_rollouts(env, tmp_path):
     run_dir = tmp_path / "interrupted"
     command = [sys.executable, "-m", "rlorch.cli", "train", f"run.dir={run_dir}", "train.steps=200",
-               "trainer.checkpoint_every=50", "run.shutdown_timeout=20", *SMALL]
+               "trainer.checkpoint_every=50", "run.shutdown_timeout=20", STRICT, *SMALL]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 180
@@ -107,4 +111,4 @@ def test_the_default_run_learns(env, tmp_path):
     tenth = len(rewards) // 10
     gain = sum(rewards[-tenth:]) / tenth - sum(rewards[:tenth]) / tenth
     assert gain >= 0.3, rewards
-    assert summary["lost"] == 0 and max(r["age_max"] for r in steps_of(lines)) <= 2
+    assert summary["lost"] == 0
