@@ -107,6 +107,10 @@ class RolloutConfig:
     """Top-k sampling (-1 = whole vocabulary)."""
     max_regenerations: int = 2
     """strict mode: times a too-stale group is regenerated before it is dropped."""
+    filter_budget: int = 4
+    """Batches' worth of filtered rollouts (zero-variance groups) generated while assembling
+    one batch; past it the batch trains on the groups it has (a short batch), so the loop never
+    spins hunting for groups whose rewards differ. 0 = no budget."""
 
     def __post_init__(self) -> None:
         _require(self.max_staleness >= 0, "rollout.max_staleness", "must be >= 0")
@@ -125,6 +129,7 @@ class RolloutConfig:
         _require(self.temperature >= 0, "rollout.temperature", "must be >= 0")
         _require(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
         _require(self.max_regenerations >= 0, "rollout.max_regenerations", "must be >= 0")
+        _require(self.filter_budget >= 0, "rollout.filter_budget", "must be >= 0")
 
 
 @dataclass
@@ -141,10 +146,14 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    every: int = 0
-    """Run an eval pass every N training steps (0 = never)."""
-    prompts: int = 16
-    """Prompts per eval pass (one sample each, exempt from the staleness bound)."""
+    every: int = 25
+    """Evaluate every N training steps, besides before the first step and at the end (0 = only
+    those two)."""
+    prompts: int = 100
+    """Held-out prompts per evaluation (greedy, one sample each, never trained on, exempt from
+    the staleness bound). Tasks with a smaller held-out set use all of it."""
+    enabled: bool = True
+    """Evaluate at all (off: no eval records, no eval accuracy in the summary)."""
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, "eval.every", "must be >= 0")
@@ -221,6 +230,10 @@ class TrainerConfig:
     """Weight of an entropy bonus on trained tokens (keeps a collapsing policy exploring)."""
     micro_batch_size: int = 16
     """Sequences per forward/backward pass."""
+    minibatches: int = 1
+    """Optimizer steps per batch (PPO-style): the batch is cut into this many minibatches, and
+    the proximal logprobs are computed once, before the first. Above 1, decoupled (clip against
+    the proximal policy) and tis (importance weight against the current one) differ."""
     publish_every: int = 1
     """Publish an HF weight checkpoint every N steps."""
     checkpoint_every: int = 10
@@ -240,6 +253,7 @@ class TrainerConfig:
         _require(self.is_cap >= 1, "trainer.is_cap", "must be >= 1")
         _require(self.entropy_coef >= 0, "trainer.entropy_coef", "must be >= 0")
         _require(self.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
+        _require(self.minibatches >= 1, "trainer.minibatches", "must be >= 1")
         _require(self.publish_every >= 1, "trainer.publish_every", "must be >= 1")
         _require(self.checkpoint_every >= 1, "trainer.checkpoint_every", "must be >= 1")
         _require(self.keep >= 1, "trainer.keep", "must be >= 1")
@@ -267,9 +281,13 @@ class TaskConfig:
     """reverse/sort: longest digit string."""
     max_turns: int = 1
     """Model turns per episode; environments that reply (reverse_retry) use more than one."""
+    format_weight: float = 0.2
+    """reverse/sort: share of the reward for a well-formed answer (digits, right length); the
+    rest is per-position credit. An exact answer scores 1."""
 
     def __post_init__(self) -> None:
         _require(self.max_turns >= 1, "task.max_turns", "must be >= 1")
+        _require(0 <= self.format_weight < 1, "task.format_weight", "must be in [0, 1)")
         _require(1 <= self.min_digits <= self.max_digits, "task.min_digits",
                  "must satisfy 1 <= task.min_digits <= task.max_digits")
 

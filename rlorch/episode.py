@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from rlorch.config import Config, InferenceBackend, SimReward
 from rlorch.types import (Engine, Environment, Generation, MultiTurnEnvironment, Prompt, Rollout,
-                          SamplingParams)
+                          SamplingParams, is_correct)
 
 EVAL_SEED_OFFSET = 1_000_003
 
@@ -29,9 +29,19 @@ class PromptSource:
     def make(self, index: int, *, is_eval: bool = False) -> Prompt:
         seed = self.seed + (EVAL_SEED_OFFSET if is_eval else 0)
         text, answer = self.env.make_prompt(index, seed)
-        input_ids = encode_prompt(self.tokenizer, text)
-        return Prompt(group_id=index, input_ids=input_ids, env=self.env.name, text=text,
-                      answer=answer, is_eval=is_eval)
+        return self._prompt(index, text, answer, is_eval)
+
+    def _prompt(self, index: int, text: str, answer: Any, is_eval: bool) -> Prompt:
+        return Prompt(group_id=index, input_ids=encode_prompt(self.tokenizer, text), env=self.env.name,
+                      text=text, answer=answer, is_eval=is_eval)
+
+    def eval_set(self, count: int) -> list[Prompt]:
+        """The fixed evaluation prompts: the environment's held-out set when it has one (never
+        trained on), else ``count`` prompts drawn with a separate seed."""
+        held_out = getattr(self.env, "eval_prompts", None)
+        if held_out is None:
+            return [self.make(i, is_eval=True) for i in range(count)]
+        return [self._prompt(i, text, answer, True) for i, (text, answer) in enumerate(held_out(count))]
 
     def __iter__(self) -> Iterator[Prompt]:
         return self
@@ -98,7 +108,10 @@ def make_work(config: Config, *, engine: Engine, tokenizer: Any, reward: Callabl
                        logprobs=prompt_logprobs + generation.logprobs,
                        versions=generation.versions, reward=reward(completion, prompt.answer),
                        finish_reason=generation.finish_reason, is_eval=prompt.is_eval,
-                       prompt_len=n_prompt, completion=completion)
+                       prompt_len=n_prompt, completion=completion, correct=judge(prompt, completion))
+
+    def judge(prompt: Prompt, completion: str) -> Optional[bool]:
+        return is_correct(env, completion, prompt.answer) if prompt.is_eval and env is not None else None
 
     async def converse(prompt: Prompt, rollout: Rollout, params: SamplingParams) -> Rollout:
         for turn in range(1, config.task.max_turns):
@@ -117,6 +130,7 @@ def make_work(config: Config, *, engine: Engine, tokenizer: Any, reward: Callabl
             rollout.completion = decode(generation.output_ids) if decode else generation.text
             rollout.finish_reason = generation.finish_reason
         rollout.reward = reward(rollout.completion, prompt.answer)
+        rollout.correct = judge(prompt, rollout.completion)
         return rollout
 
     async def work(prompt: Prompt) -> list[Rollout]:

@@ -204,8 +204,14 @@ def _install_signals(orchestrator: Any) -> None:
 
 def _report(summary: dict, run_dir: RunDir) -> int:
     status = summary["status"]
-    style = {"completed": "green", "interrupted": "yellow"}.get(status, "red")
-    console.print(f"[bold {style}]{status}[/] steps={summary['steps']} admitted={summary['admitted']} "
+    style = {"completed": "green", "converged": "green", "interrupted": "yellow"}.get(status, "red")
+    first, last = summary.get("eval_accuracy_first"), summary.get("eval_accuracy_last")
+    accuracy = (f"eval_accuracy={first:.1%}(step {summary['eval_step_first']})->{last:.1%}"
+                f"(step {summary['eval_step_last']}) " if first is not None and last is not None else "")
+    reward = summary.get("reward_mean_last")
+    console.print(f"[bold {style}]{status}[/] steps={summary['steps']} {accuracy}"
+                  + (f"reward_last={reward:.3f} " if reward is not None else "")
+                  + f"admitted={summary['admitted']} "
                   f"trained={summary['trained']} filtered={summary['filtered']} "
                   f"dropped_stale={summary['dropped_stale']} untrained={summary['persisted_untrained']} "
                   f"lost={summary['lost']} wall={summary['wall_s']}s -> {run_dir.summary}", highlight=False)
@@ -214,7 +220,7 @@ def _report(summary: dict, run_dir: RunDir) -> int:
     if status == "interrupted":
         reason = "SIGTERM" if "SIGTERM" in str(summary.get("reason", "")) else "SIGINT"
         return EXIT_INTERRUPTED[reason]
-    return 0 if status == "completed" else 1
+    return 0 if status in ("completed", "converged") else 1
 
 
 def _progress(config: Config, orchestrator: Any) -> Optional[asyncio.Task]:
@@ -232,8 +238,11 @@ def _progress(config: Config, orchestrator: Any) -> Optional[asyncio.Task]:
                 elapsed = max(time.monotonic() - orchestrator.started, 1e-9)
                 trained = gauges["version"] * config.rollout.batch_size
                 table = Table.grid(padding=(0, 2))
+                evaluated = orchestrator.eval_sink.last
                 table.add_row(f"step {gauges['version']}/{config.train.steps}",
                               f"reward {last['reward_mean']:.3f}" if last else "reward -",
+                              f"eval acc {evaluated['accuracy']:.1%} @{evaluated['step']}"
+                              if evaluated and evaluated["accuracy"] is not None else "eval acc -",
                               f"head age max {last['age_max']}" if last else "head age -",
                               f"in flight {gauges['in_flight']}", f"out queue {gauges['out_queue']}",
                               f"buffered {gauges['buffered']}", f"{trained / elapsed:.1f} rollouts/s")

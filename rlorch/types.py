@@ -142,6 +142,8 @@ class Rollout:
     is_eval: bool = False
     prompt_len: int = 0
     completion: str = ""
+    correct: Optional[bool] = None
+    """Exact match of the answer (set on eval rollouts; None where not judged)."""
 
     @property
     def generated_tokens(self) -> int:
@@ -152,7 +154,7 @@ class Rollout:
                 "tokens": self.tokens, "loss_mask": self.loss_mask, "logprobs": self.logprobs,
                 "versions": self.versions.runs, "reward": self.reward, "origin": self.origin,
                 "finish_reason": self.finish_reason, "is_eval": self.is_eval,
-                "prompt_len": self.prompt_len, "completion": self.completion}
+                "prompt_len": self.prompt_len, "completion": self.completion, "correct": self.correct}
 
     @classmethod
     def from_json(cls, data: dict) -> "Rollout":
@@ -246,6 +248,20 @@ class Environment(Protocol):
     def make_prompt(self, index: int, seed: int) -> tuple[str, Any]: ...
 
     def score(self, completion: str, answer: Any) -> float: ...
+
+
+def is_correct(env: Environment, completion: str, answer: Any) -> bool:
+    """Exact-match correctness: the environment's own ``is_correct`` when it has one, else a
+    score at the environment's ``max_reward`` (default 1)."""
+    check = getattr(env, "is_correct", None)
+    if check is not None:
+        return bool(check(completion, answer))
+    return env.score(completion, answer) >= max_reward(env)
+
+
+def max_reward(env: Environment) -> float:
+    """The best score an episode can earn (``max_reward`` attribute, default 1)."""
+    return float(getattr(env, "max_reward", 1.0))
 
 
 @runtime_checkable

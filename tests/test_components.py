@@ -8,18 +8,19 @@ from pathlib import Path
 
 from rlorch.orchestrator.dispatcher import Dispatcher, GenerationFailed
 from rlorch.orchestrator.gate import CapacityGate
-from rlorch.orchestrator.sinks import TrainSink, group_advantages, head_ages, zero_variance_filter
+from rlorch.orchestrator.sinks import TrainSink, Verdict, group_advantages, head_ages, zero_variance_filter
 from rlorch.orchestrator.watcher import WeightWatcher, WatcherStalled
 from rlorch.config import WatcherConfig
 from rlorch.rundir import PUBLISHED, RunDir, mark
 from rlorch.types import Origin, PolicyVersion, Prompt, Rollout, VersionStamps
 
 
-def rollout(group: int, reward: float, versions: list[list[int]], origin: Origin = Origin.live) -> Rollout:
+def rollout(group: int, reward: float, versions: list[list[int]], origin: Origin = Origin.live,
+            token: int = 1) -> Rollout:
     stamps = VersionStamps([list(run) for run in versions])
     n = stamps.count
-    return Rollout(group_id=group, episode_id=f"g{group}-0-0", env="t", tokens=[1] * (2 + n),
-                   loss_mask=[0, 0] + [1] * n, logprobs=[0.0] * (2 + n), versions=stamps,
+    return Rollout(group_id=group, episode_id=f"g{group}-0-0", env="t", tokens=[1, 1] + [token] * n,
+                   loss_mask=[0, 0] + [1] * n, logprobs=[0.0, 0.0] + [-0.5] * n, versions=stamps,
                    reward=reward, origin=origin)
 
 
@@ -48,19 +49,48 @@ def test_head_age_uses_the_oldest_version_and_skips_replayed_rollouts():
 def test_group_advantages_and_zero_variance_filter():
     advantages = group_advantages([1.0, 0.0, 1.0, 0.0])
     assert advantages[0] > 0 > advantages[1] and abs(sum(advantages)) < 1e-9
-    assert zero_variance_filter([rollout(0, 1.0, [[0, 1]]), rollout(0, 1.0, [[0, 1]])]) == "zero_variance"
-    assert zero_variance_filter([rollout(0, 1.0, [[0, 1]]), rollout(0, 0.0, [[0, 1]])]) is None
+    check = zero_variance_filter(max_reward=1.0)
+    assert check([rollout(0, 1.0, [[0, 1]]), rollout(0, 1.0, [[0, 1]])]) is Verdict.solved
+    assert check([rollout(0, 0.4, [[0, 1]]), rollout(0, 0.4, [[0, 1]])]) is Verdict.collapsed
+    assert check([rollout(0, 0.4, [[0, 1]], token=1), rollout(0, 0.4, [[0, 1]], token=2)]) is Verdict.constant
+    assert check([rollout(0, 1.0, [[0, 1]]), rollout(0, 0.0, [[0, 1]])]) is None
+    assert zero_variance_filter(max_reward=2.0)([rollout(0, 1.0, [[0, 1]])] * 2) is Verdict.collapsed
+
+
+def test_sink_remembers_why_recent_groups_were_filtered_until_one_is_kept():
+    sink = TrainSink(batch_size=4, max_staleness=2, strict=False)
+    sink.add([rollout(0, 1.0, [[0, 2]])] * 2, step=1)
+    sink.add([rollout(1, 0.3, [[0, 2]])] * 2, step=1)
+    assert sink.totals.recent == {Verdict.solved: 2, Verdict.collapsed: 2}
+    assert sink.totals.recent_surprisal / sink.totals.recent_tokens == 0.5
+    sink.add([rollout(2, 1.0, [[0, 2]]), rollout(2, 0.0, [[0, 2]])], step=1)
+    assert not sink.totals.recent and sink.totals.recent_tokens == 0
+
+
+def test_filter_budget_ships_a_short_batch_instead_of_generating_on():
+    sink = TrainSink(batch_size=4, max_staleness=2, strict=False, filter_budget=4)
+    assert sink.add([rollout(0, 1.0, [[0, 1]]), rollout(0, 0.0, [[0, 1]])], step=1) is Verdict.kept
+    for group in range(1, 3):
+        sink.add([rollout(group, 1.0, [[0, 1]])] * 2, step=1)
+    assert not sink.over_budget()  # 4 filtered: at the budget, not past it
+    sink.add([rollout(3, 1.0, [[0, 1]])] * 2, step=1)
+    assert sink.over_budget() and not sink.ready()
+    batch = sink.emit(step=1)
+    assert len(batch.rollouts) == 2 and sink.totals.short_batches == 1 and not sink.over_budget()
+    nothing_kept = TrainSink(batch_size=4, max_staleness=2, strict=False, filter_budget=1)
+    nothing_kept.add([rollout(0, 1.0, [[0, 1]])] * 2, step=1)
+    assert not nothing_kept.over_budget()  # no group to ship: the empty-batch guard decides
 
 
 def test_sink_filters_flat_groups_on_arrival_and_emits_full_batches():
     sink = TrainSink(batch_size=4, max_staleness=2, strict=False)
-    assert sink.add([rollout(0, 1.0, [[0, 2]]), rollout(0, 0.0, [[0, 2]])], step=1) is None
-    assert sink.add([rollout(1, 0.5, [[0, 2]]), rollout(1, 0.5, [[0, 2]])], step=1) == "zero_variance"
+    assert sink.add([rollout(0, 1.0, [[0, 2]]), rollout(0, 0.0, [[0, 2]])], step=1) is Verdict.kept
+    assert sink.add([rollout(1, 0.5, [[0, 2]]), rollout(1, 0.5, [[0, 2]])], step=1) is Verdict.collapsed
     assert not sink.ready()
-    assert sink.add([rollout(2, 0.0, [[0, 2]]), rollout(2, 0.2, [[0, 2]])], step=1) is None
+    assert sink.add([rollout(2, 0.0, [[0, 2]]), rollout(2, 0.2, [[0, 2]])], step=1) is Verdict.kept
     batch = sink.emit(step=1)
     assert [r.group_id for r in batch.rollouts] == [0, 0, 2, 2] and batch.filtered == 2
-    assert sink.totals.filtered_by == {"zero_variance": 2} and sink.buffered == 0
+    assert sink.totals.filtered_by == {"collapsed": 2} and sink.buffered == 0
 
 
 def test_sink_counts_each_batch_worth_of_filtered_rollouts_as_an_empty_batch():
@@ -87,8 +117,8 @@ def test_strict_sink_hands_back_groups_older_than_the_bound():
     sink = TrainSink(batch_size=2, max_staleness=1, strict=True)
     fresh = [rollout(0, 1.0, [[4, 3]]), rollout(0, 0.0, [[4, 3]])]
     spanning_old = [rollout(1, 1.0, [[2, 1], [4, 2]]), rollout(1, 0.0, [[4, 3]])]
-    assert sink.add(fresh, step=6) is None        # trained at version 5: age 1
-    assert sink.add(spanning_old, step=6) == "stale"  # head 2: age 3 > 1
+    assert sink.add(fresh, step=6) is Verdict.kept        # trained at version 5: age 1
+    assert sink.add(spanning_old, step=6) is Verdict.stale  # head 2: age 3 > 1
     assert sink.totals.stale_rollouts == 2 and sink.totals.stale_tokens == 6
     assert sink.restale(step=7) == [fresh]        # by step 7 the fresh group is age 2
 

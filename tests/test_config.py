@@ -122,14 +122,14 @@ def test_uncorrected_is_allowed_when_asked_or_synchronous():
 def test_concurrency_below_batch_warns():
     code, output = validate("rollout.max_concurrent=16")
     assert code == 0, output
-    assert "warning rollout.max_concurrent (16) < rollout.batch_size (32)" in output
+    assert "warning rollout.max_concurrent (16) < rollout.batch_size (128)" in output
 
 
 def test_concurrency_above_pending_limit_warns():
-    code, output = validate("rollout.max_concurrent=200")
+    code, output = validate("rollout.max_concurrent=500")
     assert code == 0, output
-    assert "warning rollout.max_concurrent (200) > (S+1)*B = 96" in output
-    assert "104 slots can never be used" in output
+    assert "warning rollout.max_concurrent (500) > (S+1)*B = 384" in output
+    assert "116 slots can never be used" in output
 
 
 def test_default_config_has_no_warnings():

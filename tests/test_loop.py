@@ -131,7 +131,8 @@ def test_metrics_carry_the_step_keys_and_periodic_gauges_and_eval_records(tmp_pa
     records = [json.loads(line) for line in (tmp_path / "metrics" / "metrics.jsonl").read_text().splitlines()]
     assert any(r["kind"] == "periodic" and "in_flight" in r for r in records)
     evals = [r for r in records if r["kind"] == "eval"]
-    assert [r["step"] for r in evals] == [5, 10] and all(r["eval_prompts"] == 4 for r in evals)
+    assert [r["step"] for r in evals] == [0, 5, 10] and all(r["prompts"] == 4 for r in evals)
+    assert summary["eval_step_first"] == 0 and summary["eval_step_last"] == 10
     assert len((tmp_path / "metrics" / "rollouts" / "step_000003.jsonl").read_text().splitlines()) == 8
 
 

@@ -94,6 +94,13 @@ class CapacityGate:
             self.accepted -= count
             self.rejected += count
 
+    def on_short_batch(self, missing: int) -> None:
+        """A batch shipped ``missing`` rollouts short of B (the filter budget ran out). Each
+        version must account for B accepted rollouts, or the staleness term would open
+        ``missing`` extra slots per short batch; the shortfall counts as accepted."""
+        with self._lock:
+            self.accepted += missing
+
     def on_version_recovered(self, version: int, buffered: int = 0) -> None:
         """Re-establish the bound after a resume at ``version``.
 

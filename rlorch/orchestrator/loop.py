@@ -26,10 +26,10 @@ from rlorch.config import Config, Enforce
 from rlorch.orchestrator.dispatcher import Dispatcher, Work
 from rlorch.orchestrator.gate import CapacityGate
 from rlorch.orchestrator.metrics import MetricsLoop
-from rlorch.orchestrator.sinks import EvalSink, TrainSink, head_ages
+from rlorch.orchestrator.sinks import EvalSink, TrainSink, Verdict, head_ages, zero_variance_filter
 from rlorch.orchestrator.watcher import WeightWatcher
 from rlorch.rundir import RunDir, write_atomic, write_json_atomic
-from rlorch.types import Batch, Engine, PolicyVersion, Prompt, Rollout, Trainer
+from rlorch.types import Batch, Engine, PolicyVersion, Prompt, Rollout, Trainer, max_reward
 
 TOTAL_KEYS = ("admitted", "trained", "filtered", "dropped_stale", "requeued", "regenerated",
               "stale_tokens", "empty_batches")
@@ -41,6 +41,10 @@ class RunFailed(RuntimeError):
 
 class ShutdownRequested(Exception):
     pass
+
+
+class Converged(Exception):
+    """Every recent group earned the maximum reward: the task is solved, the run ends well."""
 
 
 @dataclass
@@ -104,7 +108,10 @@ class Orchestrator:
         self.dispatcher = Dispatcher(gate=self.gate, work=work, prompts=iter(prompts), group_size=r.group_size,
                                      queue_size=r.queue_size, max_buffered=r.max_buffered,
                                      request_timeout=r.request_timeout, max_retries=r.max_retries)
-        self.sink = TrainSink(batch_size=r.batch_size, max_staleness=r.max_staleness, strict=self.strict)
+        env = getattr(prompts, "env", None)
+        self.sink = TrainSink(batch_size=r.batch_size, max_staleness=r.max_staleness, strict=self.strict,
+                              filters=[zero_variance_filter(max_reward(env) if env is not None else 1.0)],
+                              filter_budget=r.filter_budget * r.batch_size)
         self.eval_sink = EvalSink()
         self.watcher = WeightWatcher(config.watcher, policy=policy, engines=engines,
                                      published=run_dir.published_weights,
@@ -127,6 +134,7 @@ class Orchestrator:
         # A resumed run reads only the trainer lines written from now on: older ones belong to
         # steps this run does not train (or to an abandoned trajectory).
         self.trainer_metrics_offset = metrics_file.stat().st_size if metrics_file.exists() else 0
+        self.trainer_backlog: dict[int, dict] = {}
         self.admitted_at_last_step = 0
         self.resume_admitted_limit: Optional[int] = None
         self.resume_admissions_checked = False
@@ -140,6 +148,9 @@ class Orchestrator:
         self.last_step_record: dict = {}
         self.checkpoint_step: Optional[int] = None
         self.eval_tasks: set[asyncio.Task] = set()
+        self.eval_prompts: Optional[list[Prompt]] = None
+        self.converged: Optional[str] = None
+        self.evaluated: set[int] = set()
         self._park_last = 0.0
 
     # wiring ----------------------------------------------------------------------------------
@@ -200,9 +211,9 @@ class Orchestrator:
     def _file(self, group: list[Rollout], step: int) -> None:
         """Hand a finished group to the sink; a rejected one leaves the gate's accounting."""
         verdict = self.sink.add(group, step)
-        if verdict == "stale":
+        if verdict is Verdict.stale:
             self._stale(group)
-        elif verdict is not None:
+        elif verdict is not Verdict.kept:
             self.gate.on_discarded(len(group))
             self.dispatcher.notify()
             self._check_empty()
@@ -237,11 +248,16 @@ class Orchestrator:
         alarm_task = asyncio.create_task(self.alarm.wait())
         health_task = asyncio.create_task(self._health_loop())
         await self.metrics.start()
+        if self.config.eval.enabled:
+            await self._evaluate(self.policy.value)
         await self.watcher.start()
         await self.dispatcher.start()
         status, error = "completed", None
         try:
             await self._train(alarm_task)
+            await self._drain(alarm_task)
+        except Converged as solved:
+            status, self.converged = "converged", str(solved)
             await self._drain(alarm_task)
         except ShutdownRequested:
             status = "interrupted"
@@ -303,7 +319,7 @@ class Orchestrator:
             step = self.shipped + 1
             for stale in self.sink.restale(step):
                 self._stale(stale)
-            while not self.sink.ready():
+            while not (self.sink.ready() or self.sink.over_budget()):
                 self._file(await self._next_group(alarm_task), step)
                 self._check_alarm()
             batch = self.sink.emit(step)
@@ -312,6 +328,8 @@ class Orchestrator:
                 self.dispatcher.notify()
                 self._check_empty()
                 continue
+            if len(batch.rollouts) < self.batch_size:
+                self.gate.on_short_batch(self.batch_size - len(batch.rollouts))
             if self.ship_side:
                 self.parked = batch
                 await self._park(step, alarm_task)
@@ -320,12 +338,27 @@ class Orchestrator:
             await self.trainer.submit(batch)
 
     def _check_empty(self) -> None:
+        """The empty-batch guard: after train.max_empty_batches consecutive batch-worths with
+        nothing trainable, end the run, saying which of the three causes it was."""
         totals = self.sink.totals
-        if totals.consecutive_empty >= self.config.train.max_empty_batches:
-            removed = ", ".join(f"{why}: {n}" for why, n in sorted(totals.filtered_by.items())) or "nothing"
-            raise RunFailed(f"{totals.consecutive_empty} consecutive batches had nothing trainable "
-                            f"(train.max_empty_batches={self.config.train.max_empty_batches}); filters removed "
-                            f"{removed} rollouts. A constant reward or a broken environment does this.")
+        if totals.consecutive_empty < self.config.train.max_empty_batches:
+            return
+        recent = totals.recent
+        seen = sum(recent.values()) or 1
+        head = (f"{totals.consecutive_empty} consecutive batches had nothing trainable "
+                f"(train.max_empty_batches={self.config.train.max_empty_batches}): of the last {seen} rollouts "
+                + ", ".join(f"{n} {why.value}" for why, n in recent.most_common()))
+        if recent[Verdict.solved] * 2 > seen:
+            raise Converged(f"{head}. The task is solved: groups earn the maximum reward.")
+        if recent[Verdict.collapsed] * 2 > seen:
+            entropy = totals.recent_surprisal / max(totals.recent_tokens, 1)
+            trainer_entropy = self.last_step_record.get("entropy")
+            raise RunFailed(f"{head}. The policy collapsed: groups sample identical completions short of the "
+                            f"maximum reward (sampled-token entropy estimate {entropy:.3g} nats"
+                            + (f", trainer entropy {trainer_entropy:.3g}" if trainer_entropy is not None else "")
+                            + "). Raise trainer.entropy_coef or rollout.temperature, or lower trainer.lr.")
+        raise RunFailed(f"{head}. Different completions score the same: a constant reward or a broken "
+                        f"environment does this.")
 
     async def _park(self, step: int, alarm_task: asyncio.Task) -> None:
         """Ship-side gating: hold batch ``step`` until the trainer is within S versions of it."""
@@ -360,52 +393,60 @@ class Orchestrator:
         self.admitted_at_last_step = admitted
         self.dispatcher.notify()
 
-    def _trainer_lines(self) -> dict[int, dict]:
+    def _read_trainer_lines(self) -> None:
+        """Add the trainer's newly completed metric lines to the backlog, keyed by step."""
         path = self.run_dir.trainer / "metrics.jsonl"
-        found: dict[int, dict] = {}
         try:
-            with open(path) as handle:
+            with open(path, "rb") as handle:
                 handle.seek(self.trainer_metrics_offset)
                 data = handle.read()
         except OSError:
-            return found
-        complete = data[: data.rfind("\n") + 1]
-        self.trainer_metrics_offset += len(complete.encode())
+            return
+        complete = data[: data.rfind(b"\n") + 1]
+        self.trainer_metrics_offset += len(complete)
         for line in complete.splitlines():
             if line.strip():
                 record = json.loads(line)
-                found[record["step"]] = record
-        return found
+                self.trainer_backlog[record["step"]] = record
 
     def _flush_step_records(self) -> None:
         """Write the step records of trained batches, joined with the trainer's own line."""
         trained = self.policy.value
-        trainer_lines = self._trainer_lines()
+        self._read_trainer_lines()
         for step in sorted(self.step_records):
             if step > trained:
                 break
             record = self.step_records.pop(step)
-            extra = trainer_lines.get(step, {})
+            extra = self.trainer_backlog.pop(step, {})
             record.update({"loss": extra.get("loss"), "grad_norm": extra.get("grad_norm"),
                            "version": self.policy.value, **self.dispatcher.gauges(),
                            "reload_s": self.watcher.reload_s, "wall_s": round(time.monotonic() - self.started, 3)})
-            for key in ("kl", "ratio_mean", "ratio_max", "clip_frac", "is_capped_frac", "step_s"):
+            for key in ("kl", "ratio_mean", "ratio_max", "clip_frac", "is_capped_frac", "step_s",
+                        "mismatch_kl", "mismatch_max", "mismatch_tokens", "entropy", "skipped_updates"):
                 if key in extra:
                     record[key] = extra[key]
             self.last_step_record = record
             self.metrics.write(record)
-            if self.config.eval.every and step % self.config.eval.every == 0:
-                task = asyncio.get_running_loop().create_task(self._evaluate(step))
-                self.eval_tasks.add(task)
-                task.add_done_callback(self.eval_tasks.discard)
+            every = self.config.eval.every
+            if self.config.eval.enabled and every and step % every == 0:
+                self._start_evaluation(step)
+
+    def _start_evaluation(self, step: int) -> None:
+        self.evaluated.add(step)
+        task = asyncio.get_running_loop().create_task(self._evaluate(step))
+        self.eval_tasks.add(task)
+        task.add_done_callback(self.eval_tasks.discard)
 
     async def _evaluate(self, step: int) -> None:
-        prompts = [self.prompts.make(i, is_eval=True) for i in range(self.config.eval.prompts)]
+        """Greedy decoding of the held-out prompts on the weights of version ``step``."""
+        self.evaluated.add(step)
+        if self.eval_prompts is None:
+            self.eval_prompts = self.prompts.eval_set(self.config.eval.prompts)
         timeout = self.config.rollout.request_timeout
-        groups = await asyncio.gather(*(asyncio.wait_for(self.work(p), timeout) for p in prompts),
+        groups = await asyncio.gather(*(asyncio.wait_for(self.work(p), timeout) for p in self.eval_prompts),
                                       return_exceptions=True)
         rollouts = [r for g in groups if not isinstance(g, BaseException) for r in g]
-        self.metrics.write(self.eval_sink.add(step, rollouts))
+        self.metrics.write(self.eval_sink.add(step, rollouts, asked=len(self.eval_prompts)))
 
     # checkpoints, drain, shutdown ------------------------------------------------------------
     def _untrained(self, trained_step: int) -> list[list[Rollout]]:
@@ -478,9 +519,11 @@ class Orchestrator:
         await self.dispatcher.stop()
         while not await self.dispatcher.wait_idle(0.2):
             self._check_alarm()
-        await self._wait_version(self.config.train.steps)
+        await self._wait_version(self.shipped)
         await self.trainer.stop(self.config.run.shutdown_timeout)
         self._flush_step_records()
+        if self.config.eval.enabled and self.policy.value not in self.evaluated:
+            self._start_evaluation(self.policy.value)
         pending = set(self.eval_tasks)
         while pending:
             done, pending = await asyncio.wait(pending | {alarm_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -526,16 +569,25 @@ class Orchestrator:
             # and a new run starts these prompts again.
             unsaved, untrained, requeued = untrained + requeued, 0, 0
         last = self.last_step_record
-        return {"status": status, "error": error, "reason": self.alarm_reason, "steps": trained_step, "version": self.policy.value,
+        return {"status": status, "error": error, "reason": self.alarm_reason or self.converged, "steps": trained_step, "version": self.policy.value,
                 "admitted": admitted, "trained": trained, "filtered": filtered,
                 "dropped_stale": self.totals["dropped_stale"], "regenerated": self.totals["regenerated"],
                 "stale_tokens": self.totals["stale_tokens"], "persisted_untrained": untrained,
                 "requeued": requeued, "unsaved": unsaved, "lost": admitted - accounted,
-                "empty_batches": self._empty_batches(),
+                "empty_batches": self._empty_batches(), "short_batches": self.sink.totals.short_batches,
                 "checkpoint": str(self.run_dir.checkpoint(checkpoint)) if checkpoint else None,
                 "parked_s": round(self.parked_s, 4), "reward_mean_last": last.get("reward_mean"),
+                **self._eval_summary(),
                 "wall_s": round(time.monotonic() - self.started, 3),
                 "loop_s": round(time.monotonic() - self.loop_started, 3)}
+
+
+    def _eval_summary(self) -> dict:
+        first, last = self.eval_sink.first, self.eval_sink.last
+        return {"eval_accuracy_first": first["accuracy"] if first else None,
+                "eval_accuracy_last": last["accuracy"] if last else None,
+                "eval_step_first": first["step"] if first else None,
+                "eval_step_last": last["step"] if last else None}
 
 
 def _regroup(rollouts: list[Rollout]) -> list[list[Rollout]]:

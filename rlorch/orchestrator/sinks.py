@@ -8,21 +8,48 @@ back (to regenerate or drop) and never trained.
 
 from __future__ import annotations
 
+import enum
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
 
 from rlorch.types import Batch, Origin, Rollout
 
-GroupFilter = Callable[[Sequence[Rollout]], Optional[str]]
-"""A filter looks at one group and returns a reason to drop it, or None to keep it."""
+
+class Verdict(str, enum.Enum):
+    """What the train sink did with a group (``kept``) or why it did not keep it."""
+
+    kept = "kept"
+    stale = "stale"
+    """strict mode: its oldest token is older than S at the step it would train in."""
+    solved = "solved"
+    """every sample earned the environment's maximum reward: nothing left to learn."""
+    collapsed = "collapsed"
+    """every sample is the same completion, short of the maximum: the policy stopped exploring."""
+    constant = "constant"
+    """different completions, one reward: a constant reward or a broken environment."""
+    no_signal = "no_signal"
+    """a batch of single-sample groups whose rewards are all equal."""
 
 
-def zero_variance_filter(group: Sequence[Rollout]) -> Optional[str]:
-    """Groups whose samples all scored the same carry no GRPO signal."""
-    if len(group) > 1 and all(r.reward == group[0].reward for r in group):
-        return "zero_variance"
-    return None
+GroupFilter = Callable[[Sequence[Rollout]], Optional[Verdict]]
+"""A filter looks at one group and returns the reason to drop it, or None to keep it."""
+
+
+def zero_variance_filter(max_reward: float = 1.0) -> GroupFilter:
+    """Groups whose samples all scored the same carry no GRPO signal; the verdict says why."""
+
+    def check(group: Sequence[Rollout]) -> Optional[Verdict]:
+        if len(group) < 2 or any(r.reward != group[0].reward for r in group):
+            return None
+        if group[0].reward >= max_reward:
+            return Verdict.solved
+        if all(r.tokens == group[0].tokens for r in group):
+            return Verdict.collapsed
+        return Verdict.constant
+
+    return check
 
 
 def group_advantages(rewards: Sequence[float], eps: float = 1e-6) -> list[float]:
@@ -52,6 +79,12 @@ class SinkTotals:
     stale_groups: int = 0
     stale_rollouts: int = 0
     stale_tokens: int = 0
+    short_batches: int = 0
+    recent: Counter = field(default_factory=Counter)
+    """Rollouts filtered, by verdict, since a group was last kept: what the empty-batch guard reads."""
+    recent_surprisal: float = 0.0
+    recent_tokens: int = 0
+    """Summed -logprob and count of the sampled tokens of those rollouts (an entropy estimate)."""
 
 
 class TrainSink:
@@ -65,8 +98,9 @@ class TrainSink:
     """
 
     def __init__(self, *, batch_size: int, max_staleness: int, strict: bool,
-                 filters: Sequence[GroupFilter] = (zero_variance_filter,)):
+                 filters: Sequence[GroupFilter] = (zero_variance_filter(),), filter_budget: int = 0):
         self.batch_size = batch_size
+        self.filter_budget = filter_budget
         self.max_staleness = max_staleness
         self.strict = strict
         self.filters = list(filters)
@@ -75,6 +109,7 @@ class TrainSink:
         self._count = 0
         self._filtered_run = 0
         self._filtered_at_emit = 0
+        self._filtered_since_emit = 0
 
     def pending_groups(self) -> list[list[Rollout]]:
         """Kept groups not yet in a batch, oldest first."""
@@ -93,21 +128,21 @@ class TrainSink:
         self.totals.stale_rollouts += len(group)
         self.totals.stale_tokens += sum(r.generated_tokens for r in group)
 
-    def add(self, group: list[Rollout], step: int) -> Optional[str]:
+    def add(self, group: list[Rollout], step: int) -> Verdict:
         """Take a finished group for the batch of ``step`` (trained at version step - 1).
 
-        Returns None when kept, ``"stale"`` (strict mode: too old to train; the caller
-        regenerates or drops it) or the reason a filter gave. Every batch-worth of consecutive
+        Returns ``kept``, ``stale`` (strict mode: too old to train; the caller regenerates or
+        drops it) or the verdict of the filter that dropped it. Every batch-worth of consecutive
         filtered rollouts counts as one empty batch.
         """
         if self.strict and self.is_stale(group, step - 1):
             self._count_stale(group)
-            return "stale"
+            return Verdict.stale
         reason = next((why for check in self.filters if (why := check(group))), None)
         if reason:
-            self.totals.filtered += len(group)
-            self.totals.filtered_by[reason] = self.totals.filtered_by.get(reason, 0) + len(group)
+            self._count_filtered(reason, group)
             self._filtered_run += len(group)
+            self._filtered_since_emit += len(group)
             if self._filtered_run >= self.batch_size:
                 self._filtered_run = 0
                 self.totals.empty_batches += 1
@@ -116,9 +151,26 @@ class TrainSink:
         self._filtered_run = 0
         if len(group) > 1:
             self.totals.consecutive_empty = 0
+            self.totals.recent.clear()
+            self.totals.recent_surprisal, self.totals.recent_tokens = 0.0, 0
         self._groups.append(group)
         self._count += len(group)
-        return None
+        return Verdict.kept
+
+    def _count_filtered(self, reason: Verdict, rollouts: Sequence[Rollout]) -> None:
+        totals = self.totals
+        totals.filtered += len(rollouts)
+        totals.filtered_by[reason.value] = totals.filtered_by.get(reason.value, 0) + len(rollouts)
+        totals.recent[reason] += len(rollouts)
+        for rollout in rollouts:
+            sampled = [-p for p, m in zip(rollout.logprobs, rollout.loss_mask) if m]
+            totals.recent_surprisal += sum(sampled)
+            totals.recent_tokens += len(sampled)
+
+    def over_budget(self) -> bool:
+        """More rollouts were filtered while assembling this batch than the budget allows, and
+        kept groups wait: the batch ships short rather than generating on."""
+        return bool(self.filter_budget) and self._filtered_since_emit > self.filter_budget and self._count > 0
 
     def restale(self, step: int) -> list[list[Rollout]]:
         """Strict mode: hand back buffered groups that became too stale for ``step``."""
@@ -149,6 +201,9 @@ class TrainSink:
             taken.append(group)
             count += len(group)
         self._count -= count
+        self._filtered_since_emit = 0
+        if count < self.batch_size:
+            self.totals.short_batches += 1
         rollouts = [r for group in taken for r in group]
         if all(len(group) == 1 for group in taken):
             advantages = group_advantages([r.reward for r in rollouts])
@@ -157,8 +212,7 @@ class TrainSink:
         if not any(abs(a) > 1e-8 for a in advantages):
             self.totals.empty_batches += 1
             self.totals.consecutive_empty += 1
-            self.totals.filtered += len(rollouts)
-            self.totals.filtered_by["no_signal"] = self.totals.filtered_by.get("no_signal", 0) + len(rollouts)
+            self._count_filtered(Verdict.no_signal, rollouts)
             return None
         self.totals.consecutive_empty = 0
         self.totals.batches += 1
@@ -170,13 +224,30 @@ class TrainSink:
 
 @dataclass
 class EvalSink:
-    """Eval rollouts: no advantages, no filtering, exempt from the staleness bound."""
+    """Eval rollouts: no advantages, no filtering, exempt from the staleness bound.
+
+    ``step`` is the policy version the evaluation was asked of; ``version_min``/``version_max``
+    are the versions that actually produced its tokens (a reload can land mid-evaluation).
+    Prompts whose generation failed count as wrong and are reported in ``failed``.
+    """
 
     results: list[dict] = field(default_factory=list)
 
-    def add(self, step: int, rollouts: Sequence[Rollout]) -> dict:
+    def add(self, step: int, rollouts: Sequence[Rollout], asked: int) -> dict:
         rewards = [r.reward for r in rollouts]
-        record = {"kind": "eval", "step": step, "eval_prompts": len(rewards),
-                  "eval_reward_mean": sum(rewards) / len(rewards) if rewards else 0.0}
+        versions = [v for r in rollouts for v, _ in r.versions.runs]
+        record = {"kind": "eval", "step": step, "prompts": asked,
+                  "accuracy": round(sum(1 for r in rollouts if r.correct) / asked, 6) if asked else None,
+                  "reward_mean": round(sum(rewards) / len(rewards), 6) if rewards else None,
+                  "failed": asked - len(rollouts),
+                  "version_min": min(versions, default=None), "version_max": max(versions, default=None)}
         self.results.append(record)
         return record
+
+    @property
+    def first(self) -> Optional[dict]:
+        return min(self.results, key=lambda r: r["step"], default=None)
+
+    @property
+    def last(self) -> Optional[dict]:
+        return max(self.results, key=lambda r: r["step"], default=None)

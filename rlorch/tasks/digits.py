@@ -4,6 +4,9 @@ Prompts carry no whitespace (the tiny tokenizer has none): ``"4071="``, answer `
 The reward gives partial credit so a randomly initialised model gets a learning signal from
 its first batch: a format part (the answer is a digit string of the right length) and a
 per-position part (each position that matches, over the longer of the two lengths).
+
+Held out: one digit string in ten (by a hash of the string, so the split is the same for every
+seed and process) is never a training prompt; evaluation draws only from those.
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ from rlorch.tasks import register
 
 DIGITS = "0123456789"
 
-FORMAT_WEIGHT = 0.5
-"""Share of the reward for the answer's form (digits only, the right length). Half, because a
-randomly initialised model first has to learn to answer in digits at all; with less, the
-per-position part is too sparse for a 60-step CPU run to show a clear gain."""
+FORMAT_WEIGHT = 0.2
+"""Default share of the reward for the answer's form (digits only, the right length). Enough for
+a randomly initialised model to learn to answer in digits within a few steps, small enough that
+the per-position part, which is what teaches the task, carries most of each group's variance."""
+
+HELD_OUT_MODULUS = 10
+"""One digit string in this many is held out for evaluation."""
 
 
 def clean_completion(text: str) -> str:
@@ -46,6 +52,11 @@ def digit_credit(completion: str, answer: str, format_weight: float = FORMAT_WEI
     return (1.0 - format_weight) * matches / length + format_weight * well_formed
 
 
+def is_held_out(digits: str) -> bool:
+    """Whether a digit string belongs to the evaluation split (fixed, seed-independent)."""
+    return hashlib.blake2b(digits.encode(), digest_size=4).digest()[0] % HELD_OUT_MODULUS == 0
+
+
 @dataclass(frozen=True)
 class DigitTask:
     """Prompt ``<digits>=``; the answer is ``transform(digits)``."""
@@ -54,28 +65,59 @@ class DigitTask:
     transform: Callable[[str], str]
     min_digits: int
     max_digits: int
+    format_weight: float = FORMAT_WEIGHT
+    max_reward: float = 1.0
 
-    def make_prompt(self, index: int, seed: int) -> tuple[str, str]:
+    def _draw(self, key: str) -> str:
         # A keyed hash rather than a seeded Random: the same prompt in every process, and
         # cheap enough that making prompts never shows in the loop's throughput.
         span = self.max_digits - self.min_digits + 1
-        draw = int.from_bytes(hashlib.shake_256(f"{self.name}:{seed}:{index}".encode())
-                              .digest(8 + self.max_digits), "big")
+        draw = int.from_bytes(hashlib.shake_256(key.encode()).digest(8 + self.max_digits), "big")
         draw, pick = divmod(draw, span)
         digits = []
         for _ in range(self.min_digits + pick):
             draw, digit = divmod(draw, 10)
             digits.append(DIGITS[digit])
-        text = "".join(digits)
-        return f"{text}=", self.transform(text)
+        return "".join(digits)
+
+    def make_prompt(self, index: int, seed: int) -> tuple[str, str]:
+        """Training prompt ``index``: never one of the held-out strings."""
+        retry = 0
+        while True:
+            text = self._draw(f"{self.name}:{seed}:{index}:{retry}" if retry else f"{self.name}:{seed}:{index}")
+            if not is_held_out(text):
+                return f"{text}=", self.transform(text)
+            retry += 1
+
+    def eval_prompts(self, count: int) -> list[tuple[str, str]]:
+        """Up to ``count`` distinct held-out prompts, the same list for every run."""
+        found: dict[str, None] = {}
+        for index in range(count * HELD_OUT_MODULUS * 20):
+            text = self._draw(f"{self.name}:eval:{index}")
+            if is_held_out(text):
+                found.setdefault(text)
+                if len(found) == count:
+                    break
+        return [(f"{text}=", self.transform(text)) for text in found]
 
     def score(self, completion: str, answer: str) -> float:
-        return digit_credit(completion, answer)
+        return digit_credit(completion, answer, self.format_weight)
+
+    def is_correct(self, completion: str, answer: str) -> bool:
+        return clean_completion(completion) == answer
 
 
 @register("reverse")
 def reverse_task(config: Config) -> DigitTask:
-    return DigitTask("reverse", lambda s: s[::-1], config.task.min_digits, config.task.max_digits)
+    return DigitTask("reverse", _reverse, config.task.min_digits, config.task.max_digits, config.task.format_weight)
+
+
+def _reverse(digits: str) -> str:
+    return digits[::-1]
+
+
+def _sort(digits: str) -> str:
+    return "".join(sorted(digits))
 
 
 @dataclass(frozen=True)
@@ -89,9 +131,10 @@ class RetryTask(DigitTask):
 
 @register("reverse_retry")
 def reverse_retry_task(config: Config) -> RetryTask:
-    return RetryTask("reverse_retry", lambda s: s[::-1], config.task.min_digits, config.task.max_digits)
+    return RetryTask("reverse_retry", _reverse, config.task.min_digits, config.task.max_digits,
+                     config.task.format_weight)
 
 
 @register("sort")
 def sort_task(config: Config) -> DigitTask:
-    return DigitTask("sort", lambda s: "".join(sorted(s)), config.task.min_digits, config.task.max_digits)
+    return DigitTask("sort", _sort, config.task.min_digits, config.task.max_digits, config.task.format_weight)

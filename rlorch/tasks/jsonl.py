@@ -44,13 +44,17 @@ class JsonlTask:
 
     rows: tuple[tuple[str, Any], ...]
     name: str = "jsonl"
+    max_reward: float = 1.0
 
     def make_prompt(self, index: int, seed: int) -> tuple[str, Any]:
         epoch, offset = divmod(index, len(self.rows))
         return self.rows[_order(len(self.rows), seed, epoch)[offset]]
 
     def score(self, completion: str, answer: Any) -> float:
-        return float(completion.strip() == str(answer).strip())
+        return float(self.is_correct(completion, answer))
+
+    def is_correct(self, completion: str, answer: Any) -> bool:
+        return completion.strip() == str(answer).strip()
 
 
 @lru_cache(maxsize=8)

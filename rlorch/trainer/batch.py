@@ -21,6 +21,10 @@ class BatchError(ValueError):
     """A batch file is malformed; the message names the file and line."""
 
 
+NO_VERSION = -1
+"""Version of a token no policy generated (prompt, environment reply, padding, unknown)."""
+
+
 @dataclass
 class Sequence:
     tokens: list[int]
@@ -28,6 +32,23 @@ class Sequence:
     logprobs: list[float]
     advantage: float
     reward: float
+    versions: list[int] | None = None
+    """Per-token policy version aligned with ``tokens`` (NO_VERSION off the loss mask); None
+    when the batch line carries no stamps."""
+
+
+def token_versions(mask: list[int], runs: object, where: str) -> list[int] | None:
+    """Expand ``[[version, count], ...]`` over the masked tokens, in order."""
+    if runs is None:
+        return None
+    try:
+        expanded = [int(version) for version, count in runs for _ in range(int(count))]
+    except (TypeError, ValueError) as err:
+        raise BatchError(f"{where}: versions must be [[version, count], ...] ({err})") from err
+    if len(expanded) != sum(mask):
+        raise BatchError(f"{where}: versions cover {len(expanded)} tokens but loss_mask marks {sum(mask)}")
+    stamps = iter(expanded)
+    return [next(stamps) if m else NO_VERSION for m in mask]
 
 
 def _parse_line(path: Path, number: int, line: str) -> Sequence:
@@ -49,6 +70,7 @@ def _parse_line(path: Path, number: int, line: str) -> Sequence:
         raise BatchError(f"{where}: non-numeric value ({err})") from err
     if not math.isfinite(sequence.advantage) or not all(map(math.isfinite, sequence.logprobs)):
         raise BatchError(f"{where}: advantage and logprobs must be finite")
+    sequence.versions = token_versions(sequence.loss_mask, item.get("versions"), where)
     return sequence
 
 
@@ -76,6 +98,8 @@ class MicroBatch:
     mask: torch.Tensor
     behaviour: torch.Tensor
     advantages: torch.Tensor
+    versions: torch.Tensor
+    """[n, len] per-token policy versions (NO_VERSION where none is known)."""
 
 
 def micro_batches(sequences: list[Sequence], size: int, count: int, pad_id: int) -> list[MicroBatch]:
@@ -92,10 +116,21 @@ def micro_batches(sequences: list[Sequence], size: int, count: int, pad_id: int)
         tokens = torch.full((len(chunk), length), pad_id, dtype=torch.long)
         mask = torch.zeros((len(chunk), length))
         behaviour = torch.zeros((len(chunk), length))
+        versions = torch.full((len(chunk), length), NO_VERSION, dtype=torch.long)
         for row, s in enumerate(chunk):
             n = len(s.tokens)
             tokens[row, :n] = torch.tensor(s.tokens)
             mask[row, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
             behaviour[row, :n] = torch.tensor(s.logprobs)
-        out.append(MicroBatch(tokens, mask, behaviour, torch.tensor([s.advantage for s in chunk])))
+            if s.versions is not None:
+                versions[row, :n] = torch.tensor(s.versions)
+        out.append(MicroBatch(tokens, mask, behaviour, torch.tensor([s.advantage for s in chunk]), versions))
     return out
+
+
+def minibatch_slices(count: int, minibatches: int) -> list[slice]:
+    """``minibatches`` contiguous, near-equal slices of ``count`` sequences (never empty while
+    ``count >= minibatches``; a batch with fewer sequences gets fewer minibatches)."""
+    parts = max(1, min(minibatches, count))
+    bounds = [round(i * count / parts) for i in range(parts + 1)]
+    return [slice(bounds[i], bounds[i + 1]) for i in range(parts)]

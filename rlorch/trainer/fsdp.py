@@ -146,53 +146,118 @@ def wait_for_batch(run, step: int, device) -> bool:
 
 
 def train_step(worker: Worker, step: int) -> dict:
-    """One optimizer step on batch ``step``; returns its metrics line (global over ranks)."""
+    """Train on batch ``step``: ``trainer.minibatches`` optimizer steps; returns its metrics line
+    (global over ranks).
+
+    The proximal logprobs (the weights before the first update) are computed once, in a forward
+    pass without gradients that also measures the training-inference mismatch and the entropy.
+    """
     import torch
 
-    from rlorch.trainer.batch import micro_batches, read_batch
+    from rlorch.trainer.batch import micro_batches, minibatch_slices, read_batch
+    from rlorch.trainer.loss import LossStats
 
     started = time.perf_counter()
     trainer, model = worker.config.trainer, worker.model
     sequences = read_batch(worker.run.batch(step), model.config.vocab_size)
-    total_tokens = sum(sum(s.loss_mask) for s in sequences)
-    count = max(1, math.ceil(math.ceil(len(sequences) / worker.world) / trainer.micro_batch_size))
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    micros = micro_batches(sequences[worker.rank::worker.world], trainer.micro_batch_size, count, pad_id)
+    plan = []
+    for part in minibatch_slices(len(sequences), trainer.minibatches):
+        chunk = sequences[part]
+        tokens = sum(sum(s.loss_mask) for s in chunk)
+        count = max(1, math.ceil(math.ceil(len(chunk) / worker.world) / trainer.micro_batch_size))
+        plan.append((micro_batches(chunk[worker.rank::worker.world], trainer.micro_batch_size, count, pad_id),
+                     tokens))
     model.train()
-    worker.optimizer.zero_grad(set_to_none=True)
-    loss_sum, stats = _accumulate(worker, micros, max(total_tokens, 1))
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.max_grad_norm)
-    if hasattr(grad_norm, "full_tensor"):
-        grad_norm = grad_norm.full_tensor()
-    if total_tokens > 0:
-        worker.optimizer.step()
-    summed = _all_reduce(stats.as_tensor().tolist() + [loss_sum], worker.device)
-    ratio_max = _all_reduce([stats.ratio_max], worker.device, "max")[0]
-    merged = type(stats).from_tensor(torch.tensor(summed[:-1]), ratio_max)
+    probe = _proximal_pass(worker, [micro for micros, _ in plan for micro in micros], version=step - 1)
+    loss_sum, stats, norms, skipped, done = 0.0, LossStats(), [], 0, 0
+    for micros, tokens in plan:
+        worker.optimizer.zero_grad(set_to_none=True)
+        proximal = probe.prox[done:done + len(micros)]
+        done += len(micros)
+        part_loss, part_stats = _accumulate(worker, micros, max(tokens, 1), proximal)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        norms.append(float(grad_norm))
+        if not math.isfinite(float(grad_norm)):
+            skipped += 1
+        elif tokens > 0:
+            worker.optimizer.step()
+        loss_sum += part_loss / len(plan)
+        stats = stats.merge(part_stats)
+    summed = _all_reduce(stats.as_tensor().tolist() + [loss_sum] + probe.sums(), worker.device)
+    maxima = _all_reduce([stats.ratio_max, probe.mismatch.max_abs], worker.device, "max")
+    merged = type(stats).from_tensor(torch.tensor(summed[:5]), maxima[0])
     rewards = [s.reward for s in sequences]
-    return {"step": step, "loss": summed[-1], "grad_norm": float(grad_norm), **merged.summary(),
-            "tokens": int(total_tokens), "sequences": len(sequences),
+    return {"step": step, "loss": summed[5], "grad_norm": sum(norms) / len(norms), **merged.summary(),
+            **probe.summary(summed[6:], maxima[1]), "minibatches": len(plan), "skipped_updates": skipped,
+            "tokens": int(sum(t for _, t in plan)), "sequences": len(sequences),
             "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "step_s": time.perf_counter() - started}
 
 
-def _accumulate(worker: Worker, micros: list, total_tokens: int):
-    """Forward/backward every micro-batch; gradients accumulate to the global token mean."""
+@dataclass
+class ProximalProbe:
+    """What the forward pass before the first update measured, per micro-batch and summed."""
+
+    prox: list
+    mismatch: object
+    entropy_sum: float = 0.0
+    tokens: float = 0.0
+
+    def sums(self) -> list[float]:
+        return [self.mismatch.tokens, self.mismatch.kl_sum, self.entropy_sum, self.tokens]
+
+    def summary(self, sums: list[float], mismatch_max: float) -> dict:
+        from rlorch.trainer.loss import MismatchStats
+
+        age0, kl_sum, entropy_sum, tokens = sums
+        merged = MismatchStats(tokens=age0, kl_sum=kl_sum, max_abs=mismatch_max)
+        return {**merged.summary(), "entropy": entropy_sum / tokens if tokens else None}
+
+
+def _proximal_pass(worker: Worker, micros: list, version: int) -> ProximalProbe:
+    """Logprobs of every micro-batch under the weights before any update of this batch.
+
+    Tokens stamped with ``version`` (the one these weights are) were sampled by the engines from
+    these very weights: their logprob difference is the training-inference mismatch.
+    """
+    import torch
+
+    from rlorch.trainer.loss import MismatchStats, token_entropy, token_logprobs
+
+    temperature = worker.config.rollout.temperature
+    probe = ProximalProbe(prox=[], mismatch=MismatchStats())
+    with torch.no_grad():
+        for micro in micros:
+            tokens, mask = micro.tokens.to(worker.device), micro.mask.to(worker.device)
+            logits = worker.model(input_ids=tokens).logits
+            logp = token_logprobs(logits, tokens, temperature)
+            probe.prox.append(logp)
+            on = mask > 0
+            age0 = on & (micro.versions.to(worker.device) == version)
+            probe.mismatch.add(logp, micro.behaviour.to(worker.device), age0)
+            probe.entropy_sum += float((token_entropy(logits, temperature) * mask).sum())
+            probe.tokens += float(mask.sum())
+    return probe
+
+
+def _accumulate(worker: Worker, micros: list, total_tokens: int, proximal: list):
+    """Forward/backward every micro-batch; gradients accumulate to the minibatch's token mean."""
     from rlorch.trainer.loss import LossStats, policy_loss, token_entropy, token_logprobs
 
     trainer, device = worker.config.trainer, worker.device
+    temperature = worker.config.rollout.temperature
     loss_sum, stats = 0.0, LossStats()
-    for micro in micros:
+    for micro, prox in zip(micros, proximal):
         tokens, mask = micro.tokens.to(device), micro.mask.to(device)
         logits = worker.model(input_ids=tokens).logits
-        temperature = worker.config.rollout.temperature
         logp = token_logprobs(logits, tokens, temperature)
-        # One optimizer step per batch: the proximal policy (the weights before the update)
-        # is exactly the policy of this forward, so its logprobs are these, detached.
         loss, micro_stats = policy_loss(
             logp, micro.behaviour.to(device), mask, micro.advantages.to(device),
             correction=trainer.correction, clip_eps=trainer.clip_eps, is_cap=trainer.is_cap,
-            prox=logp.detach(), normalizer=total_tokens)
+            prox=prox, normalizer=total_tokens)
         if trainer.entropy_coef:
             entropy = token_entropy(logits, temperature)
             loss = loss - trainer.entropy_coef * (entropy * mask).sum() / total_tokens
@@ -258,14 +323,15 @@ def run_loop(worker: Worker) -> None:
             return
         record = train_step(worker, step)
         worker.step = step
+        # The metrics line goes out before the version is published: whoever sees version N
+        # can read step N's figures.
+        if worker.rank == 0:
+            _append_metrics(run, record)
         if step % config.trainer.publish_every == 0 or step == last:
             started = time.perf_counter()
             publish_version(worker, step)
             record["publish_s"] = time.perf_counter() - started
-        if worker.rank == 0:
-            _append_metrics(run, record)
-            _log(worker, " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                  for k, v in record.items()))
+        _log(worker, " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
         if step % config.trainer.checkpoint_every == 0 or step == last:
             save_checkpoint(worker, step)
 

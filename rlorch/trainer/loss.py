@@ -8,15 +8,16 @@ Aggregation is a global token mean: every masked token of the whole batch (all m
 all ranks) has the same weight, so the caller passes ``normalizer`` = the batch's total masked
 token count and sums the returned losses (gradient accumulation) instead of averaging them.
 
-Corrections (``behaviour`` = logprobs of the engine that sampled the tokens):
+Corrections (``behaviour`` = logprobs of the engine that sampled the tokens; ``prox`` = the
+trainer's logprobs before the batch's first optimizer step, computed once per batch):
 
-* ``decoupled``: PPO clip of ``exp(logp - prox)`` against the proximal policy (the trainer's
-  weights before the update), each token weighted by the detached behaviour importance weight
-  ``min(exp(prox - behaviour), is_cap)``. The clip bounds the update; the weight corrects for
-  the data being sampled by an older policy.
+* ``decoupled``: PPO clip of ``exp(logp - prox)`` against the proximal policy, each token
+  weighted by the detached behaviour importance weight ``min(exp(prox - behaviour), is_cap)``.
+  The clip bounds how far the minibatch updates of one batch move the policy; the weight
+  corrects for the data being sampled by an older policy.
 * ``tis``: truncated importance sampling, no PPO clip: ``-min(exp(logp.detach() - behaviour),
-  is_cap) * A * logp``. Its gradient is the importance-weighted policy gradient with the weight
-  truncated at ``is_cap``; a clip would be redundant with the cap on a single update per batch.
+  is_cap) * A * logp``: the importance-weighted policy gradient with the weight truncated at
+  ``is_cap``, recomputed against the current weights at every minibatch.
 * ``none``: PPO clip of ``exp(logp - behaviour)``, no weighting. Treats the data as on-policy,
   which is only sound when the behaviour policy is the current one (staleness 0).
 """
@@ -103,6 +104,30 @@ def _ppo_term(log_ratio: torch.Tensor, adv: torch.Tensor, clip_eps: float) -> tu
     return -torch.minimum(unclipped, clipped), (clipped < unclipped).detach()
 
 
+def _decoupled(logp, behaviour, prox, adv, clip_eps, is_cap):
+    if prox is None:
+        raise ValueError("decoupled correction needs the proximal logprobs (prox)")
+    per_token, clipped = _ppo_term(logp - prox, adv, clip_eps)
+    raw = torch.exp(prox - behaviour)
+    return per_token * torch.clamp(raw, max=is_cap), clipped, raw > is_cap
+
+
+def _tis(logp, behaviour, prox, adv, clip_eps, is_cap):
+    raw = torch.exp(logp.detach() - behaviour)
+    return -torch.clamp(raw, max=is_cap) * adv * logp, torch.zeros_like(raw, dtype=torch.bool), raw > is_cap
+
+
+def _uncorrected(logp, behaviour, prox, adv, clip_eps, is_cap):
+    per_token, clipped = _ppo_term(logp - behaviour, adv, clip_eps)
+    return per_token, clipped, torch.zeros_like(clipped)
+
+
+LOSSES = {Correction.decoupled: _decoupled, Correction.tis: _tis, Correction.none: _uncorrected}
+"""One per-token loss per correction: ``(logp, behaviour, prox, adv, clip_eps, is_cap) ->
+(loss to minimise, where the PPO clip removed the gradient, where the IS weight hit its cap)``.
+Only ``decoupled`` reads ``prox``."""
+
+
 def policy_loss(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
                 advantages: torch.Tensor, *, correction: Correction, clip_eps: float, is_cap: float,
                 prox: Optional[torch.Tensor] = None,
@@ -112,30 +137,41 @@ def policy_loss(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
     ``prox`` is required for ``decoupled`` (no gradient flows through it). ``normalizer``
     defaults to this micro-batch's masked token count.
     """
-    correction = Correction(correction)
     mask = mask.to(logp.dtype)
     behaviour = behaviour.to(logp.dtype)
     adv = advantages.to(logp.dtype).unsqueeze(-1).expand_as(logp)
-    capped = torch.zeros_like(mask, dtype=torch.bool)
-    if correction == Correction.decoupled:
-        if prox is None:
-            raise ValueError("decoupled correction needs the proximal logprobs (prox)")
+    if prox is not None:
         prox = prox.detach().to(logp.dtype)
-        per_token, clipped = _ppo_term(logp - prox, adv, clip_eps)
-        raw = torch.exp(prox - behaviour)
-        per_token = per_token * torch.clamp(raw, max=is_cap)
-        capped = raw > is_cap
-    elif correction == Correction.tis:
-        raw = torch.exp(logp.detach() - behaviour)
-        per_token = -torch.clamp(raw, max=is_cap) * adv * logp
-        clipped = torch.zeros_like(capped)
-        capped = raw > is_cap
-    else:
-        per_token, clipped = _ppo_term(logp - behaviour, adv, clip_eps)
+    per_token, clipped, capped = LOSSES[Correction(correction)](logp, behaviour, prox, adv, clip_eps, is_cap)
     total = mask.sum().item()
     denom = float(normalizer) if normalizer is not None else max(total, 1.0)
     loss = (per_token * mask).sum() / denom
     return loss, _stats(logp.detach(), behaviour, mask, clipped, capped)
+
+
+@dataclass
+class MismatchStats:
+    """Training-inference mismatch over tokens the trainer's own weights generated (age 0):
+    sums of the k3 estimate of KL(behaviour || trainer) and the largest |logprob difference|."""
+
+    tokens: float = 0.0
+    kl_sum: float = 0.0
+    max_abs: float = 0.0
+
+    def add(self, trainer_logp: torch.Tensor, behaviour: torch.Tensor, selected: torch.Tensor) -> None:
+        if not bool(selected.any()):
+            return
+        log_ratio = (trainer_logp.double() - behaviour.double())[selected]
+        self.tokens += float(selected.sum())
+        self.kl_sum += float((torch.exp(log_ratio) - 1.0 - log_ratio).sum())
+        self.max_abs = max(self.max_abs, float(log_ratio.abs().max()))
+
+    def summary(self) -> dict:
+        """``mismatch_kl`` and ``mismatch_max`` (None when no token was generated at age 0)."""
+        if not self.tokens:
+            return {"mismatch_kl": None, "mismatch_max": None, "mismatch_tokens": 0}
+        return {"mismatch_kl": self.kl_sum / self.tokens, "mismatch_max": self.max_abs,
+                "mismatch_tokens": int(self.tokens)}
 
 
 def _stats(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
