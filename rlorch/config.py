@@ -55,6 +55,7 @@ class TrainerBackend(str, enum.Enum):
 class SimReward(str, enum.Enum):
     random = "random"
     constant = "constant"
+    solved = "solved"
     task = "task"
 
 
@@ -174,7 +175,8 @@ class InferenceConfig:
     tokens: int = 8
     """sim: generated tokens per rollout."""
     reward: SimReward = SimReward.random
-    """sim: reward function (random, constant, or the task's own on random tokens)."""
+    """sim: reward function (random; constant 0.5, a broken environment; solved, always the
+    maximum 1; or the task's own on the simulated tokens)."""
     launch_args: list[str] = field(default_factory=list)
     """Extra arguments for each launched server (e.g. ["--mem-fraction-static", "0.8"])."""
     expect_version: Optional[str] = None

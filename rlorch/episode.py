@@ -77,6 +77,8 @@ def make_reward(config: Config, env: Environment, seed: int) -> Callable[[str, A
     """The reward: the environment's own, or the sim engine's random/constant stand-in."""
     if config.inference.backend is InferenceBackend.sim and config.inference.reward is not SimReward.task:
         if config.inference.reward is SimReward.constant:
+            return lambda completion, answer: 0.5
+        if config.inference.reward is SimReward.solved:
             return lambda completion, answer: 1.0
         rng = random.Random(seed)
         return lambda completion, answer: rng.random()

@@ -67,6 +67,24 @@ def test_sink_remembers_why_recent_groups_were_filtered_until_one_is_kept():
     assert not sink.totals.recent and sink.totals.recent_tokens == 0
 
 
+def test_the_guard_diagnosis_tells_solved_collapsed_and_constant_apart():
+    def after(*groups):
+        sink = TrainSink(batch_size=4, max_staleness=2, strict=False)
+        for group in groups:
+            sink.add(group, step=1)
+        return sink.diagnose()
+
+    solved = [rollout(0, 1.0, [[0, 1]])] * 2
+    same = [rollout(1, 0.3, [[0, 1]])] * 2
+    different = [rollout(2, 0.3, [[0, 1]], token=1), rollout(2, 0.3, [[0, 1]], token=2)]
+    assert after(*[solved] * 9, same)[0] is Verdict.solved
+    assert after(solved, solved, same)[0] is Verdict.collapsed  # a third of the prompts stuck wrong
+    verdict, message = after(same, same, solved)
+    assert verdict is Verdict.collapsed and "entropy estimate 0.5 nats" in message
+    assert after(different, different, same)[0] is Verdict.constant
+    assert "broken environment" in after(different)[1]
+
+
 def test_filter_budget_ships_a_short_batch_instead_of_generating_on():
     sink = TrainSink(batch_size=4, max_staleness=2, strict=False, filter_budget=4)
     assert sink.add([rollout(0, 1.0, [[0, 1]]), rollout(0, 0.0, [[0, 1]])], step=1) is Verdict.kept
@@ -110,7 +128,7 @@ def test_single_sample_groups_are_normalised_across_the_batch():
     assert sink.emit(step=1).advantages[0] > 0
     sink.add([rollout(2, 1.0, [[0, 1]])], step=2)
     sink.add([rollout(3, 1.0, [[0, 1]])], step=2)
-    assert sink.emit(step=2) is None and sink.totals.filtered_by == {"no_signal": 2}
+    assert sink.emit(step=2) is None and sink.totals.filtered_by == {"solved": 2}
 
 
 def test_strict_sink_hands_back_groups_older_than_the_bound():

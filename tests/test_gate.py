@@ -219,3 +219,16 @@ def test_concurrent_counter_updates_are_consistent():
     assert counts.submitted == 8 * per_thread * 2
     assert counts.accepted == counts.rejected == 8 * per_thread
     assert counts.running == 0
+
+
+def test_a_short_batch_counts_its_shortfall_as_accepted():
+    """A batch shipped short (filter budget) must still account for B accepted rollouts, or each
+    short batch would open slots beyond (S + v + 1) * B."""
+    policy = PolicyVersion(0)
+    gate = CapacityGate(max_staleness=1, batch_size=8, max_concurrent=100, policy=policy)
+    assert gate.try_admit(8)
+    gate.on_accepted(8)
+    gate.on_discarded(5)       # 5 of them filtered: the batch ships with 3
+    gate.on_short_batch(5)
+    policy.bump()
+    assert gate.capacity() == (1 + 1 + 1) * 8 - 8

@@ -57,11 +57,22 @@ def test_ship_mode_parks_batches_until_the_trainer_catches_up(tmp_path):
 
 
 def test_constant_reward_stops_on_the_empty_batch_guard(tmp_path):
+    """The sim engine samples one fixed completion: a flat reward short of the maximum is a
+    collapsed policy, and the guard says so."""
     code, summary, _ = train(tmp_path, "flat", "inference.reward=constant", "train.max_empty_batches=3")
     assert code != 0 and summary["status"] == "failed"
     assert "3 consecutive batches had nothing trainable" in summary["error"]
-    assert "no_signal" in summary["error"]
+    assert "24 collapsed" in summary["error"] and "policy collapsed" in summary["error"]
     assert summary["empty_batches"] == 3 and summary["lost"] == 0
+
+
+def test_a_solved_task_converges_checkpoints_and_evaluates(tmp_path):
+    code, summary, steps = train(tmp_path, "solved", "inference.reward=solved", "rollout.group_size=4",
+                                 "rollout.batch_size=8", "train.max_empty_batches=3", "train.steps=50")
+    assert code == 0 and summary["status"] == "converged", summary
+    assert "the task is solved" in summary["reason"] and summary["lost"] == 0
+    assert summary["checkpoint"] is None or summary["steps"] == 0
+    assert summary["eval_step_first"] == 0 and summary["eval_step_last"] == 0
 
 
 def test_resume_at_a_late_step_keeps_the_bound_and_loses_nothing(tmp_path):

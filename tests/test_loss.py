@@ -154,3 +154,47 @@ def test_token_entropy_is_log_vocab_for_uniform_logits_and_zero_when_certain():
     certain = torch.full((1, 3, 10), -1e4)
     certain[..., 0] = 1e4
     assert token_entropy(certain)[0].abs().max() < 1e-4
+
+
+def test_kl_is_k3_of_behaviour_to_trainer_and_stays_modest_when_the_trainer_moved_away():
+    """Regression: the mirrored estimator (1/r - 1 + log r) read a token whose trainer
+    probability fell 10^4-fold as a KL of ~10^4 (the blow-ups seen on long default runs)."""
+    from rlorch.trainer.loss import MismatchStats, k3_kl
+
+    moved_away = torch.tensor([math.log(1e-4)])
+    assert k3_kl(moved_away).item() == pytest.approx(1e-4 - 1 + math.log(1e4))
+    assert k3_kl(moved_away).item() < 10
+    assert k3_kl(torch.tensor([0.0])).item() == 0.0
+    values = [[-0.5, -2.0]]
+    _, stats, _ = _grad(_leaf([[-0.5 + math.log(1e-4), -2.0]]), values, [[1, 1]], [1.0], Correction.tis)
+    assert stats.summary()["kl"] == pytest.approx((1e-4 - 1 + math.log(1e4)) / 2)
+
+    mismatch = MismatchStats()
+    trainer = torch.tensor([[-1.0, -2.0, -3.0]])
+    mismatch.add(trainer, trainer + torch.tensor([[0.0, 0.1, 5.0]]), torch.tensor([[True, True, False]]))
+    summary = mismatch.summary()
+    assert summary["mismatch_tokens"] == 2 and summary["mismatch_max"] == pytest.approx(0.1)
+    assert summary["mismatch_kl"] == pytest.approx((math.exp(-0.1) - 1 + 0.1) / 2)
+    assert MismatchStats().summary()["mismatch_kl"] is None
+
+
+def test_after_an_update_the_three_corrections_give_different_gradients():
+    """What a second minibatch sees: the weights moved since the proximal pass, and the data
+    came from an older behaviour policy. decoupled clips against prox, tis weighs against the
+    current policy, none clips against behaviour: three different gradients (token 0 is inside
+    decoupled's trust region around prox but outside none's around behaviour)."""
+    behaviour = torch.tensor([[-1.2, -0.2, -2.0]], dtype=torch.float64)
+    prox = torch.tensor([[-0.75, -0.7, -1.5]], dtype=torch.float64)
+    current = [[-0.7, -0.75, -1.0]]
+    grads = {}
+    for correction in Correction:
+        logp = _leaf(current)
+        loss, stats = policy_loss(logp, behaviour, torch.ones(1, 3), torch.tensor([1.0]),
+                                  correction=correction, clip_eps=0.2, is_cap=2.0, prox=prox)
+        loss.backward()
+        grads[correction] = logp.grad
+        if correction is Correction.decoupled:
+            assert stats.summary()["clip_frac"] > 0  # token 2: exp(-1.0 + 1.5) > 1.2, clipped
+    assert not torch.allclose(grads[Correction.decoupled], grads[Correction.tis])
+    assert not torch.allclose(grads[Correction.decoupled], grads[Correction.none])
+    assert not torch.allclose(grads[Correction.tis], grads[Correction.none])

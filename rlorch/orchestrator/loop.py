@@ -26,7 +26,7 @@ from rlorch.config import Config, Enforce
 from rlorch.orchestrator.dispatcher import Dispatcher, Work
 from rlorch.orchestrator.gate import CapacityGate
 from rlorch.orchestrator.metrics import MetricsLoop
-from rlorch.orchestrator.sinks import EvalSink, TrainSink, Verdict, head_ages, zero_variance_filter
+from rlorch.orchestrator.sinks import EvalSink, TrainSink, Verdict, head_ages
 from rlorch.orchestrator.watcher import WeightWatcher
 from rlorch.rundir import RunDir, write_atomic, write_json_atomic
 from rlorch.types import Batch, Engine, PolicyVersion, Prompt, Rollout, Trainer, max_reward
@@ -110,7 +110,7 @@ class Orchestrator:
                                      request_timeout=r.request_timeout, max_retries=r.max_retries)
         env = getattr(prompts, "env", None)
         self.sink = TrainSink(batch_size=r.batch_size, max_staleness=r.max_staleness, strict=self.strict,
-                              filters=[zero_variance_filter(max_reward(env) if env is not None else 1.0)],
+                              max_reward=max_reward(env) if env is not None else 1.0,
                               filter_budget=r.filter_budget * r.batch_size)
         self.eval_sink = EvalSink()
         self.watcher = WeightWatcher(config.watcher, policy=policy, engines=engines,
@@ -339,26 +339,19 @@ class Orchestrator:
 
     def _check_empty(self) -> None:
         """The empty-batch guard: after train.max_empty_batches consecutive batch-worths with
-        nothing trainable, end the run, saying which of the three causes it was."""
+        nothing trainable, end the run, saying which cause it was (a solved task ends well)."""
         totals = self.sink.totals
         if totals.consecutive_empty < self.config.train.max_empty_batches:
             return
-        recent = totals.recent
-        seen = sum(recent.values()) or 1
-        head = (f"{totals.consecutive_empty} consecutive batches had nothing trainable "
-                f"(train.max_empty_batches={self.config.train.max_empty_batches}): of the last {seen} rollouts "
-                + ", ".join(f"{n} {why.value}" for why, n in recent.most_common()))
-        if recent[Verdict.solved] * 2 > seen:
-            raise Converged(f"{head}. The task is solved: groups earn the maximum reward.")
-        if recent[Verdict.collapsed] * 2 > seen:
-            entropy = totals.recent_surprisal / max(totals.recent_tokens, 1)
-            trainer_entropy = self.last_step_record.get("entropy")
-            raise RunFailed(f"{head}. The policy collapsed: groups sample identical completions short of the "
-                            f"maximum reward (sampled-token entropy estimate {entropy:.3g} nats"
-                            + (f", trainer entropy {trainer_entropy:.3g}" if trainer_entropy is not None else "")
-                            + "). Raise trainer.entropy_coef or rollout.temperature, or lower trainer.lr.")
-        raise RunFailed(f"{head}. Different completions score the same: a constant reward or a broken "
-                        f"environment does this.")
+        verdict, why = self.sink.diagnose()
+        message = (f"{totals.consecutive_empty} consecutive batches had nothing trainable "
+                   f"(train.max_empty_batches={self.config.train.max_empty_batches}); {why}.")
+        if verdict is Verdict.solved:
+            raise Converged(message)
+        entropy = self.last_step_record.get("entropy")
+        if verdict is Verdict.collapsed and entropy is not None:
+            message += f" The trainer's last entropy was {entropy:.3g} nats per token."
+        raise RunFailed(message)
 
     async def _park(self, step: int, alarm_task: asyncio.Task) -> None:
         """Ship-side gating: hold batch ``step`` until the trainer is within S versions of it."""

@@ -26,12 +26,17 @@ class Verdict(str, enum.Enum):
     solved = "solved"
     """every sample earned the environment's maximum reward: nothing left to learn."""
     collapsed = "collapsed"
-    """every sample is the same completion, short of the maximum: the policy stopped exploring."""
+    """every sample is the same completion (the same tokens after the prompt), short of the
+    maximum reward: the policy stopped exploring."""
     constant = "constant"
     """different completions, one reward: a constant reward or a broken environment."""
     no_signal = "no_signal"
     """a batch of single-sample groups whose rewards are all equal."""
 
+
+SOLVED_SHARE = 0.9
+"""Share of recently filtered rollouts at the maximum reward for the empty-batch guard to call
+the task solved; below it, some prompts are answered wrongly without variance to learn from."""
 
 GroupFilter = Callable[[Sequence[Rollout]], Optional[Verdict]]
 """A filter looks at one group and returns the reason to drop it, or None to keep it."""
@@ -45,7 +50,8 @@ def zero_variance_filter(max_reward: float = 1.0) -> GroupFilter:
             return None
         if group[0].reward >= max_reward:
             return Verdict.solved
-        if all(r.tokens == group[0].tokens for r in group):
+        first = group[0].tokens[group[0].prompt_len:]
+        if all(r.tokens[r.prompt_len:] == first for r in group):
             return Verdict.collapsed
         return Verdict.constant
 
@@ -97,13 +103,14 @@ class TrainSink:
     stale, counted) or still in :meth:`pending_groups`.
     """
 
-    def __init__(self, *, batch_size: int, max_staleness: int, strict: bool,
-                 filters: Sequence[GroupFilter] = (zero_variance_filter(),), filter_budget: int = 0):
+    def __init__(self, *, batch_size: int, max_staleness: int, strict: bool, max_reward: float = 1.0,
+                 filters: Optional[Sequence[GroupFilter]] = None, filter_budget: int = 0):
         self.batch_size = batch_size
         self.filter_budget = filter_budget
+        self.flat = zero_variance_filter(max_reward)
         self.max_staleness = max_staleness
         self.strict = strict
-        self.filters = list(filters)
+        self.filters = [self.flat] if filters is None else list(filters)
         self.totals = SinkTotals()
         self._groups: list[list[Rollout]] = []
         self._count = 0
@@ -167,6 +174,28 @@ class TrainSink:
             totals.recent_surprisal += sum(sampled)
             totals.recent_tokens += len(sampled)
 
+    def diagnose(self) -> tuple[Verdict, str]:
+        """Why recent batches had nothing trainable.
+
+        ``solved`` when at least SOLVED_SHARE of the filtered rollouts earned the maximum reward;
+        ``collapsed`` when most of the rest sampled one completion per group (a policy that
+        stopped exploring, whether or not it solved some prompts); else ``constant``.
+        """
+        recent = self.totals.recent
+        seen = sum(recent.values()) or 1
+        counts = ", ".join(f"{n} {why.value}" for why, n in recent.most_common())
+        if recent[Verdict.solved] >= SOLVED_SHARE * seen:
+            return Verdict.solved, f"of the last {seen} rollouts {counts}: the task is solved"
+        if (recent[Verdict.collapsed] + recent[Verdict.solved]) * 2 > seen:
+            entropy = self.totals.recent_surprisal / max(self.totals.recent_tokens, 1)
+            return Verdict.collapsed, (
+                f"of the last {seen} rollouts {counts}: the policy collapsed, its groups sample one "
+                f"completion (sampled-token entropy estimate {entropy:.3g} nats) and the collapsed ones "
+                f"fall short of the maximum reward. Raise trainer.entropy_coef or rollout.temperature, "
+                f"or lower trainer.lr")
+        return Verdict.constant, (f"of the last {seen} rollouts {counts}: different completions score "
+                                  f"the same; a constant reward or a broken environment does this")
+
     def over_budget(self) -> bool:
         """More rollouts were filtered while assembling this batch than the budget allows, and
         kept groups wait: the batch ships short rather than generating on."""
@@ -212,7 +241,7 @@ class TrainSink:
         if not any(abs(a) > 1e-8 for a in advantages):
             self.totals.empty_batches += 1
             self.totals.consecutive_empty += 1
-            self._count_filtered(Verdict.no_signal, rollouts)
+            self._count_filtered(self.flat(rollouts) or Verdict.no_signal, rollouts)
             return None
         self.totals.consecutive_empty = 0
         self.totals.batches += 1

@@ -49,6 +49,17 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return torch.nn.functional.pad(shifted, (1, 0), value=0.0)
 
 
+def k3_kl(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(behaviour || trainer) from tokens the behaviour policy
+    sampled, ``log_ratio = logp_trainer - logp_behaviour``: ``r - 1 - log r`` (>= 0, unbiased).
+
+    The mirrored form ``1/r - 1 + log r`` estimates the other direction only from the trainer's
+    own samples; on behaviour samples it grows like ``1/r``, so one token the trainer has moved
+    away from (r = 1e-4) reads as a KL of 10^4.
+    """
+    return torch.exp(log_ratio) - 1.0 - log_ratio
+
+
 @dataclass
 class LossStats:
     """Sums over masked tokens, so micro-batches and ranks combine exactly (see :meth:`merge`)."""
@@ -163,7 +174,7 @@ class MismatchStats:
             return
         log_ratio = (trainer_logp.double() - behaviour.double())[selected]
         self.tokens += float(selected.sum())
-        self.kl_sum += float((torch.exp(log_ratio) - 1.0 - log_ratio).sum())
+        self.kl_sum += float(k3_kl(log_ratio).sum())
         self.max_abs = max(self.max_abs, float(log_ratio.abs().max()))
 
     def summary(self) -> dict:
@@ -178,9 +189,8 @@ def _stats(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
            clipped: torch.Tensor, capped: torch.Tensor) -> LossStats:
     log_ratio = (logp - behaviour) * mask
     ratio = torch.exp(log_ratio)
-    k3 = torch.exp(-log_ratio) - 1.0 + log_ratio
     on = mask > 0
-    return LossStats(tokens=float(mask.sum()), kl_sum=float((k3 * mask).sum()),
+    return LossStats(tokens=float(mask.sum()), kl_sum=float((k3_kl(log_ratio) * mask).sum()),
                      ratio_sum=float((ratio * mask).sum()),
                      ratio_max=float(ratio[on].max()) if on.any() else 0.0,
                      clipped=float((clipped & on).sum()), capped=float((capped & on).sum()))

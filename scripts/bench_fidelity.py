@@ -1,0 +1,162 @@
+"""Does asynchrony cost accuracy? Sync (S=0) against async S x correction on the default task.
+
+Every configuration trains on the same number of samples (train.steps x B) from the same seeds;
+each run is a separate `rlorch train` process. Prints one row per configuration: final held-out
+accuracy (mean +- sd over seeds), samples to 50% and 80% accuracy (mean over the seeds that got
+there, with how many did), loop wall time and its ratio to sync; writes a PNG of accuracy against
+samples and against wall seconds. `none` runs off-policy only with trainer.allow_uncorrected.
+
+Usage: python scripts/bench_fidelity.py [--seeds 3] [--staleness 1,2,4]
+       [--corrections decoupled,tis,none] [--plot fidelity.png] [--keep DIR] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Run:
+    name: str
+    seed: int
+    batch_size: int
+    evals: list[tuple[int, float, float]] = field(default_factory=list)
+    """(step, accuracy, seconds since the loop started) per evaluation."""
+    loop_s: float = 0.0
+    status: str = ""
+
+    def final(self) -> float:
+        return self.evals[-1][1]
+
+    def samples_to(self, accuracy: float) -> int | None:
+        return next((step * self.batch_size for step, acc, _ in self.evals if acc >= accuracy), None)
+
+
+def train(root: Path, name: str, seed: int, overrides: list[str]) -> Run:
+    run_dir = root / f"{name}-seed{seed}"
+    command = [sys.executable, "-m", "rlorch.cli", "train", f"run.dir={run_dir}", f"run.seed={seed}",
+               "run.progress=false", *overrides]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    summary_path = run_dir / "summary.json"
+    if not summary_path.exists():
+        raise SystemExit(f"{name} seed {seed} failed before writing a summary:\n{done.stderr[-2000:]}")
+    summary = json.loads(summary_path.read_text())
+    config = (run_dir / "config.yaml").read_text()
+    batch_size = int(next(line.split(":")[1] for line in config.splitlines() if line.strip().startswith("batch_size:")))
+    run = Run(name, seed, batch_size, loop_s=summary["loop_s"], status=summary["status"])
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["kind"] == "eval" and record["accuracy"] is not None:
+            run.evals.append((record["step"], record["accuracy"], record["time"]))
+    run.evals.sort()
+    if not run.evals:
+        raise SystemExit(f"{name} seed {seed}: no eval records in {run_dir}")
+    return run
+
+
+def configurations(staleness: list[int], corrections: list[str]) -> dict[str, list[str]]:
+    configs = {"sync S=0": ["conf=sync"]}
+    for s in staleness:
+        for correction in corrections:
+            extra = ["trainer.allow_uncorrected=true"] if correction == "none" else []
+            configs[f"S={s} {correction}"] = [f"rollout.max_staleness={s}", f"trainer.correction={correction}",
+                                              *extra]
+    return configs
+
+
+def _mean_sd(values: list[float]) -> str:
+    if not values:
+        return "-"
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.3f} +- {sd:.3f}"
+
+
+def _reached(runs: list[Run], accuracy: float) -> str:
+    hits = [n for n in (r.samples_to(accuracy) for r in runs) if n is not None]
+    return f"{statistics.mean(hits):8.0f} ({len(hits)}/{len(runs)})" if hits else f"{'never':>8s} (0/{len(runs)})"
+
+
+def report(results: dict[str, list[Run]]) -> None:
+    sync_wall = statistics.mean(r.loop_s for r in results["sync S=0"])
+    print(f"\n{'config':16s} {'final accuracy':>16s} {'samples to 50%':>18s} {'samples to 80%':>18s} "
+          f"{'loop s':>8s} {'vs sync':>8s}  status")
+    for name, runs in results.items():
+        wall = statistics.mean(r.loop_s for r in runs)
+        statuses = ",".join(sorted({r.status for r in runs}))
+        print(f"{name:16s} {_mean_sd([r.final() for r in runs]):>16s} {_reached(runs, 0.5):>18s} "
+              f"{_reached(runs, 0.8):>18s} {wall:8.1f} {wall / sync_wall:8.2f}  {statuses}")
+
+
+def plot(results: dict[str, list[Run]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (by_samples, by_wall) = plt.subplots(1, 2, figsize=(13, 5))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, (name, runs) in enumerate(results.items()):
+        colour = colours[index % len(colours)]
+        style = "-" if name.startswith("sync") else ("--" if "none" in name else ":" if "tis" in name else "-.")
+        for n, run in enumerate(runs):
+            label = name if n == 0 else None
+            width = 2.5 if name.startswith("sync") else 1.3
+            by_samples.plot([s * run.batch_size for s, _, _ in run.evals], [a for _, a, _ in run.evals],
+                            style, color=colour, label=label, linewidth=width, alpha=0.8)
+            by_wall.plot([t for _, _, t in run.evals], [a for _, a, _ in run.evals],
+                         style, color=colour, label=label, linewidth=width, alpha=0.8)
+    by_samples.set(xlabel="training samples", ylabel="held-out exact-match accuracy (greedy)",
+                   title="accuracy vs samples")
+    by_wall.set(xlabel="loop wall seconds", ylabel="held-out exact-match accuracy (greedy)",
+                title="accuracy vs wall time")
+    for axis in (by_samples, by_wall):
+        axis.grid(alpha=0.3)
+        axis.set_ylim(-0.02, 1.02)
+    by_samples.legend(fontsize=8, loc="upper left")
+    figure.suptitle("rlorch fidelity: sync vs async on the default task (one line per seed)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--staleness", default="1,2,4")
+    parser.add_argument("--corrections", default="decoupled,tis,none")
+    parser.add_argument("--plot", type=Path, default=Path("fidelity.png"))
+    parser.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides for every run")
+    args = parser.parse_args()
+    configs = configurations([int(s) for s in args.staleness.split(",")], args.corrections.split(","))
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}; "
+          f"{len(configs)} configurations x {args.seeds} seeds")
+    results: dict[str, list[Run]] = {name: [] for name in configs}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.keep or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        for seed in range(args.seeds):
+            for name, overrides in configs.items():
+                started = time.monotonic()
+                run = train(root, name.replace(" ", "_").replace("=", ""), seed, [*overrides, *args.overrides])
+                run.name = name
+                results[name].append(run)
+                print(f"{name:16s} seed {seed}: accuracy {run.evals[0][1]:.2f} -> {run.final():.2f} at step "
+                      f"{run.evals[-1][0]} ({run.status}), loop {run.loop_s:.1f} s, "
+                      f"process {time.monotonic() - started:.1f} s", flush=True)
+    report(results)
+    plot(results, args.plot)
+    print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
