@@ -276,22 +276,11 @@ class ModelConfig:
 @dataclass
 class TaskConfig:
     name: str = "reverse"
-    """Environment from the registry (reverse, sort, jsonl)."""
-    min_digits: int = 3
-    """reverse/sort: shortest digit string."""
-    max_digits: int = 5
-    """reverse/sort: longest digit string."""
-    max_turns: int = 1
-    """Model turns per episode; environments that reply (reverse_retry) use more than one."""
-    format_weight: float = 0.2
-    """reverse/sort: share of the reward for a well-formed answer (digits, right length); the
-    rest is per-position credit. An exact answer scores 1."""
-
-    def __post_init__(self) -> None:
-        _require(self.max_turns >= 1, "task.max_turns", "must be >= 1")
-        _require(0 <= self.format_weight < 1, "task.format_weight", "must be in [0, 1)")
-        _require(1 <= self.min_digits <= self.max_digits, "task.min_digits",
-                 "must satisfy 1 <= task.min_digits <= task.max_digits")
+    """Environment from the registry (reverse, sort, reverse_retry, calculator, jsonl), or
+    ``package.module:Class`` for your own."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """The environment's own parameters (the presets in conf/task/ list each task's; for your
+    own environment add them with ``+task.params.key=value``)."""
 
 
 @dataclass

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Any, Callable, Iterator, Optional
+from dataclasses import replace
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from rlorch.config import Config, InferenceBackend, SimReward
-from rlorch.types import (Engine, Environment, Generation, MultiTurnEnvironment, Prompt, Rollout,
-                          SamplingParams, is_correct)
+from rlorch.tasks.base import is_single_turn
+from rlorch.types import (Engine, Environment, Generation, Prompt, Rollout, SamplingParams, VersionStamps,
+                          is_correct)
 
 EVAL_SEED_OFFSET = 1_000_003
 
@@ -73,77 +75,110 @@ def sampling_params(config: Config, tokenizer: Any, *, greedy: bool = False) -> 
                           top_p=r.top_p, top_k=r.top_k, stop_token_ids=stop)
 
 
-def make_reward(config: Config, env: Environment, seed: int) -> Callable[[str, Any], float]:
-    """The reward: the environment's own, or the sim engine's random/constant stand-in."""
-    if config.inference.backend is InferenceBackend.sim and config.inference.reward is not SimReward.task:
-        if config.inference.reward is SimReward.constant:
-            return lambda completion, answer: 0.5
-        if config.inference.reward is SimReward.solved:
-            return lambda completion, answer: 1.0
-        rng = random.Random(seed)
-        return lambda completion, answer: rng.random()
-    return env.score
+Reward = Callable[[str, Any], float]
 
 
-def make_work(config: Config, *, engine: Engine, tokenizer: Any, reward: Callable[[str, Any], float],
-              env: Optional[Environment] = None) -> Callable[[Prompt], Any]:
+def reward_override(config: Config, seed: int) -> Optional[Reward]:
+    """The sim engine's stand-in reward (random, constant 0.5, solved), replacing the
+    environment's; None when the environment's own reward counts."""
+    if config.inference.backend is not InferenceBackend.sim or config.inference.reward is SimReward.task:
+        return None
+    if config.inference.reward is SimReward.constant:
+        return lambda completion, answer: 0.5
+    if config.inference.reward is SimReward.solved:
+        return lambda completion, answer: 1.0
+    rng = random.Random(seed)
+    return lambda completion, answer: rng.random()
+
+
+class EngineConversation:
+    """One sample's trajectory, built by the environment's episode (see
+    :class:`rlorch.types.Conversation`). Every model turn's tokens carry the versions the engine
+    reported for them; environment text is trained with loss mask 0."""
+
+    def __init__(self, prompt: Prompt, *, engine: Engine, tokenizer: Any, params: SamplingParams, rid: str):
+        self.prompt = prompt.text
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.params = params
+        self.rid = rid
+        self.turns = 0
+        self.tokens = list(prompt.input_ids)
+        self.loss_mask = [0] * len(prompt.input_ids)
+        self.logprobs = [0.0] * len(prompt.input_ids)
+        self.versions = VersionStamps()
+        self.completion = ""
+        self.finish_reason = "stop"
+
+    async def generate(self, *, max_new_tokens: Optional[int] = None, stop: Sequence[str] = ()) -> str:
+        params = self.params
+        if max_new_tokens is not None or stop:
+            params = replace(params, max_new_tokens=max_new_tokens or params.max_new_tokens,
+                             stop=[*params.stop, *stop])
+        self.turns += 1
+        rid = self.rid if self.turns == 1 else f"{self.rid}-t{self.turns}"
+        return self.take(await self.engine.generate(self.tokens, params, rid))
+
+    def take(self, generation: Generation) -> str:
+        """Append a model turn the engine produced; returns its text."""
+        self.tokens += generation.output_ids
+        self.loss_mask += [1] * len(generation.output_ids)
+        self.logprobs += generation.logprobs
+        self.versions.concat(generation.versions)
+        self.completion = decode(self.tokenizer, generation)
+        self.finish_reason = generation.finish_reason
+        return self.completion
+
+    def add(self, text: str) -> None:
+        ids = encode_text(self.tokenizer, text)
+        self.tokens += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+
+
+def decode(tokenizer: Any, generation: Generation) -> str:
+    if tokenizer is None:
+        return generation.text
+    return tokenizer.decode(generation.output_ids, skip_special_tokens=True)
+
+
+def make_work(config: Config, *, engine: Engine, tokenizer: Any, env: Environment,
+              override: Optional[Reward] = None) -> Callable[[Prompt], Any]:
     """The dispatcher's work: one prompt to a group of scored, version-stamped rollouts.
 
-    With an environment that replies and task.max_turns > 1, each sample continues as a
-    conversation: the reply's tokens join the trajectory unmasked, the next model turn is
-    generated on the whole trajectory, and its tokens' versions extend the same stamps.
+    The environment runs each sample's episode. A single-turn environment's first turns are
+    sampled as one group call (the same prompt, n samples); any other gets one conversation
+    per sample, run concurrently.
     """
-    multi_turn = config.task.max_turns > 1 and isinstance(env, MultiTurnEnvironment)
     train_params = sampling_params(config, tokenizer)
     eval_params = sampling_params(config, tokenizer, greedy=True)
     group_size = config.rollout.group_size
-    decode: Optional[Callable[[list[int]], str]] = (
-        (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None)
+    batched = is_single_turn(env)
 
-    def to_rollout(prompt: Prompt, rid: str, generation: Generation, prompt_mask: list[int],
-                   prompt_logprobs: list[float]) -> Rollout:
-        completion = decode(generation.output_ids) if decode else generation.text
-        n_prompt = len(prompt_mask)
-        return Rollout(group_id=prompt.group_id, episode_id=rid, env=prompt.env,
-                       tokens=prompt.input_ids + generation.output_ids,
-                       loss_mask=prompt_mask + [1] * len(generation.output_ids),
-                       logprobs=prompt_logprobs + generation.logprobs,
-                       versions=generation.versions, reward=reward(completion, prompt.answer),
-                       finish_reason=generation.finish_reason, is_eval=prompt.is_eval,
-                       prompt_len=n_prompt, completion=completion, correct=judge(prompt, completion))
-
-    def judge(prompt: Prompt, completion: str) -> Optional[bool]:
-        return is_correct(env, completion, prompt.answer) if prompt.is_eval and env is not None else None
-
-    async def converse(prompt: Prompt, rollout: Rollout, params: SamplingParams) -> Rollout:
-        for turn in range(1, config.task.max_turns):
-            message = env.reply(rollout.completion, prompt.answer, turn)
-            if message is None:
-                break
-            reply_ids = encode_text(tokenizer, message)
-            rollout.tokens += reply_ids
-            rollout.loss_mask += [0] * len(reply_ids)
-            rollout.logprobs += [0.0] * len(reply_ids)
-            generation = await engine.generate(rollout.tokens, params, f"{rollout.episode_id}-t{turn + 1}")
-            rollout.tokens += generation.output_ids
-            rollout.loss_mask += [1] * len(generation.output_ids)
-            rollout.logprobs += generation.logprobs
-            rollout.versions.concat(generation.versions)
-            rollout.completion = decode(generation.output_ids) if decode else generation.text
-            rollout.finish_reason = generation.finish_reason
-        rollout.reward = reward(rollout.completion, prompt.answer)
-        rollout.correct = judge(prompt, rollout.completion)
-        return rollout
+    def to_rollout(prompt: Prompt, conversation: EngineConversation, reward: float) -> Rollout:
+        if override is not None:
+            reward = override(conversation.completion, prompt.answer)
+        correct = is_correct(env, conversation.completion, prompt.answer, reward) if prompt.is_eval else None
+        return Rollout(group_id=prompt.group_id, episode_id=conversation.rid, env=prompt.env,
+                       tokens=conversation.tokens, loss_mask=conversation.loss_mask,
+                       logprobs=conversation.logprobs, versions=conversation.versions, reward=reward,
+                       finish_reason=conversation.finish_reason, is_eval=prompt.is_eval,
+                       prompt_len=len(prompt.input_ids), completion=conversation.completion,
+                       correct=correct, attempt=prompt.attempt)
 
     async def work(prompt: Prompt) -> list[Rollout]:
-        rid = f"{'e' if prompt.is_eval else 'g'}{prompt.group_id}-{prompt.attempt}"
+        base = f"{'e' if prompt.is_eval else 'g'}{prompt.group_id}-{prompt.attempt}"
         n, params = (1, eval_params) if prompt.is_eval else (group_size, train_params)
-        generations = await engine.generate_group(prompt.input_ids, params, n, rid)
-        prompt_mask, prompt_logprobs = [0] * len(prompt.input_ids), [0.0] * len(prompt.input_ids)
-        rollouts = [to_rollout(prompt, f"{rid}-{i}", g, prompt_mask, prompt_logprobs)
-                    for i, g in enumerate(generations)]
-        if multi_turn:
-            rollouts = list(await asyncio.gather(*(converse(prompt, r, params) for r in rollouts)))
-        return rollouts
+        conversations = [EngineConversation(prompt, engine=engine, tokenizer=tokenizer, params=params,
+                                            rid=f"{base}-{i}") for i in range(n)]
+        if batched:
+            generations = await engine.generate_group(prompt.input_ids, params, n, base)
+            rewards = []
+            for conversation, generation in zip(conversations, generations):
+                conversation.turns = 1
+                rewards.append(env.score(conversation.take(generation), prompt.answer))
+        else:
+            rewards = await asyncio.gather(*(env.episode(c, prompt.answer) for c in conversations))
+        return [to_rollout(prompt, c, float(r)) for c, r in zip(conversations, rewards)]
 
     return work

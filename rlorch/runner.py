@@ -149,7 +149,7 @@ def _make_trainer(config: Config, run_dir: RunDir, checkpoint: Optional[Path], s
 
 
 async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> int:
-    from rlorch.episode import PromptSource, make_reward, make_work
+    from rlorch.episode import PromptSource, make_work, reward_override
     from rlorch.orchestrator.loop import Orchestrator, ResumeState
     from rlorch.tasks import make_environment
 
@@ -170,7 +170,7 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
         trainer = _make_trainer(config, run_dir, checkpoint, resume.step if resume else 0)
         await trainer.start()
         work = make_work(config, engine=engines, tokenizer=tokenizer, env=env,
-                         reward=make_reward(config, env, config.run.seed))
+                         override=reward_override(config, config.run.seed))
         orchestrator = Orchestrator(config, run_dir=run_dir, policy=policy, engines=engines, trainer=trainer,
                                     work=work, prompts=prompts, resume=resume, started=started)
         _install_signals(orchestrator)

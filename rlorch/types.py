@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
 
 class PolicyVersion:
@@ -144,6 +144,8 @@ class Rollout:
     completion: str = ""
     correct: Optional[bool] = None
     """Exact match of the answer (set on eval rollouts; None where not judged)."""
+    attempt: int = 0
+    """Which generation of its prompt this is (strict mode regenerates too-stale groups)."""
 
     @property
     def generated_tokens(self) -> int:
@@ -154,7 +156,8 @@ class Rollout:
                 "tokens": self.tokens, "loss_mask": self.loss_mask, "logprobs": self.logprobs,
                 "versions": self.versions.runs, "reward": self.reward, "origin": self.origin,
                 "finish_reason": self.finish_reason, "is_eval": self.is_eval,
-                "prompt_len": self.prompt_len, "completion": self.completion, "correct": self.correct}
+                "prompt_len": self.prompt_len, "completion": self.completion, "correct": self.correct,
+                "attempt": self.attempt}
 
     @classmethod
     def from_json(cls, data: dict) -> "Rollout":
@@ -181,12 +184,15 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         params = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
                   "top_p": self.top_p, "top_k": self.top_k}
         if self.stop_token_ids:
             params["stop_token_ids"] = self.stop_token_ids
+        if self.stop:
+            params["stop"] = self.stop
         return params
 
 
@@ -239,35 +245,53 @@ class Trainer(Protocol):
     async def stop(self, timeout: float) -> None: ...
 
 
+class Conversation(Protocol):
+    """One sample's trajectory, as the environment running its episode sees it.
+
+    The environment adds its own text (tool results, feedback: trained with loss mask 0) and asks
+    the model for turns (loss mask 1). Token ids, behaviour logprobs and per-token version stamps
+    are kept by the engine call behind :meth:`generate`, never by the environment.
+    """
+
+    prompt: str
+    """The prompt text the episode started from."""
+
+    async def generate(self, *, max_new_tokens: Optional[int] = None, stop: Sequence[str] = ()) -> str:
+        """One model turn on the whole trajectory so far; returns its text (up to end of sequence)."""
+        ...
+
+    def add(self, text: str) -> None:
+        """Append environment text (a tool result, a reply) to the trajectory, untrained."""
+        ...
+
+
 @runtime_checkable
 class Environment(Protocol):
-    """A task: makes prompts and scores completions (reward on a 0-1 scale)."""
+    """A task: makes prompts and runs episodes.
+
+    ``episode`` drives the model through a :class:`Conversation` as often as it needs (one turn,
+    several, tool calls) and returns the reward (0-1 for the built-in tasks). Optional members
+    the orchestrator reads: ``max_reward`` (default 1; a group all at it counts as solved),
+    ``is_correct(completion, answer)`` (exact match for eval accuracy; default: reward at the
+    maximum) and ``eval_prompts(count)`` (a held-out set never trained on).
+    """
 
     name: str
 
     def make_prompt(self, index: int, seed: int) -> tuple[str, Any]: ...
 
-    def score(self, completion: str, answer: Any) -> float: ...
+    async def episode(self, conversation: Conversation, answer: Any) -> float: ...
 
 
-def is_correct(env: Environment, completion: str, answer: Any) -> bool:
+def is_correct(env: Environment, completion: str, answer: Any, reward: float) -> bool:
     """Exact-match correctness: the environment's own ``is_correct`` when it has one, else a
-    score at the environment's ``max_reward`` (default 1)."""
+    reward at the environment's maximum."""
     check = getattr(env, "is_correct", None)
     if check is not None:
         return bool(check(completion, answer))
-    return env.score(completion, answer) >= max_reward(env)
+    return reward >= max_reward(env)
 
 
 def max_reward(env: Environment) -> float:
     """The best score an episode can earn (``max_reward`` attribute, default 1)."""
     return float(getattr(env, "max_reward", 1.0))
-
-
-@runtime_checkable
-class MultiTurnEnvironment(Environment, Protocol):
-    """An environment that answers the model between turns (a tool result, feedback)."""
-
-    def reply(self, completion: str, answer: Any, turn: int) -> Optional[str]:
-        """The environment's message after model turn ``turn`` (1-based), or None to end."""
-        ...

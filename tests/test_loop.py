@@ -216,7 +216,7 @@ def test_a_prompt_that_cannot_be_made_fails_the_run_instead_of_hanging(tmp_path,
 
 
 def test_multi_turn_episodes_keep_replies_unmasked_and_stamp_every_model_turn(tmp_path):
-    code, summary, _ = train(tmp_path, "turns", "task.name=reverse_retry", "task.max_turns=3", "train.steps=3",
+    code, summary, _ = train(tmp_path, "turns", "task=reverse_retry", "task.params.max_turns=3", "train.steps=3",
                              "inference.tokens=3")
     assert code == 0 and summary["lost"] == 0
     rollout = json.loads((tmp_path / "turns" / "rollouts" / "step_000001.jsonl").read_text().splitlines()[0])
@@ -224,4 +224,4 @@ def test_multi_turn_episodes_keep_replies_unmasked_and_stamp_every_model_turn(tm
     reply = len("no=")
     assert mask == [0] * prompt_len + ([1] * 3 + [0] * reply) * 2 + [1] * 3
     assert sum(count for _, count in rollout["versions"]) == sum(mask) == 9
-    assert rollout["episode_id"].count("-") == 2
+    assert rollout["episode_id"].count("-") == 2 and rollout["attempt"] == 0

@@ -19,7 +19,7 @@ def _env(*overrides: str):
 
 
 def test_registry_lists_the_tasks_and_rejects_unknown_names():
-    assert {"reverse", "sort", "jsonl"} <= set(names())
+    assert {"reverse", "sort", "reverse_retry", "calculator", "jsonl"} <= set(names())
     assert isinstance(_env(), Environment)
     with pytest.raises(ConfigError, match="task.name"):
         _env("task.name=nope")
@@ -29,7 +29,7 @@ def test_registry_lists_the_tasks_and_rejects_unknown_names():
 
 @pytest.mark.parametrize("task", ["reverse", "sort"])
 def test_digit_prompts_are_deterministic_and_in_range(task):
-    env, again = (_env(f"task.name={task}", "task.min_digits=2", "task.max_digits=4") for _ in range(2))
+    env, again = (_env(f"task={task}", "task.params.min_digits=2", "task.params.max_digits=4") for _ in range(2))
     prompts = [env.make_prompt(i, seed=7) for i in range(50)]
     assert prompts == [again.make_prompt(i, seed=7) for i in range(50)]
     assert prompts != [env.make_prompt(i, seed=8) for i in range(50)]
@@ -93,3 +93,58 @@ def test_jsonl_missing_or_empty_file(tmp_path):
     empty.write_text("\n")
     with pytest.raises(DataError, match="no examples"):
         _env(f"data.path={empty}")
+
+
+def test_task_params_belong_to_the_task_and_bad_ones_name_the_key():
+    with pytest.raises(ConfigError) as caught:
+        _env("task=calculator", "+task.params.min_digits=3")
+    assert caught.value.key == "task.params.min_digits" and "max_operand" in str(caught.value)
+    with pytest.raises(ConfigError) as caught:
+        _env("task.params.min_digits=5", "task.params.max_digits=2")
+    assert caught.value.key == "task.params.min_digits"
+    assert _env("task=reverse_retry", "task.params.max_turns=2").max_turns == 2
+
+
+def test_held_out_prompts_are_never_training_prompts():
+    env = _env()
+    held_out = {text for text, _ in env.eval_prompts(200)}
+    assert 90 <= len(held_out) <= 110  # one 3-digit string in ten
+    assert not held_out & {env.make_prompt(i, seed)[0] for seed in range(3) for i in range(3000)}
+    assert env.is_correct("321", "321") and not env.is_correct("320", "321")
+
+
+def test_the_calculator_tool_evaluates_sums_and_refuses_the_rest():
+    from rlorch.tasks.calculator import calculate
+
+    assert calculate("37+45|") == "82" and calculate("100-1+2") == "101" and calculate("7") == "7"
+    for bad in ("", "+3", "3++4", "ab", "3*4", "1234567+1"):
+        assert calculate(bad) == "x", bad
+
+
+class CountingEnvironment:
+    """A user's environment, as README shows: two model turns, the second told how long the first was."""
+
+    def __init__(self, words: int = 2):
+        self.name, self.words = "counting", words
+
+    def make_prompt(self, index: int, seed: int):
+        return f"{index % 10}=", str(index % 10)
+
+    async def episode(self, conversation, answer):
+        first = await conversation.generate(max_new_tokens=self.words)
+        conversation.add(f"{len(first)}:")
+        second = await conversation.generate(max_new_tokens=2)
+        return float(second.strip() == answer)
+
+
+def test_a_users_environment_loads_from_its_module_with_its_own_params():
+    env = _env("task=custom", "task.name=tests.test_tasks:CountingEnvironment", "+task.params.words=3")
+    assert env.words == 3 and env.name == "counting"
+    with pytest.raises(ConfigError, match="task.params"):
+        _env("task=custom", "task.name=tests.test_tasks:CountingEnvironment", "+task.params.nope=1")
+    with pytest.raises(ConfigError, match="cannot load"):
+        _env("task=custom", "task.name=tests.test_tasks:Missing")
+    with pytest.raises(ConfigError, match="not an environment"):
+        _env("task=custom", "task.name=json:JSONDecoder")
+    with pytest.raises(ConfigError, match="task.name"):
+        _env("task=custom")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -150,3 +151,34 @@ def test_the_default_run_learns(env, tmp_path):
     assert summary["status"] in ("completed", "converged") and summary["lost"] == 0
     measured = [r["mismatch_kl"] for r in steps_of(lines) if r["mismatch_kl"] is not None]
     assert measured and max(measured) < 1e-3
+
+
+@pytest.mark.slow
+def test_a_tool_using_environment_runs_its_episodes_end_to_end(env, tmp_path):
+    """calculator: model turn (the call), the tool's result (untrained), model turn (the answer);
+    every model token carries the version of the weights that produced it."""
+    from rlorch.model import build_tokenizer
+    from rlorch.tasks.calculator import calculate
+
+    run_dir = tmp_path / "tool"
+    done = rlorch(env, "train", "task=calculator", f"run.dir={run_dir}", "train.steps=3", *SMALL)
+    assert done.returncode == 0, done.stderr
+    summary, _ = records(run_dir)
+    assert summary["lost"] == 0 and summary["steps"] == 3
+    tokenizer = build_tokenizer()
+    bar = tokenizer.convert_tokens_to_ids("|")
+    for number in (1, 3):
+        for line in (run_dir / "rollouts" / f"step_00000{number}.jsonl").read_text().splitlines():
+            rollout = json.loads(line)
+            tokens, mask, prompt_len = rollout["tokens"], rollout["loss_mask"], rollout["prompt_len"]
+            runs = [(m, len(list(g))) for m, g in itertools.groupby(mask[prompt_len:])]
+            assert [m for m, _ in runs] == [1, 0, 1], runs  # call, tool result, answer
+            call_len, result_len = runs[0][1], runs[1][1]
+            result = tokenizer.decode(tokens[prompt_len + call_len:prompt_len + call_len + result_len])
+            assert result.startswith("=") and result.endswith("|"), result
+            call = tokenizer.decode(tokens[prompt_len:prompt_len + call_len])
+            assert result == f"={calculate(call)}|"
+            assert tokens[prompt_len + call_len - 1] in (bar, tokenizer.eos_token_id) or call_len == 8
+            assert all(lp == 0.0 for lp, m in zip(rollout["logprobs"], mask) if not m)
+            assert sum(count for _, count in rollout["versions"]) == sum(mask)
+            assert all(0 <= version <= number - 1 for version, _ in rollout["versions"])

@@ -223,7 +223,7 @@ class Orchestrator:
         self.totals["dropped_stale"] += len(group)
         self.totals["stale_tokens"] += sum(r.generated_tokens for r in group)
         self.gate.on_discarded(len(group))
-        attempt = max((int(r.episode_id.split("-")[1]) for r in group if r.episode_id.count("-") >= 2), default=0)
+        attempt = max(r.attempt for r in group)
         if attempt < self.config.rollout.max_regenerations:
             prompt = self.prompts.make(group[0].group_id)
             prompt.attempt = attempt + 1
@@ -586,5 +586,5 @@ class Orchestrator:
 def _regroup(rollouts: list[Rollout]) -> list[list[Rollout]]:
     groups: dict[tuple, list[Rollout]] = {}
     for rollout in rollouts:
-        groups.setdefault((rollout.group_id, rollout.episode_id.rsplit("-", 1)[0]), []).append(rollout)
+        groups.setdefault((rollout.group_id, rollout.attempt), []).append(rollout)
     return list(groups.values())

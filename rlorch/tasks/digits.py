@@ -17,6 +17,8 @@ from typing import Callable
 
 from rlorch.config import Config
 from rlorch.tasks import register
+from rlorch.tasks.base import SingleTurn, require, task_params
+from rlorch.types import Conversation
 
 DIGITS = "0123456789"
 
@@ -52,13 +54,41 @@ def digit_credit(completion: str, answer: str, format_weight: float = FORMAT_WEI
     return (1.0 - format_weight) * matches / length + format_weight * well_formed
 
 
+@dataclass
+class DigitParams:
+    """``task.params`` of the digit tasks."""
+
+    min_digits: int = 3
+    """Shortest digit string."""
+    max_digits: int = 5
+    """Longest digit string."""
+    format_weight: float = FORMAT_WEIGHT
+    """Share of the reward for a well-formed answer (digits, right length); the rest is
+    per-position credit. An exact answer scores 1."""
+
+    def __post_init__(self) -> None:
+        require(1 <= self.min_digits <= self.max_digits, "min_digits",
+                "must satisfy 1 <= min_digits <= max_digits")
+        require(0 <= self.format_weight < 1, "format_weight", "must be in [0, 1)")
+
+
+@dataclass
+class RetryParams(DigitParams):
+    max_turns: int = 3
+    """Model turns per episode: after a wrong answer the environment says ``no=``."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.max_turns >= 1, "max_turns", "must be >= 1")
+
+
 def is_held_out(digits: str) -> bool:
     """Whether a digit string belongs to the evaluation split (fixed, seed-independent)."""
     return hashlib.blake2b(digits.encode(), digest_size=4).digest()[0] % HELD_OUT_MODULUS == 0
 
 
 @dataclass(frozen=True)
-class DigitTask:
+class DigitTask(SingleTurn):
     """Prompt ``<digits>=``; the answer is ``transform(digits)``."""
 
     name: str
@@ -67,6 +97,10 @@ class DigitTask:
     max_digits: int
     format_weight: float = FORMAT_WEIGHT
     max_reward: float = 1.0
+
+    @classmethod
+    def from_params(cls, name: str, transform: Callable[[str], str], params: DigitParams, **extra) -> "DigitTask":
+        return cls(name, transform, params.min_digits, params.max_digits, params.format_weight, **extra)
 
     def _draw(self, key: str) -> str:
         # A keyed hash rather than a seeded Random: the same prompt in every process, and
@@ -109,7 +143,7 @@ class DigitTask:
 
 @register("reverse")
 def reverse_task(config: Config) -> DigitTask:
-    return DigitTask("reverse", _reverse, config.task.min_digits, config.task.max_digits, config.task.format_weight)
+    return DigitTask.from_params("reverse", _reverse, task_params(DigitParams, config.task.params))
 
 
 def _reverse(digits: str) -> str:
@@ -123,18 +157,26 @@ def _sort(digits: str) -> str:
 @dataclass(frozen=True)
 class RetryTask(DigitTask):
     """Reverse, with feedback: after a wrong answer the environment replies ``no=`` and the
-    model tries again (up to task.max_turns turns); the last answer is scored."""
+    model tries again, up to ``max_turns`` turns; the last answer is scored."""
 
-    def reply(self, completion: str, answer: str, turn: int) -> str | None:
-        return None if clean_completion(completion) == answer else "no="
+    max_turns: int = 3
+
+    async def episode(self, conversation: Conversation, answer: str) -> float:
+        completion = await conversation.generate()
+        for _ in range(1, self.max_turns):
+            if clean_completion(completion) == answer:
+                break
+            conversation.add("no=")
+            completion = await conversation.generate()
+        return self.score(completion, answer)
 
 
 @register("reverse_retry")
 def reverse_retry_task(config: Config) -> RetryTask:
-    return RetryTask("reverse_retry", _reverse, config.task.min_digits, config.task.max_digits,
-                     config.task.format_weight)
+    params = task_params(RetryParams, config.task.params)
+    return RetryTask.from_params("reverse_retry", _reverse, params, max_turns=params.max_turns)
 
 
 @register("sort")
 def sort_task(config: Config) -> DigitTask:
-    return DigitTask("sort", _sort, config.task.min_digits, config.task.max_digits, config.task.format_weight)
+    return DigitTask.from_params("sort", _sort, task_params(DigitParams, config.task.params))

@@ -15,6 +15,7 @@ from typing import Any
 from rlorch.config import Config, ConfigError
 from rlorch.jsonlines import parse_record
 from rlorch.tasks import register
+from rlorch.tasks.base import SingleTurn
 
 
 class DataError(ValueError):
@@ -39,7 +40,7 @@ def load_rows(path: Path, prompt_key: str, answer_key: str) -> list[tuple[str, A
 
 
 @dataclass(frozen=True)
-class JsonlTask:
+class JsonlTask(SingleTurn):
     """Each pass over the file is a fresh permutation seeded by ``(seed, epoch)``."""
 
     rows: tuple[tuple[str, Any], ...]
