@@ -12,10 +12,16 @@ Layout (steps are 1-based; training step N reads batch N and publishes weights v
                                     the PUBLISHED marker exists inside it
     checkpoints/step_000010/        full resumable state: trainer/ (complete when its COMPLETE
                                     marker exists), weights/ (HF, version N), orchestrator.json
-    trainer/metrics.jsonl           one line per trainer step (loss, grad_norm, ...)
+    trainer/metrics.jsonl           one line per trainer step (loss, grad_norm, ...), written
+                                    before that step's version is published
     trainer/ready                   written once the trainer has loaded its model
+    servers.json                    the inference servers and the version each reported
+    tensorboard/                    TensorBoard scalars (metrics.tensorboard=true)
     logs/                           per-process logs
     STOP                            asks the trainer to checkpoint its last step and exit
+    rollouts/superseded-*/,         what a resume at an earlier checkpoint abandoned
+    checkpoints/superseded-*/
+    config.before-resume-*.yaml     the config a resume with overrides replaced
 """
 
 from __future__ import annotations
@@ -81,6 +87,28 @@ class RunDir:
     def stop_file(self) -> Path:
         return self.root / "STOP"
 
+    @property
+    def trainer_metrics(self) -> Path:
+        return self.trainer / "metrics.jsonl"
+
+    @property
+    def trainer_ready(self) -> Path:
+        return self.trainer / "ready"
+
+    @property
+    def servers(self) -> Path:
+        return self.root / "servers.json"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    def superseded(self, parent: Path, stamp: str) -> Path:
+        return parent / f"superseded-{stamp}"
+
+    def config_before_resume(self, stamp: str) -> Path:
+        return self.root / f"config.before-resume-{stamp}.yaml"
+
     def batch(self, step: int) -> Path:
         return self.rollouts / f"{step_name(step)}.jsonl"
 
@@ -100,8 +128,37 @@ class RunDir:
         return _steps_with_marker(self.weights, PUBLISHED)
 
     def complete_checkpoints(self) -> Iterator[tuple[int, Path]]:
+        """(step, path) of every checkpoint whose trainer state is complete, oldest first."""
         return ((step, path) for step, path in _steps_with_marker(self.checkpoints, "")
-                if (path / "trainer" / COMPLETE).exists())
+                if CheckpointDir(path).complete)
+
+    def resumable_checkpoints(self) -> Iterator[tuple[int, Path]]:
+        """Complete checkpoints that also carry the orchestrator's state."""
+        return ((step, path) for step, path in self.complete_checkpoints() if CheckpointDir(path).state.exists())
+
+
+@dataclass(frozen=True)
+class CheckpointDir:
+    """``checkpoints/step_N/``: trainer state, HF weights of version N, orchestrator state."""
+
+    path: Path
+
+    @property
+    def trainer(self) -> Path:
+        return self.path / "trainer"
+
+    @property
+    def weights(self) -> Path:
+        return self.path / "weights"
+
+    @property
+    def state(self) -> Path:
+        """``orchestrator.json``: data position, untrained rollouts, pending prompts, totals."""
+        return self.path / "orchestrator.json"
+
+    @property
+    def complete(self) -> bool:
+        return (self.trainer / COMPLETE).exists()
 
 
 def _steps_with_marker(parent: Path, marker: str) -> Iterator[tuple[int, Path]]:

@@ -131,7 +131,7 @@ async def _start_engines(config: Config, run_dir: RunDir, policy: PolicyVersion)
 
     model_path = resolve_model_path(config.model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    engines = await start_engines(config, log_dir=run_dir.logs, model_path=model_path)
+    engines = await start_engines(config, log_dir=run_dir.logs, servers_file=run_dir.servers, model_path=model_path)
     return engines, tokenizer
 
 

@@ -52,7 +52,7 @@ async def bench(args: argparse.Namespace) -> dict:
     config.model.path = args.model_path
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0)
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as root:
-        pool = await start_engines(config, log_dir=Path(root) / "logs",
+        pool = await start_engines(config, log_dir=Path(root) / "logs", servers_file=Path(root) / "servers.json",
                                    model_path=resolve_model_path(args.model_path))
         try:
             engine = pool.engines[0]

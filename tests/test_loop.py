@@ -118,7 +118,7 @@ def test_sigterm_mid_run_checkpoints_within_the_window_and_resume_trains_the_res
 
 def test_async_overlaps_generation_and_training(tmp_path):
     timing = ["inference.latency=[0.1,0.1]", "trainer.step_time=0.1", "train.steps=15",
-              "rollout.max_concurrent=64"]
+              "rollout.max_concurrent=64", "eval.enabled=false"]
     _, sync, _ = train(tmp_path, "sync", *timing, "rollout.max_staleness=0", "trainer.correction=none")
     _, overlapped, _ = train(tmp_path, "async", *timing, "rollout.max_staleness=1")
     assert overlapped["wall_s"] <= 0.6 * sync["wall_s"], (overlapped["wall_s"], sync["wall_s"])

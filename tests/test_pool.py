@@ -52,7 +52,8 @@ def test_launched_pool_reloads_and_survives_a_killed_server(model_dir, perturbed
     log_dir = tmp_path / "run" / "logs"
 
     async def scenario():
-        pool = await start_engines(config, log_dir=log_dir, model_path=model_dir)
+        pool = await start_engines(config, log_dir=log_dir, servers_file=log_dir.parent / "servers.json",
+                                   model_path=model_dir)
         try:
             assert isinstance(pool, Engine)
             for engine in pool.engines:
@@ -92,7 +93,8 @@ def test_launch_with_a_bad_model_path_fails_with_the_log_tail(tmp_path):
     (tmp_path / "not-a-model").mkdir()
 
     async def scenario():
-        await start_engines(config, log_dir=tmp_path / "logs", model_path=tmp_path / "not-a-model")
+        await start_engines(config, log_dir=tmp_path / "logs", servers_file=tmp_path / "servers.json",
+                            model_path=tmp_path / "not-a-model")
 
     with pytest.raises(LaunchError, match="not an HF model directory") as info:
         asyncio.run(scenario())
@@ -180,7 +182,8 @@ def test_connecting_to_running_servers_launches_nothing(model_dir, tmp_path):
     config.inference.addresses = [thread.address]
 
     async def scenario():
-        pool = await start_engines(config, log_dir=tmp_path / "logs", model_path=model_dir)
+        pool = await start_engines(config, log_dir=tmp_path / "logs", servers_file=tmp_path / "servers.json",
+                                   model_path=model_dir)
         try:
             return await pool.generate(PROMPT, SamplingParams(max_new_tokens=3), "remote")
         finally:

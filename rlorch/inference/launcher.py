@@ -73,7 +73,7 @@ def server_command(config, *, model_path: Path, port: int, host: str = "127.0.0.
     raise ValueError(f"inference.backend={backend!r} is not launched by rlorch.inference.launcher")
 
 
-async def start_engines(config, *, log_dir: Path, model_path: Path) -> EnginePool:
+async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path: Path) -> EnginePool:
     """Launch or connect to the configured servers; return a ready pool (see the module doc)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     inference = config.inference
@@ -92,7 +92,7 @@ async def start_engines(config, *, log_dir: Path, model_path: Path) -> EnginePoo
 
     try:
         await asyncio.gather(*(_wait_ready(s, e, inference.ready_timeout) for s, e in zip(servers, engines)))
-        await record_versions(servers, engines, log_dir.parent / "servers.json", inference.expect_version)
+        await record_versions(servers, engines, servers_file, inference.expect_version)
     except BaseException:
         await asyncio.gather(*(e.close() for e in engines), return_exceptions=True)
         await shutdown()

@@ -28,7 +28,7 @@ from rlorch.orchestrator.gate import CapacityGate
 from rlorch.orchestrator.metrics import MetricsLoop
 from rlorch.orchestrator.sinks import EvalSink, TrainSink, Verdict, head_ages
 from rlorch.orchestrator.watcher import WeightWatcher
-from rlorch.rundir import RunDir, write_atomic, write_json_atomic
+from rlorch.rundir import CheckpointDir, RunDir, write_atomic, write_json_atomic
 from rlorch.types import Batch, Engine, PolicyVersion, Prompt, Rollout, Trainer, max_reward
 
 TOTAL_KEYS = ("admitted", "trained", "filtered", "dropped_stale", "requeued", "regenerated",
@@ -123,14 +123,14 @@ class Orchestrator:
             gauges["engines"] = lambda: {f"engines_{key}": value for key, value in engines.gauges().items()}
         self.metrics = MetricsLoop(path=run_dir.metrics, interval=config.metrics.interval, gauges=gauges)
         if config.metrics.tensorboard:
-            self.metrics.enable_tensorboard(run_dir.root / "tensorboard")
+            self.metrics.enable_tensorboard(run_dir.tensorboard)
         self.shipped = 0
         self.shipped_batches: deque[Batch] = deque()
         self.totals = {key: 0 for key in TOTAL_KEYS}
         self.base_admitted = 0
         self.parked_s = 0.0
         self.step_records: dict[int, dict] = {}
-        metrics_file = run_dir.trainer / "metrics.jsonl"
+        metrics_file = run_dir.trainer_metrics
         # A resumed run reads only the trainer lines written from now on: older ones belong to
         # steps this run does not train (or to an abandoned trajectory).
         self.trainer_metrics_offset = metrics_file.stat().st_size if metrics_file.exists() else 0
@@ -388,7 +388,7 @@ class Orchestrator:
 
     def _read_trainer_lines(self) -> None:
         """Add the trainer's newly completed metric lines to the backlog, keyed by step."""
-        path = self.run_dir.trainer / "metrics.jsonl"
+        path = self.run_dir.trainer_metrics
         try:
             with open(path, "rb") as handle:
                 handle.seek(self.trainer_metrics_offset)
@@ -472,7 +472,7 @@ class Orchestrator:
                   "empty_batches": self._empty_batches()}
         state = ResumeState(step=step, prompt_position=self.prompts.position, untrained=untrained,
                             pending_prompts=pending, totals=totals)
-        write_json_atomic(self.run_dir.checkpoint(step) / "orchestrator.json", state.to_json())
+        write_json_atomic(CheckpointDir(self.run_dir.checkpoint(step)).state, state.to_json())
         self.snapshotted.add(step)
         self.last_snapshot = max(self.last_snapshot, step)
         # Batches at or below the newest snapshot can no longer be untrained in any checkpoint

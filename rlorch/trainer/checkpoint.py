@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from rlorch.rundir import COMPLETE, PUBLISHED, RunDir, mark, write_json_atomic
+from rlorch.rundir import COMPLETE, PUBLISHED, CheckpointDir, RunDir, mark, write_json_atomic
 
 STATE_FILE = "trainer_state.json"
 
@@ -30,7 +30,7 @@ class CheckpointError(RuntimeError):
 
 
 def is_complete(checkpoint: Path) -> bool:
-    return (checkpoint / "trainer" / COMPLETE).exists()
+    return CheckpointDir(checkpoint).complete
 
 
 def _encode(state: torch.Tensor) -> str:
@@ -79,11 +79,12 @@ def save(run: RunDir, step: int, model: torch.nn.Module, optimizer: torch.optim.
     (it gathers the full state dict) when version ``step`` was not published, else rank 0 links
     the published files."""
     checkpoint = run.checkpoint(step)
-    trainer_dir = checkpoint / "trainer"
+    parts = CheckpointDir(checkpoint)
+    trainer_dir = parts.trainer
     if rank == 0:
         (trainer_dir / COMPLETE).unlink(missing_ok=True)
         shutil.rmtree(trainer_dir, ignore_errors=True)
-        shutil.rmtree(checkpoint / "weights", ignore_errors=True)
+        shutil.rmtree(parts.weights, ignore_errors=True)
         trainer_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
@@ -91,9 +92,9 @@ def save(run: RunDir, step: int, model: torch.nn.Module, optimizer: torch.optim.
     published = run.weights_for(step)
     if (published / PUBLISHED).exists():
         if rank == 0:
-            link_or_copy_tree(published, checkpoint / "weights")
+            link_or_copy_tree(published, parts.weights)
     else:
-        write_weights(checkpoint / "weights")
+        write_weights(parts.weights)
     if rank == 0:
         write_json_atomic(trainer_dir / STATE_FILE, {"step": step, "rng": rng_state(),
                                                      "world_size": dist.get_world_size()})
@@ -109,7 +110,7 @@ def save(run: RunDir, step: int, model: torch.nn.Module, optimizer: torch.optim.
 
 def load(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Restore model, optimizer and RNG from a COMPLETE checkpoint; returns its step."""
-    trainer_dir = checkpoint / "trainer"
+    trainer_dir = CheckpointDir(checkpoint).trainer
     if not is_complete(checkpoint):
         raise CheckpointError(f"{checkpoint}: not a complete checkpoint (no trainer/{COMPLETE})")
     try:

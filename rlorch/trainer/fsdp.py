@@ -307,7 +307,7 @@ def save_checkpoint(worker: Worker, step: int) -> None:
 
 
 def _append_metrics(run, record: dict) -> None:
-    with open(run.trainer / "metrics.jsonl", "a", encoding="utf-8") as handle:
+    with open(run.trainer_metrics, "a", encoding="utf-8") as handle:
         handle.write(json.dumps(record) + "\n")
 
 
@@ -363,7 +363,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             run.make()
             clear_staging(run)
             discard_newer(run, worker.step)
-            write_json_atomic(run.trainer / "ready", {"step": worker.step, "world_size": worker.world,
+            write_json_atomic(run.trainer_ready, {"step": worker.step, "world_size": worker.world,
                                                       "device": str(device), "pid": os.getpid()})
         run_loop(worker)
     except (BatchError, CheckpointError) as err:

@@ -36,7 +36,7 @@ class TorchrunTrainer:
     async def start(self) -> None:
         from rlorch.trainer.fsdp import trainer_command
 
-        ready = self.run_dir.trainer / "ready"
+        ready = self.run_dir.trainer_ready
         ready.unlink(missing_ok=True)
         self.run_dir.stop_file.unlink(missing_ok=True)
         command = trainer_command(self.config, self.run_dir.root, self.resume)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from rlorch.config import Config
-from rlorch.rundir import COMPLETE, PUBLISHED, RunDir, step_name
+from rlorch.rundir import COMPLETE, PUBLISHED, CheckpointDir, RunDir, step_name
 from rlorch.types import Batch
 
 
@@ -40,7 +40,7 @@ class SimTrainer:
 
     async def start(self) -> None:
         self.run_dir.make()
-        (self.run_dir.trainer / "ready").touch()
+        self.run_dir.trainer_ready.touch()
         self._task = asyncio.create_task(self._loop(), name="sim-trainer")
 
     async def submit(self, batch: Batch) -> None:
@@ -73,7 +73,7 @@ class SimTrainer:
         line = {"step": batch.step, "loss": round(self.rng.uniform(-0.1, 0.1), 6),
                 "grad_norm": round(self.rng.uniform(0.1, 1.0), 6), "tokens": sum(len(r.tokens) for r in batch.rollouts),
                 "reward_mean": sum(rewards) / len(rewards), "step_s": round(seconds, 4)}
-        with open(self.run_dir.trainer / "metrics.jsonl", "a") as handle:
+        with open(self.run_dir.trainer_metrics, "a") as handle:
             handle.write(json.dumps(line) + "\n")
 
     def _publish(self, step: int) -> None:
@@ -101,9 +101,10 @@ class SimTrainer:
                     shutil.copy2(source, target / source.name)
 
     def _checkpoint(self, step: int) -> None:
-        trainer_dir = self.run_dir.checkpoint(step) / "trainer"
+        parts = CheckpointDir(self.run_dir.checkpoint(step))
+        trainer_dir = parts.trainer
         trainer_dir.mkdir(parents=True, exist_ok=True)
-        self._link_model(self.run_dir.checkpoint(step) / "weights")
+        self._link_model(parts.weights)
         (trainer_dir / "trainer_state.json").write_text(json.dumps({"step": step, "backend": "sim"}))
         (trainer_dir / COMPLETE).touch()
         self.checkpointed = step
