@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
-import shutil
 import signal
 import sys
 import time
@@ -19,7 +17,7 @@ from typing import Any, Optional
 from rich.console import Console
 
 from rlorch.config import Config, ConfigError, InferenceBackend, TrainerBackend
-from rlorch.rundir import COMPLETE, RunDir, load_config, save_config
+from rlorch.rundir import RunDir, save_config
 from rlorch.types import PolicyVersion
 
 EXIT_INTERRUPTED = {"SIGINT": 130, "SIGTERM": 143}
@@ -54,69 +52,18 @@ def run_training(config: Config, overrides: list[str]) -> int:
 
 
 def resume_training(checkpoint: str, overrides: list[str]) -> int:
+    from rlorch import resume
+
     path = Path(checkpoint)
     try:
-        config, run_dir = _resume_target(path, overrides)
+        config, run_dir = resume.resume_target(path, overrides)
     except ConfigError as err:
         console.print(f"[bold red]cannot resume[/] {err}", highlight=False)
         return 2
-    _supersede_batches(run_dir, step_of(path))
-    if overrides:
-        shutil.copy2(run_dir.config, run_dir.root / f"config.before-resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml")
-        save_config(config, run_dir.config)
-    console.print(f"resuming {run_dir.root} at step {step_of(path) + 1}", highlight=False)
+    step = resume.step_of(path)
+    resume.prepare(run_dir, step, config, overrides)
+    console.print(f"resuming {run_dir.root} at step {step + 1}", highlight=False)
     return asyncio.run(_run(config, run_dir, checkpoint=path))
-
-
-def step_of(checkpoint: Path) -> int:
-    from rlorch.rundir import parse_step
-
-    step = parse_step(checkpoint.name)
-    if step is None:
-        raise ConfigError("checkpoint", f"{checkpoint} is not a checkpoints/step_N directory")
-    return step
-
-
-def _resume_target(path: Path, overrides: list[str]) -> tuple[Config, RunDir]:
-    from omegaconf import OmegaConf
-
-    step_of(path)
-    if not (path / "trainer" / COMPLETE).exists() or not (path / "orchestrator.json").exists():
-        run = RunDir(path.parent.parent)
-        usable = [str(p) for _, p in run.complete_checkpoints() if (p / "orchestrator.json").exists()]
-        raise ConfigError("checkpoint", f"{path} is not a complete checkpoint (needs trainer/{COMPLETE} and "
-                                        f"orchestrator.json); complete ones: {', '.join(usable) or 'none'}")
-    run_dir = RunDir(path.parent.parent)
-    config = load_config(run_dir.config)
-    if overrides:
-        try:
-            merged = OmegaConf.merge(OmegaConf.structured(config), OmegaConf.from_dotlist(overrides))
-            config = OmegaConf.to_object(merged)
-        except ConfigError:
-            raise
-        except Exception as err:
-            raise ConfigError("overrides", str(err).splitlines()[0]) from err
-    return config, run_dir
-
-
-def _supersede_batches(run_dir: RunDir, step: int) -> None:
-    """Resuming at ``step`` abandons what came after it. Batches shipped after the checkpoint
-    were not trained there (their rollouts are in its untrained set) and later checkpoints
-    belong to the abandoned trajectory: both move aside rather than being trained or resumed."""
-    from rlorch.rundir import parse_step
-
-    stamp = time.strftime('%Y%m%d-%H%M%S')
-    for parent, pattern in ((run_dir.rollouts, "step_*.jsonl"), (run_dir.checkpoints, "step_*")):
-        aside = parent / f"superseded-{stamp}"
-        for path in sorted(parent.glob(pattern)):
-            later = parse_step(path.name.split(".")[0])
-            if later is not None and later > step:
-                aside.mkdir(exist_ok=True)
-                shutil.move(str(path), aside / path.name)
-    for path in sorted(run_dir.weights.glob("step_*")):
-        version = parse_step(path.name)
-        if version is not None and version > step:
-            shutil.rmtree(path, ignore_errors=True)
 
 
 async def _start_engines(config: Config, run_dir: RunDir, policy: PolicyVersion) -> tuple[Any, Any]:
@@ -150,7 +97,7 @@ def _make_trainer(config: Config, run_dir: RunDir, checkpoint: Optional[Path], s
 
 async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> int:
     from rlorch.episode import PromptSource, make_work, reward_override
-    from rlorch.orchestrator.loop import Orchestrator, ResumeState
+    from rlorch.orchestrator.loop import Orchestrator
     from rlorch.tasks import make_environment
 
     started = time.monotonic()
@@ -162,11 +109,11 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
         prompts = PromptSource(env, tokenizer=tokenizer, seed=config.run.seed)
         resume = None
         if checkpoint is not None:
-            data = json.loads((checkpoint / "orchestrator.json").read_text())
-            resume = ResumeState.from_json(data, prompts.make)
+            from rlorch.resume import read_state, weights_of
+
+            resume = read_state(checkpoint, prompts.make)
             prompts.position = resume.prompt_position
-            weights = checkpoint / "weights"
-            await engines.reload(str(weights if weights.is_dir() else run_dir.weights_for(resume.step)), resume.step)
+            await engines.reload(str(weights_of(checkpoint, run_dir, resume.step)), resume.step)
         trainer = _make_trainer(config, run_dir, checkpoint, resume.step if resume else 0)
         await trainer.start()
         work = make_work(config, engine=engines, tokenizer=tokenizer, env=env,
@@ -218,8 +165,7 @@ def _report(summary: dict, run_dir: RunDir) -> int:
     if summary.get("error"):
         console.print(f"[bold red]error[/] {summary['error']}", highlight=False)
     if status == "interrupted":
-        reason = "SIGTERM" if "SIGTERM" in str(summary.get("reason", "")) else "SIGINT"
-        return EXIT_INTERRUPTED[reason]
+        return EXIT_INTERRUPTED.get(summary.get("reason") or "", 130)
     return 0 if status in ("completed", "converged") else 1
 
 
@@ -238,7 +184,7 @@ def _progress(config: Config, orchestrator: Any) -> Optional[asyncio.Task]:
                 elapsed = max(time.monotonic() - orchestrator.started, 1e-9)
                 trained = gauges["version"] * config.rollout.batch_size
                 table = Table.grid(padding=(0, 2))
-                evaluated = orchestrator.eval_sink.last
+                evaluated = orchestrator.evaluations.sink.last
                 table.add_row(f"step {gauges['version']}/{config.train.steps}",
                               f"reward {last['reward_mean']:.3f}" if last else "reward -",
                               f"eval acc {evaluated['accuracy']:.1%} @{evaluated['step']}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 
 class PolicyVersion:
@@ -167,6 +167,15 @@ class Rollout:
         return cls(**fields)
 
 
+def head_ages(rollouts: Iterable[Rollout], train_version: int) -> list[int]:
+    """Head off-policy age of each live rollout trained at ``train_version``.
+
+    Replayed or external rollouts carry no meaningful version and are excluded.
+    """
+    return [train_version - r.versions.head for r in rollouts
+            if r.origin is Origin.live and r.versions.runs]
+
+
 @dataclass(slots=True)
 class Batch:
     """One training step's rollouts with their group-normalised advantages."""
@@ -175,6 +184,18 @@ class Batch:
     rollouts: list[Rollout]
     advantages: list[float]
     filtered: int = 0
+
+    @property
+    def trainable(self) -> bool:
+        """Whether any rollout carries a learning signal (a nonzero advantage)."""
+        return any(abs(a) > 1e-8 for a in self.advantages)
+
+    def to_jsonl(self) -> bytes:
+        """The batch file: one ``Rollout.to_json()`` plus ``"advantage"`` per line."""
+        import orjson
+
+        return b"".join(orjson.dumps({**rollout.to_json(), "advantage": advantage}) + b"\n"
+                        for rollout, advantage in zip(self.rollouts, self.advantages))
 
 
 @dataclass(slots=True)
@@ -227,6 +248,10 @@ class Engine(Protocol):
     async def reload(self, path: str, version: int) -> None: ...
 
     async def healthy(self) -> bool: ...
+
+    def gauges(self) -> dict:
+        """Numbers for the metrics loop (servers up, in flight, ...)."""
+        ...
 
     async def close(self) -> None: ...
 

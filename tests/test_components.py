@@ -8,11 +8,11 @@ from pathlib import Path
 
 from rlorch.orchestrator.dispatcher import Dispatcher, GenerationFailed
 from rlorch.orchestrator.gate import CapacityGate
-from rlorch.orchestrator.sinks import TrainSink, Verdict, group_advantages, head_ages, zero_variance_filter
+from rlorch.orchestrator.sinks import TrainSink, Verdict, group_advantages, zero_variance_filter
 from rlorch.orchestrator.watcher import WeightWatcher, WatcherStalled
 from rlorch.config import WatcherConfig
 from rlorch.rundir import PUBLISHED, RunDir, mark
-from rlorch.types import Origin, PolicyVersion, Prompt, Rollout, VersionStamps
+from rlorch.types import Origin, PolicyVersion, Prompt, Rollout, VersionStamps, head_ages
 
 
 def rollout(group: int, reward: float, versions: list[list[int]], origin: Origin = Origin.live,
@@ -118,7 +118,7 @@ def test_sink_counts_each_batch_worth_of_filtered_rollouts_as_an_empty_batch():
     assert sink.totals.empty_batches == 2 and sink.totals.consecutive_empty == 2
     sink.add([rollout(9, 1.0, [[0, 1]]), rollout(9, 0.0, [[0, 1]])], step=1)
     sink.add([rollout(10, 1.0, [[0, 1]]), rollout(10, 0.0, [[0, 1]])], step=1)
-    assert sink.emit(step=1) is not None and sink.totals.consecutive_empty == 0
+    assert sink.emit(step=1).trainable and sink.totals.consecutive_empty == 0
 
 
 def test_single_sample_groups_are_normalised_across_the_batch():
@@ -128,7 +128,7 @@ def test_single_sample_groups_are_normalised_across_the_batch():
     assert sink.emit(step=1).advantages[0] > 0
     sink.add([rollout(2, 1.0, [[0, 1]])], step=2)
     sink.add([rollout(3, 1.0, [[0, 1]])], step=2)
-    assert sink.emit(step=2) is None and sink.totals.filtered_by == {"solved": 2}
+    assert not sink.emit(step=2).trainable and sink.totals.filtered_by == {"solved": 2}
 
 
 def test_strict_sink_hands_back_groups_older_than_the_bound():
@@ -155,7 +155,7 @@ def run_until_ready(work, **overrides) -> Dispatcher:
         dispatcher = make_dispatcher(work, **overrides)
         await dispatcher.start()
         await asyncio.wait_for(dispatcher.wait_ready(), 5)
-        await dispatcher.close()
+        await dispatcher.stop()
         return dispatcher
 
     return asyncio.run(scenario())
@@ -177,7 +177,7 @@ def test_dispatcher_retries_a_failed_request_and_loses_nothing():
         while len(got) < 6:
             await dispatcher.wait_ready()
             got.append(dispatcher.try_get())
-        await dispatcher.close()
+        await dispatcher.stop()
         return dispatcher, got
 
     dispatcher, got = asyncio.run(scenario())
@@ -225,7 +225,7 @@ def test_dispatcher_respects_the_gate_and_pause():
         paused_admitted = dispatcher.admitted
         await asyncio.sleep(0.05)
         assert dispatcher.admitted == paused_admitted
-        await dispatcher.close()
+        await dispatcher.stop()
         return capped
 
     assert asyncio.run(scenario()) == 4
@@ -265,3 +265,44 @@ def test_watcher_alarms_when_the_version_stalls(tmp_path):
 
     asyncio.run(scenario())
     assert isinstance(watcher.error, WatcherStalled) and "stuck at 0" in str(watcher.error)
+
+
+class PruningEngines(RecordingEngines):
+    """The trainer publishes two more versions and prunes this one while the engines load it."""
+
+    def __init__(self, run: RunDir):
+        super().__init__()
+        self.run = run
+
+    async def reload(self, path: str, version: int) -> None:
+        if version == 1:
+            import shutil
+
+            for newer in (2, 3):
+                self.run.weights_for(newer).mkdir()
+                mark(self.run.weights_for(newer), PUBLISHED)
+            shutil.rmtree(path)
+            raise RuntimeError(f"model_path {path!r} is not a directory")
+        await super().reload(path, version)
+
+
+def test_watcher_moves_on_when_the_trainer_pruned_the_version_it_was_loading(tmp_path):
+    run = RunDir(tmp_path).make()
+    policy, engines = PolicyVersion(), PruningEngines(run)
+    failures = []
+    watcher = WeightWatcher(WatcherConfig(), policy=policy, engines=engines, published=run.published_weights,
+                            on_error=failures.append)
+    run.weights_for(1).mkdir()
+    mark(run.weights_for(1), PUBLISHED)
+    assert not asyncio.run(watcher.poll_once()) and policy.value == 0
+    assert asyncio.run(watcher.poll_once()) and policy.value == 3
+    assert engines.reloads == [("step_000003", 3)] and watcher.superseded == 1 and not failures
+    run.weights_for(4).mkdir()
+    mark(run.weights_for(4), PUBLISHED)
+    engines.reload = lambda path, version: (_ for _ in ()).throw(RuntimeError("engine down"))
+    try:
+        asyncio.run(watcher.poll_once())
+    except RuntimeError as err:
+        assert "engine down" in str(err)  # a version that still exists: a real failure
+    else:
+        raise AssertionError("a failed reload of an existing version must raise")

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterator, Optional
 
+from rlorch.lifecycle import cancel_and_wait
 from rlorch.orchestrator.gate import CapacityGate
 from rlorch.types import Prompt, Rollout
 
@@ -23,6 +25,16 @@ Work = Callable[[Prompt], Awaitable[list[Rollout]]]
 
 class GenerationFailed(RuntimeError):
     pass
+
+
+@dataclass
+class DispatcherState:
+    finished: list[list[Rollout]]
+    """Finished groups not yet taken, oldest first."""
+    in_flight: list[Prompt]
+    failed: list[Prompt]
+    """Prompts whose group failed every retry."""
+    queued: list[Prompt]
 
 
 class Dispatcher:
@@ -59,20 +71,16 @@ class Dispatcher:
         self._loop_task = asyncio.create_task(self._submission_loop(), name="dispatcher")
         self._watchdog_task = asyncio.create_task(self._watchdog(), name="dispatcher-watchdog")
 
-    async def stop(self) -> None:
-        """Stop admitting; in-flight groups keep running until :meth:`wait_idle` or :meth:`cancel_in_flight`."""
-        if self._loop_task:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
-            self._loop_task = None
+    async def stop_admitting(self) -> None:
+        """Admit nothing more; in-flight groups keep running (and timing out) until
+        :meth:`wait_idle` or :meth:`cancel_in_flight`."""
+        await cancel_and_wait(self._loop_task)
+        self._loop_task = None
 
-    async def close(self) -> None:
+    async def stop(self, timeout: Optional[float] = None) -> None:
         """Stop admitting and stop the watchdog (in-flight groups are left as they are)."""
-        await self.stop()
-        if self._watchdog_task:
-            self._watchdog_task.cancel()
-            await asyncio.gather(self._watchdog_task, return_exceptions=True)
-            self._watchdog_task = None
+        await cancel_and_wait(self._loop_task, self._watchdog_task, timeout=timeout)
+        self._loop_task = self._watchdog_task = None
 
     def pause(self) -> None:
         self._paused = True
@@ -120,10 +128,21 @@ class Dispatcher:
         except asyncio.TimeoutError:
             return False
 
+    def state(self) -> "DispatcherState":
+        """What a checkpoint needs of the dispatcher: finished groups not yet taken, and the
+        prompts not yet finished (in flight, failed, queued), in the order to run them again."""
+        return DispatcherState(finished=list(self.out_queue), in_flight=self.in_flight_prompts(),
+                               failed=list(self.failed), queued=list(self.in_queue))
+
+    def restore(self, prompts: list[Prompt]) -> None:
+        """Run ``prompts`` (a checkpoint's pending prompts) before any new one."""
+        for prompt in reversed(prompts):
+            self.requeue(prompt)
+
     async def cancel_in_flight(self) -> list[Prompt]:
         """Abandon in-flight groups (bounded shutdown); the prompts of those actually cancelled
         are returned for requeueing (a group that finished in the same tick is kept)."""
-        await self.close()
+        await self.stop()
         entries = list(self._in_flight.items())
         for task, _ in entries:
             task.cancel()

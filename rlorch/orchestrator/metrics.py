@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from rlorch.lifecycle import cancel_and_wait
+
 Gauges = Callable[[], dict]
 
 
@@ -58,11 +60,9 @@ class MetricsLoop:
             await asyncio.sleep(self.interval)
             self.write({"kind": "periodic", **self.snapshot()})
 
-    async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+    async def stop(self, timeout: Optional[float] = None) -> None:
+        await cancel_and_wait(self._task, timeout=timeout)
+        self._task = None
         self._file.flush()
         if self._tensorboard is not None:
             self._tensorboard.close()

@@ -12,9 +12,9 @@ import enum
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
-from rlorch.types import Batch, Origin, Rollout
+from rlorch.types import Batch, Rollout, head_ages
 
 
 class Verdict(str, enum.Enum):
@@ -63,15 +63,6 @@ def group_advantages(rewards: Sequence[float], eps: float = 1e-6) -> list[float]
     mean = sum(rewards) / len(rewards)
     std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
     return [(r - mean) / (std + eps) for r in rewards]
-
-
-def head_ages(rollouts: Iterable[Rollout], train_version: int) -> list[int]:
-    """Head off-policy age of each live rollout trained at ``train_version``.
-
-    Replayed or external rollouts carry no meaningful version and are excluded.
-    """
-    return [train_version - r.versions.head for r in rollouts
-            if r.origin is Origin.live and r.versions.runs]
 
 
 @dataclass
@@ -217,12 +208,13 @@ class TrainSink:
     def ready(self) -> bool:
         return self._count >= self.batch_size
 
-    def emit(self, step: int) -> Optional[Batch]:
-        """Take B rollouts (whole groups, oldest first) as the batch for ``step``.
+    def emit(self, step: int) -> Batch:
+        """Take B rollouts (whole groups, oldest first) as the batch for ``step``, fewer when the
+        filter budget ran out.
 
         Groups of one sample are normalised across the batch instead; a batch whose rewards
-        are then all equal carries no signal: it is counted as empty and None is returned
-        (its rollouts are the caller's to discard).
+        are then all equal carries no signal: it is counted as empty and comes back with
+        ``trainable`` false (its rollouts are the caller's to discard).
         """
         taken, count = [], 0
         while self._groups and count < self.batch_size:
@@ -238,17 +230,19 @@ class TrainSink:
             advantages = group_advantages([r.reward for r in rollouts])
         else:
             advantages = [a for group in taken for a in group_advantages([r.reward for r in group])]
-        if not any(abs(a) > 1e-8 for a in advantages):
+        batch = Batch(step=step, rollouts=rollouts, advantages=advantages)
+        if not batch.trainable:
             self.totals.empty_batches += 1
             self.totals.consecutive_empty += 1
             self._count_filtered(self.flat(rollouts) or Verdict.no_signal, rollouts)
-            return None
+            return batch
         self.totals.consecutive_empty = 0
         self.totals.batches += 1
         self.totals.trained += len(rollouts)
         filtered = self.totals.filtered - self._filtered_at_emit
         self._filtered_at_emit = self.totals.filtered
-        return Batch(step=step, rollouts=rollouts, advantages=advantages, filtered=filtered)
+        batch.filtered = filtered
+        return batch
 
 
 @dataclass

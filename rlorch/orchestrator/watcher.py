@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from rlorch.config import WatcherConfig
+from rlorch.lifecycle import cancel_and_wait
 from rlorch.types import Engine, PolicyVersion
 
 
@@ -26,16 +27,20 @@ class WeightWatcher:
     def __init__(self, config: WatcherConfig, *, policy: PolicyVersion, engines: Engine,
                  published: Callable[[], Iterable[tuple[int, Path]]],
                  expecting: Callable[[], bool] = lambda: False,
-                 on_version: Callable[[int], None] = lambda version: None):
+                 on_version: Callable[[int], None] = lambda version: None,
+                 on_error: Callable[[BaseException], None] = lambda error: None):
         self.config = config
         self.policy = policy
         self.engines = engines
         self.published = published
         self.expecting = expecting
         self.on_version = on_version
+        self.on_error = on_error
         self.reload_s: Optional[float] = None
         self.publish_to_reload_s: Optional[float] = None
         self.reloads = 0
+        self.superseded = 0
+        """Reloads abandoned because the trainer pruned the version meanwhile (a newer one was loaded)."""
         self.error: Optional[BaseException] = None
         self._last_advance = time.monotonic()
         self._task: Optional[asyncio.Task] = None
@@ -44,11 +49,9 @@ class WeightWatcher:
         self._last_advance = time.monotonic()
         self._task = asyncio.create_task(self._poll_loop(), name="weight-watcher")
 
-    async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+    async def stop(self, timeout: Optional[float] = None) -> None:
+        await cancel_and_wait(self._task, timeout=timeout)
+        self._task = None
 
     async def poll_once(self) -> bool:
         """Load the newest published checkpoint if it is ahead of the live version."""
@@ -59,7 +62,15 @@ class WeightWatcher:
             return False
         version, path = newest
         detected = time.monotonic()
-        await self.engines.reload(str(path), version)
+        try:
+            await self.engines.reload(str(path), version)
+        except Exception:
+            # The trainer prunes old versions (trainer.keep); when it runs that far ahead of a
+            # reload, the version is gone and a newer one replaces it on the next poll.
+            if not path.exists() and any(v > version for v, _ in self.published()):
+                self.superseded += 1
+                return False
+            raise
         self.policy.bump(version)
         now = time.monotonic()
         self.reload_s = now - detected
@@ -87,11 +98,12 @@ class WeightWatcher:
             raise
         except BaseException as err:
             self.error = err
-            self.on_version(self.policy.value)
+            self.on_error(err)
 
     def stalled_for(self) -> float:
         return time.monotonic() - self._last_advance
 
     def gauges(self) -> dict:
         return {"version": self.policy.value, "reloads": self.reloads, "reload_s": self.reload_s,
-                "publish_to_reload_s": self.publish_to_reload_s, "version_idle_s": round(self.stalled_for(), 3)}
+                "publish_to_reload_s": self.publish_to_reload_s, "version_idle_s": round(self.stalled_for(), 3),
+                "reloads_superseded": self.superseded}

@@ -1,0 +1,62 @@
+"""Scheduled evaluations: greedy decoding of the held-out prompts on a given policy version.
+
+The eval sink turns the rollouts into a record; this helper owns when they run (before the first
+step, every ``eval.every`` steps, at the end) and the tasks that run them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable, Optional
+
+from rlorch.config import EvalConfig
+from rlorch.lifecycle import cancel_and_wait
+from rlorch.orchestrator.sinks import EvalSink
+from rlorch.types import Prompt
+
+
+class Evaluations:
+    def __init__(self, config: EvalConfig, *, work: Callable, prompts: Any, write: Callable[[dict], None],
+                 request_timeout: float):
+        self.config = config
+        self.work = work
+        self.prompts = prompts
+        self.write = write
+        self.request_timeout = request_timeout
+        self.sink = EvalSink()
+        self.done: set[int] = set()
+        self.tasks: set[asyncio.Task] = set()
+        self._prompts: Optional[list[Prompt]] = None
+
+    def due(self, step: int) -> bool:
+        every = self.config.every
+        return self.config.enabled and bool(every) and step % every == 0 and step not in self.done
+
+    def start(self, step: int) -> None:
+        """Evaluate version ``step`` in the background (once per step)."""
+        if not self.config.enabled or step in self.done:
+            return
+        self.done.add(step)
+        task = asyncio.get_running_loop().create_task(self.run(step))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def run(self, step: int) -> None:
+        """Greedy decoding of the held-out prompts on the weights of version ``step``."""
+        self.done.add(step)
+        if self._prompts is None:
+            self._prompts = self.prompts.eval_set(self.config.prompts)
+        groups = await asyncio.gather(*(asyncio.wait_for(self.work(p), self.request_timeout) for p in self._prompts),
+                                      return_exceptions=True)
+        rollouts = [r for g in groups if not isinstance(g, BaseException) for r in g]
+        self.write(self.sink.add(step, rollouts, asked=len(self._prompts)))
+
+    def summary(self) -> dict:
+        first, last = self.sink.first, self.sink.last
+        return {"eval_accuracy_first": first["accuracy"] if first else None,
+                "eval_accuracy_last": last["accuracy"] if last else None,
+                "eval_step_first": first["step"] if first else None,
+                "eval_step_last": last["step"] if last else None}
+
+    async def stop(self, timeout: Optional[float] = None) -> None:
+        await cancel_and_wait(*self.tasks, timeout=timeout)

@@ -1,0 +1,142 @@
+"""The ledger: the fate of every admitted rollout, and the orchestrator state a checkpoint carries.
+
+Every admitted rollout ends in exactly one of: trained (in a batch at or before the checkpoint),
+filtered (a group or batch with no signal), dropped stale (strict mode), persisted untrained
+(finished, saved in the checkpoint's state to train after a resume), or requeued (its prompt goes
+back to the queue: abandoned in flight at shutdown, or its group failed every retry). Without any
+checkpoint nothing is persisted and both of the last two count as unsaved. ``lost`` is what is
+left and must be 0.
+
+Counts persist across resumes: the checkpoint's ``totals`` are this life's starting point.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from rlorch.types import Batch, Prompt, Rollout
+
+
+class Fate(str, enum.Enum):
+    """What became of admitted rollouts, as the loop reports it."""
+
+    filtered = "filtered"
+    dropped_stale = "dropped_stale"
+    requeued = "requeued"
+
+
+COUNTERS = ("admitted", "trained", "filtered", "dropped_stale", "requeued", "regenerated", "stale_tokens",
+            "empty_batches")
+"""What ``totals`` holds; ``regenerated``, ``stale_tokens`` and ``empty_batches`` are counts of
+events, not of fates (the train sink counts this life's empty batches; the ledger adds them to
+those of earlier lives)."""
+
+
+@dataclass
+class ResumeState:
+    """What a checkpoint carries for the orchestrator (its ``orchestrator.json``)."""
+
+    step: int
+    prompt_position: int
+    untrained: list[list[Rollout]]
+    pending_prompts: list[Prompt]
+    totals: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "prompt_position": self.prompt_position, "totals": self.totals,
+                "untrained": [[r.to_json() for r in group] for group in self.untrained],
+                "pending_prompts": [{"group_id": p.group_id, "attempt": p.attempt} for p in self.pending_prompts]}
+
+    @classmethod
+    def from_json(cls, data: dict, make_prompt: Callable[[int], Prompt]) -> "ResumeState":
+        prompts = []
+        for item in data["pending_prompts"]:
+            prompt = make_prompt(item["group_id"])
+            prompt.attempt = item.get("attempt", 0)
+            prompts.append(prompt)
+        return cls(step=data["step"], prompt_position=data["prompt_position"], totals=data.get("totals", {}),
+                   untrained=[[Rollout.from_json(r) for r in group] for group in data["untrained"]],
+                   pending_prompts=prompts)
+
+
+def regroup(rollouts: Iterable[Rollout]) -> list[list[Rollout]]:
+    """Rollouts back into their groups (a group is one prompt's samples of one attempt)."""
+    groups: dict[tuple, list[Rollout]] = {}
+    for rollout in rollouts:
+        groups.setdefault((rollout.group_id, rollout.attempt), []).append(rollout)
+    return list(groups.values())
+
+
+class Ledger:
+    """Counts every rollout's fate; keeps shipped batches until no checkpoint can need them.
+
+    ``admissions`` reads how many rollouts this life admitted (the gate's count); every other
+    fate is reported by the loop as it happens.
+    """
+
+    def __init__(self, *, group_size: int, admissions: Callable[[], int], restored: dict | None = None):
+        self.group_size = group_size
+        self.admissions = admissions
+        restored = restored or {}
+        self.counts = {key: int(restored.get(key, 0)) for key in COUNTERS}
+        self.base_admitted = self.counts.pop("admitted")
+        self.shipped: deque[Batch] = deque()
+        self.last_snapshot = 0
+
+    # events --------------------------------------------------------------------------------
+    def record(self, fate: Fate, rollouts: int) -> None:
+        self.counts[fate.value] += rollouts
+
+    def note(self, event: str, count: int = 1) -> None:
+        """Event counts: ``regenerated``, ``stale_tokens``."""
+        self.counts[event] += count
+
+    def ship(self, batch: Batch) -> None:
+        self.shipped.append(batch)
+
+    def snapshotted(self, step: int) -> None:
+        """Batches at or below the newest snapshot can no longer be untrained in any checkpoint
+        this run writes; the rest stay so a snapshot of an older step still lists them."""
+        self.last_snapshot = max(self.last_snapshot, step)
+        while self.shipped and self.shipped[0].step <= self.last_snapshot:
+            self.counts["trained"] += len(self.shipped.popleft().rollouts)
+
+    # views ---------------------------------------------------------------------------------
+    @property
+    def admitted(self) -> int:
+        return self.base_admitted + self.admissions()
+
+    def trained_through(self, step: int) -> int:
+        return self.counts["trained"] + sum(len(b.rollouts) for b in self.shipped if b.step <= step)
+
+    def shipped_after(self, step: int) -> list[list[Rollout]]:
+        """Groups of batches shipped after ``step``: untrained as far as checkpoint ``step`` knows."""
+        return [group for batch in self.shipped if batch.step > step for group in regroup(batch.rollouts)]
+
+    def requeued(self, failed_prompts: int = 0) -> int:
+        return self.counts["requeued"] + failed_prompts * self.group_size
+
+    def totals(self, *, step: int, untrained: int, failed_prompts: int, empty_batches: int) -> dict:
+        """The counts as checkpoint ``step`` records them (``empty_batches``: this life's)."""
+        return {**self.counts, "admitted": self.admitted, "trained": self.trained_through(step),
+                "untrained": untrained, "requeued": self.requeued(failed_prompts),
+                "empty_batches": self.counts["empty_batches"] + empty_batches}
+
+    def account(self, *, step: int, untrained: int, failed_prompts: int, empty_batches: int,
+                saved: bool) -> dict:
+        """The summary's accounting at checkpoint ``step``; ``lost`` must be 0."""
+        trained = self.trained_through(step)
+        requeued = self.requeued(failed_prompts)
+        accounted = trained + self.counts["filtered"] + self.counts["dropped_stale"] + untrained + requeued
+        unsaved = 0
+        if not saved:
+            # Nothing was checkpointed: a new run starts these prompts again.
+            unsaved, untrained, requeued = untrained + requeued, 0, 0
+        return {"admitted": self.admitted, "trained": trained, "filtered": self.counts["filtered"],
+                "dropped_stale": self.counts["dropped_stale"], "regenerated": self.counts["regenerated"],
+                "stale_tokens": self.counts["stale_tokens"], "persisted_untrained": untrained,
+                "requeued": requeued, "unsaved": unsaved, "lost": self.admitted - accounted,
+                "empty_batches": self.counts["empty_batches"] + empty_batches}

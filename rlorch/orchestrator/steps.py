@@ -1,0 +1,78 @@
+"""Step records: one ``{"kind": "step"}`` line per trained batch, joined with the trainer's own.
+
+A batch's record is started when it ships (admissions, ages, reward) and written once its version
+is live, with the trainer's figures for that step (loss, grad_norm, kl, mismatch, ...). The trainer
+writes its line before it publishes the version, so the figures are there when the version is;
+lines read early wait in a backlog keyed by step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from rlorch.types import Batch, head_ages
+
+TRAINER_KEYS = ("loss", "grad_norm", "kl", "ratio_mean", "ratio_max", "clip_frac", "is_capped_frac", "step_s",
+                "mismatch_kl", "mismatch_max", "mismatch_tokens", "entropy", "skipped_updates")
+"""Trainer figures joined into each step record (``loss`` and ``grad_norm`` always, null if missing)."""
+
+
+def age_stats(ages: list[int]) -> dict:
+    if not ages:
+        return {"age_max": None, "age_p99": None, "age_mean": None}
+    values = np.asarray(ages)
+    return {"age_max": int(values.max()), "age_p99": float(np.percentile(values, 99)),
+            "age_mean": round(float(values.mean()), 4)}
+
+
+class StepRecords:
+    def __init__(self, trainer_metrics: Path):
+        self.trainer_metrics = trainer_metrics
+        # A resumed run reads only the trainer lines written from now on: older ones belong to
+        # steps this run does not train (or to an abandoned trajectory).
+        self.offset = trainer_metrics.stat().st_size if trainer_metrics.exists() else 0
+        self.pending: dict[int, dict] = {}
+        self.backlog: dict[int, dict] = {}
+        self.last: dict = {}
+
+    def shipped(self, batch: Batch, *, admitted: int, parked_s: float) -> None:
+        rewards = [r.reward for r in batch.rollouts]
+        self.pending[batch.step] = {
+            "kind": "step", "step": batch.step, "admitted": admitted,
+            **age_stats(head_ages(batch.rollouts, batch.step - 1)),
+            "trainable": sum(1 for a in batch.advantages if abs(a) > 1e-8), "filtered": batch.filtered,
+            "reward_mean": round(sum(rewards) / len(rewards), 6), "parked_s": round(parked_s, 4),
+            "tokens": sum(r.generated_tokens for r in batch.rollouts), "rollouts": len(batch.rollouts)}
+
+    def ready(self, trained: int, extra: Optional[dict] = None) -> list[dict]:
+        """The records of steps up to ``trained`` (the live version), oldest first."""
+        self._read_trainer_lines()
+        done = []
+        for step in sorted(self.pending):
+            if step > trained:
+                break
+            record = self.pending.pop(step)
+            line = self.backlog.pop(step, {})
+            record.update({"loss": line.get("loss"), "grad_norm": line.get("grad_norm"), **(extra or {})})
+            record.update({key: line[key] for key in TRAINER_KEYS if key in line})
+            self.last = record
+            done.append(record)
+        return done
+
+    def _read_trainer_lines(self) -> None:
+        try:
+            with open(self.trainer_metrics, "rb") as handle:
+                handle.seek(self.offset)
+                data = handle.read()
+        except OSError:
+            return
+        complete = data[: data.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        for line in complete.splitlines():
+            if line.strip():
+                record = json.loads(line)
+                self.backlog[record["step"]] = record

@@ -1,0 +1,86 @@
+"""Resuming a run from a full checkpoint: which checkpoint, what a resume abandons, what it reads.
+
+A resume at step N continues the trajectory that checkpoint N belongs to: batches shipped after
+N and later checkpoints move aside (``superseded-*``) rather than being trained or resumed, and
+published weights newer than N are removed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+from rlorch.config import Config, ConfigError
+from rlorch.rundir import CheckpointDir, RunDir, load_config, parse_step, save_config
+
+
+def step_of(checkpoint: Path) -> int:
+    step = parse_step(checkpoint.name)
+    if step is None:
+        raise ConfigError("checkpoint", f"{checkpoint} is not a checkpoints/step_N directory")
+    return step
+
+
+def resume_target(path: Path, overrides: list[str]) -> tuple[Config, RunDir]:
+    """The run a checkpoint belongs to and its config with ``overrides`` applied; refuses a
+    checkpoint that is not complete (naming the ones that are)."""
+    from omegaconf import OmegaConf
+
+    step_of(path)
+    run_dir = RunDir(path.parent.parent)
+    parts = CheckpointDir(path)
+    if not parts.complete or not parts.state.exists():
+        usable = [str(p) for _, p in run_dir.resumable_checkpoints()]
+        raise ConfigError("checkpoint", f"{path} is not a complete checkpoint (needs trainer/COMPLETE and "
+                                        f"{parts.state.name}); complete ones: {', '.join(usable) or 'none'}")
+    config = load_config(run_dir.config)
+    if overrides:
+        try:
+            merged = OmegaConf.merge(OmegaConf.structured(config), OmegaConf.from_dotlist(overrides))
+            config = OmegaConf.to_object(merged)
+        except ConfigError:
+            raise
+        except Exception as err:
+            raise ConfigError("overrides", str(err).splitlines()[0]) from err
+    return config, run_dir
+
+
+def prepare(run_dir: RunDir, step: int, config: Config, overrides: list[str]) -> None:
+    """Move aside what came after ``step`` and save the overridden config (keeping the old one)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    supersede(run_dir, step, stamp)
+    if overrides:
+        shutil.copy2(run_dir.config, run_dir.config_before_resume(stamp))
+        save_config(config, run_dir.config)
+
+
+def supersede(run_dir: RunDir, step: int, stamp: str) -> None:
+    """Batches shipped after the checkpoint were not trained there (their rollouts are in its
+    untrained set) and later checkpoints belong to the abandoned trajectory: both move aside."""
+    for parent, pattern in ((run_dir.rollouts, "step_*.jsonl"), (run_dir.checkpoints, "step_*")):
+        aside = run_dir.superseded(parent, stamp)
+        for path in sorted(parent.glob(pattern)):
+            later = parse_step(path.name.split(".")[0])
+            if later is not None and later > step:
+                aside.mkdir(exist_ok=True)
+                shutil.move(str(path), aside / path.name)
+    for version, path in list(run_dir.published_weights()):
+        if version > step:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def read_state(checkpoint: Path, make_prompt: Callable):
+    """The orchestrator's state saved with ``checkpoint``."""
+    from rlorch.orchestrator.ledger import ResumeState
+
+    data = json.loads(CheckpointDir(checkpoint).state.read_text())
+    return ResumeState.from_json(data, make_prompt)
+
+
+def weights_of(checkpoint: Path, run_dir: RunDir, step: int) -> Path:
+    """The HF weights to load into the engines: the checkpoint's own, else the published ones."""
+    weights = CheckpointDir(checkpoint).weights
+    return weights if weights.is_dir() else run_dir.weights_for(step)
