@@ -95,7 +95,7 @@ def serve(
     parent_pid: Optional[int] = typer.Option(None, "--parent-pid", help="Exit when this process is gone."),
 ) -> None:
     """Run the CPU inference engine: a real HTTP server speaking SGLang's native API."""
-    from rlorch.inference.server import serve_command
+    from rlorch.serve.server import serve_command
 
     config = _config_or_exit(overrides or [])
     raise typer.Exit(serve_command(config, host=host, port=port, weight_version=weight_version,

@@ -22,9 +22,14 @@ _registered = False
 
 
 def conf_dir() -> Path:
-    """The directory holding the shipped presets (``RLORCH_CONF_DIR`` overrides it)."""
+    """The directory holding the shipped presets (``RLORCH_CONF_DIR`` overrides it): ``conf/``
+    beside the package in a source checkout, ``rlorch/conf/`` inside an installed wheel."""
     override = os.environ.get("RLORCH_CONF_DIR")
-    return Path(override) if override else Path(__file__).resolve().parent.parent / "conf"
+    if override:
+        return Path(override)
+    here = Path(__file__).resolve().parent
+    packaged = here / "conf"
+    return packaged if packaged.is_dir() else here.parent / "conf"
 
 
 def presets() -> list[str]:

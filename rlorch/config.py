@@ -42,14 +42,28 @@ class Correction(str, enum.Enum):
 
 
 class InferenceBackend(str, enum.Enum):
+    """Registered in :mod:`rlorch.backends`; each has a preset in conf/inference/."""
+
     sim = "sim"
     cpu = "cpu"
     sglang = "sglang"
 
+    @property
+    def generates_model_tokens(self) -> bool:
+        """Whether its tokens come from the model (the simulator's do not)."""
+        return self is not InferenceBackend.sim
+
 
 class TrainerBackend(str, enum.Enum):
+    """Registered in :mod:`rlorch.backends`; each has a preset in conf/trainer/."""
+
     sim = "sim"
     fsdp = "fsdp"
+
+    @property
+    def needs_model_tokens(self) -> bool:
+        """Whether it trains a model on the tokens (and so cannot train simulated ones)."""
+        return self is not TrainerBackend.sim
 
 
 class SimReward(str, enum.Enum):
@@ -162,21 +176,46 @@ class EvalConfig:
 
 
 @dataclass
+class SimEngineConfig:
+    """``inference=sim``: no model, a latency per request, fixed tokens."""
+
+    latency: list[float] = field(default_factory=lambda: [0.05, 0.05])
+    """[lo, hi] seconds per rollout, drawn uniformly."""
+    tokens: int = 8
+    """Generated tokens per rollout."""
+    reward: SimReward = SimReward.random
+    """Reward function (random; constant 0.5, a broken environment; solved, always the maximum
+    1; or the task's own on the simulated tokens)."""
+
+    def __post_init__(self) -> None:
+        _require(len(self.latency) == 2 and 0 <= self.latency[0] <= self.latency[1],
+                 "inference.sim.latency", "must be [lo, hi] seconds with 0 <= lo <= hi")
+        _require(self.tokens >= 1, "inference.sim.tokens", "must be >= 1")
+
+
+@dataclass
+class CpuEngineConfig:
+    """``inference=cpu``: `rlorch serve` subprocesses."""
+
+    max_batch: int = 64
+    """Most sequences decoded together."""
+    threads: int = 1
+    """Torch threads per server process."""
+
+    def __post_init__(self) -> None:
+        _require(self.max_batch >= 1, "inference.cpu.max_batch", "must be >= 1")
+        _require(self.threads >= 1, "inference.cpu.threads", "must be >= 1")
+
+
+@dataclass
 class InferenceConfig:
     backend: InferenceBackend = InferenceBackend.cpu
-    """sim: no model, latencies drawn from `latency`; cpu: `rlorch serve` subprocesses;
-    sglang: SGLang servers launched here or reached at `addresses`."""
+    """sim: no model (inference.sim); cpu: `rlorch serve` subprocesses (inference.cpu); sglang:
+    SGLang servers launched here or reached at `addresses`."""
     num_servers: int = 1
     """Servers to launch (cpu, sglang without addresses)."""
     addresses: list[str] = field(default_factory=list)
     """Running servers (or a sglang-router) to connect to instead of launching, host:port."""
-    latency: list[float] = field(default_factory=lambda: [0.05, 0.05])
-    """sim: [lo, hi] seconds per rollout, drawn uniformly."""
-    tokens: int = 8
-    """sim: generated tokens per rollout."""
-    reward: SimReward = SimReward.random
-    """sim: reward function (random; constant 0.5, a broken environment; solved, always the
-    maximum 1; or the task's own on the simulated tokens)."""
     launch_args: list[str] = field(default_factory=list)
     """Extra arguments for each launched server (e.g. ["--mem-fraction-static", "0.8"])."""
     expect_version: Optional[str] = None
@@ -185,39 +224,55 @@ class InferenceConfig:
     """Seconds to wait for launched servers to answer /health_generate."""
     shutdown_timeout: float = 10.0
     """Seconds launched servers get to exit before they are killed."""
-    max_batch: int = 64
-    """cpu engine: most sequences decoded together."""
-    threads: int = 1
-    """cpu engine: torch threads per server process."""
+    sim: SimEngineConfig = field(default_factory=SimEngineConfig)
+    cpu: CpuEngineConfig = field(default_factory=CpuEngineConfig)
 
     def __post_init__(self) -> None:
         _require(self.num_servers >= 1, "inference.num_servers", "must be >= 1")
-        _require(len(self.latency) == 2 and 0 <= self.latency[0] <= self.latency[1],
-                 "inference.latency", "must be [lo, hi] seconds with 0 <= lo <= hi")
-        _require(self.tokens >= 1, "inference.tokens", "must be >= 1")
         _require(self.ready_timeout > 0, "inference.ready_timeout", "must be > 0 seconds")
-        _require(self.max_batch >= 1, "inference.max_batch", "must be >= 1")
-        _require(self.threads >= 1, "inference.threads", "must be >= 1")
 
 
 @dataclass
-class TrainerConfig:
-    backend: TrainerBackend = TrainerBackend.fsdp
-    """sim: sleeps `step_time` per batch and publishes marker checkpoints; fsdp: torch FSDP2
-    under torchrun."""
-    correction: Correction = Correction.decoupled
-    """Off-policy correction in the loss: decoupled (recomputed proximal policy), tis
-    (truncated importance sampling vs behaviour logprobs) or none (only sound for S=0)."""
-    allow_uncorrected: bool = False
-    """Permit correction=none with max_staleness > 0 (off-policy data trained as on-policy)."""
+class SimTrainerConfig:
+    """``trainer=sim``: no model; publishes marker checkpoints."""
+
     step_time: float = 0.05
-    """sim: seconds per training step."""
+    """Seconds per training step."""
+
+    def __post_init__(self) -> None:
+        _require(self.step_time >= 0, "trainer.sim.step_time", "must be >= 0 seconds")
+
+
+@dataclass
+class FsdpConfig:
+    """``trainer=fsdp``: torch FSDP2 under torchrun."""
+
     nproc: int = 1
     """Trainer processes (torchrun --nproc-per-node)."""
     torchrun_args: list[str] = field(default_factory=list)
     """Extra torchrun arguments (--nnodes, --rdzv-endpoint, ... for a cluster)."""
     device: str = "auto"
     """auto (cuda when available), cpu or cuda."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward pass."""
+
+    def __post_init__(self) -> None:
+        _require(self.nproc >= 1, "trainer.fsdp.nproc", "must be >= 1")
+        _require(self.device in ("auto", "cpu", "cuda"), "trainer.fsdp.device",
+                 f"must be one of auto, cpu, cuda (got {self.device!r})")
+        _require(self.micro_batch_size >= 1, "trainer.fsdp.micro_batch_size", "must be >= 1")
+
+
+@dataclass
+class TrainerConfig:
+    backend: TrainerBackend = TrainerBackend.fsdp
+    """sim: sleeps trainer.sim.step_time per batch and publishes marker checkpoints; fsdp: torch
+    FSDP2 under torchrun (trainer.fsdp)."""
+    correction: Correction = Correction.decoupled
+    """Off-policy correction in the loss: decoupled (recomputed proximal policy), tis
+    (truncated importance sampling vs behaviour logprobs) or none (only sound for S=0)."""
+    allow_uncorrected: bool = False
+    """Permit correction=none with max_staleness > 0 (off-policy data trained as on-policy)."""
     lr: float = 1e-3
     """AdamW learning rate."""
     weight_decay: float = 0.0
@@ -230,8 +285,6 @@ class TrainerConfig:
     """Gradient clipping norm."""
     entropy_coef: float = 0.0
     """Weight of an entropy bonus on trained tokens (keeps a collapsing policy exploring)."""
-    micro_batch_size: int = 16
-    """Sequences per forward/backward pass."""
     minibatches: int = 1
     """Optimizer steps per batch (PPO-style): the batch is cut into this many minibatches, and
     the proximal logprobs are computed once, before the first. Above 1, decoupled (clip against
@@ -244,17 +297,14 @@ class TrainerConfig:
     """Weight checkpoints kept; older ones are pruned."""
     start_timeout: float = 300.0
     """Seconds the trainer may take to become ready."""
+    sim: SimTrainerConfig = field(default_factory=SimTrainerConfig)
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
 
     def __post_init__(self) -> None:
-        _require(self.step_time >= 0, "trainer.step_time", "must be >= 0 seconds")
-        _require(self.nproc >= 1, "trainer.nproc", "must be >= 1")
-        _require(self.device in ("auto", "cpu", "cuda"), "trainer.device",
-                 f"must be one of auto, cpu, cuda (got {self.device!r})")
         _require(self.lr > 0, "trainer.lr", "must be > 0")
         _require(self.clip_eps > 0, "trainer.clip_eps", "must be > 0")
         _require(self.is_cap >= 1, "trainer.is_cap", "must be >= 1")
         _require(self.entropy_coef >= 0, "trainer.entropy_coef", "must be >= 0")
-        _require(self.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
         _require(self.minibatches >= 1, "trainer.minibatches", "must be >= 1")
         _require(self.publish_every >= 1, "trainer.publish_every", "must be >= 1")
         _require(self.checkpoint_every >= 1, "trainer.checkpoint_every", "must be >= 1")
@@ -359,9 +409,9 @@ class Config:
                  "'none' trains off-policy data (rollout.max_staleness > 0, or enforce=ship) as if "
                  "on-policy; use decoupled or tis, set rollout.max_staleness=0 with admission or "
                  "strict, or trainer.allow_uncorrected=true")
-        _require(not (self.inference.backend == InferenceBackend.sim and self.trainer.backend == TrainerBackend.fsdp),
-                 "trainer", "the fsdp trainer needs real tokens: use inference=cpu or inference=sglang "
-                            "with trainer=fsdp, or trainer=sim with inference=sim")
+        _require(self.inference.backend.generates_model_tokens or not self.trainer.backend.needs_model_tokens,
+                 "trainer", f"trainer={self.trainer.backend.value} needs real tokens: use inference=cpu or "
+                            f"inference=sglang with it, or trainer=sim with inference=sim")
         _require(self.rollout.max_concurrent >= self.rollout.group_size, "rollout.max_concurrent",
                  f"must be >= rollout.group_size ({self.rollout.group_size}): a group is admitted whole")
 

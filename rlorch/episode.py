@@ -81,11 +81,11 @@ Reward = Callable[[str, Any], float]
 def reward_override(config: Config, seed: int) -> Optional[Reward]:
     """The sim engine's stand-in reward (random, constant 0.5, solved), replacing the
     environment's; None when the environment's own reward counts."""
-    if config.inference.backend is not InferenceBackend.sim or config.inference.reward is SimReward.task:
+    if config.inference.backend is not InferenceBackend.sim or config.inference.sim.reward is SimReward.task:
         return None
-    if config.inference.reward is SimReward.constant:
+    if config.inference.sim.reward is SimReward.constant:
         return lambda completion, answer: 0.5
-    if config.inference.reward is SimReward.solved:
+    if config.inference.sim.reward is SimReward.solved:
         return lambda completion, answer: 1.0
     rng = random.Random(seed)
     return lambda completion, answer: rng.random()

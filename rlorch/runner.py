@@ -16,7 +16,8 @@ from typing import Any, Optional
 
 from rich.console import Console
 
-from rlorch.config import Config, ConfigError, InferenceBackend, TrainerBackend
+from rlorch.config import Config, ConfigError
+from rlorch.lifecycle import cancel_and_wait
 from rlorch.rundir import RunDir, save_config
 from rlorch.types import PolicyVersion
 
@@ -66,36 +67,8 @@ def resume_training(checkpoint: str, overrides: list[str]) -> int:
     return asyncio.run(_run(config, run_dir, checkpoint=path))
 
 
-async def _start_engines(config: Config, run_dir: RunDir, policy: PolicyVersion) -> tuple[Any, Any]:
-    if config.inference.backend is InferenceBackend.sim:
-        from rlorch.inference.sim import SimEngine
-
-        return SimEngine(config.inference, policy=policy, seed=config.run.seed), None
-    from transformers import AutoTokenizer
-
-    from rlorch.inference.launcher import start_engines
-    from rlorch.model import resolve_model_path
-
-    model_path = resolve_model_path(config.model.path)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    engines = await start_engines(config, log_dir=run_dir.logs, servers_file=run_dir.servers, model_path=model_path)
-    return engines, tokenizer
-
-
-def _make_trainer(config: Config, run_dir: RunDir, checkpoint: Optional[Path], start_step: int):
-    if config.trainer.backend is TrainerBackend.sim:
-        from rlorch.model import resolve_model_path
-        from rlorch.trainer.sim import SimTrainer
-
-        real_engines = config.inference.backend is not InferenceBackend.sim
-        return SimTrainer(config, run_dir=run_dir, start_step=start_step,
-                          model_path=resolve_model_path(config.model.path) if real_engines else None)
-    from rlorch.trainer.process import TorchrunTrainer
-
-    return TorchrunTrainer(config, run_dir=run_dir, resume=checkpoint)
-
-
 async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> int:
+    from rlorch.backends import make_trainer, start_inference
     from rlorch.episode import PromptSource, make_work, reward_override
     from rlorch.orchestrator.loop import Orchestrator
     from rlorch.tasks import make_environment
@@ -105,7 +78,7 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
     env = make_environment(config)
     engines, tokenizer, trainer = None, None, None
     try:
-        engines, tokenizer = await _start_engines(config, run_dir, policy)
+        engines, tokenizer = await start_inference(config, run_dir, policy)
         prompts = PromptSource(env, tokenizer=tokenizer, seed=config.run.seed)
         resume = None
         if checkpoint is not None:
@@ -114,7 +87,7 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
             resume = read_state(checkpoint, prompts.make)
             prompts.position = resume.prompt_position
             await engines.reload(str(weights_of(checkpoint, run_dir, resume.step)), resume.step)
-        trainer = _make_trainer(config, run_dir, checkpoint, resume.step if resume else 0)
+        trainer = make_trainer(config, run_dir, checkpoint, resume.step if resume else 0)
         await trainer.start()
         work = make_work(config, engine=engines, tokenizer=tokenizer, env=env,
                          override=reward_override(config, config.run.seed))
@@ -130,8 +103,7 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
         try:
             summary = await orchestrator.run()
         finally:
-            if progress:
-                progress.cancel()
+            await cancel_and_wait(progress)
     except Exception as err:
         console.print(f"[bold red]run failed[/] {err}", highlight=False)
         return 1

@@ -228,6 +228,18 @@ class Generation:
     text: str = ""
 
 
+class Admission(Protocol):
+    """What the dispatcher needs of the capacity gate."""
+
+    def try_admit(self, count: int = 1) -> bool:
+        """Admit ``count`` rollouts together if they all fit."""
+        ...
+
+    def on_accepted(self, count: int = 1) -> None: ...
+
+    def on_rejected(self, count: int = 1) -> None: ...
+
+
 @runtime_checkable
 class Engine(Protocol):
     """An inference engine (one server, a pool, or the simulator)."""
@@ -254,6 +266,19 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class Server(Engine, Protocol):
+    """One inference server as the engine pool drives it: an Engine that can continue a
+    generation a pause cut short and says which weight version it holds."""
+
+    async def generate(self, input_ids: list[int], params: SamplingParams, rid: str, *,
+                       prefix: Optional[Generation] = None) -> Generation:
+        """``prefix``: what an earlier, aborted segment of this request already generated."""
+        ...
+
+    async def weight_version(self) -> int: ...
 
 
 @runtime_checkable

@@ -34,8 +34,8 @@ def run_sim(root: Path, name: str, *overrides: str) -> dict:
 
 
 def loop_throughput(root: Path, steps: int, batch: int, group: int) -> float:
-    summary = run_sim(root, f"throughput-{group}", "inference.latency=[0,0]", "inference.tokens=4",
-                      "trainer.step_time=0", "watcher.poll_interval=0.0005", f"train.steps={steps}",
+    summary = run_sim(root, f"throughput-{group}", "inference.sim.latency=[0,0]", "inference.sim.tokens=4",
+                      "trainer.sim.step_time=0", "watcher.poll_interval=0.0005", f"train.steps={steps}",
                       f"rollout.batch_size={batch}", f"rollout.group_size={group}", "rollout.max_staleness=4",
                       f"rollout.max_concurrent={5 * batch}", f"rollout.queue_size={batch}",
                       f"rollout.max_buffered={5 * batch}", "metrics.interval=1000",
@@ -73,7 +73,7 @@ async def admission_cost(in_flight: int) -> float:
 
 
 def overlap(root: Path) -> tuple[float, float, float]:
-    timing = ["inference.latency=[0.1,0.1]", "trainer.step_time=0.1", "train.steps=20", "rollout.max_concurrent=64"]
+    timing = ["inference.sim.latency=[0.1,0.1]", "trainer.sim.step_time=0.1", "train.steps=20", "rollout.max_concurrent=64"]
     sync = run_sim(root, "sync", *timing, "rollout.max_staleness=0", "trainer.correction=none")
     overlapped = run_sim(root, "async", *timing, "rollout.max_staleness=2")
     return sync["wall_s"], overlapped["wall_s"], overlapped["wall_s"] / sync["wall_s"]

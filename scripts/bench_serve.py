@@ -47,8 +47,8 @@ async def bench(args: argparse.Namespace) -> dict:
     config = Config()
     config.inference.backend = InferenceBackend.cpu
     config.inference.num_servers = 1
-    config.inference.threads = args.threads
-    config.inference.max_batch = max(args.concurrency, 1)
+    config.inference.cpu.threads = args.threads
+    config.inference.cpu.max_batch = max(args.concurrency, 1)
     config.model.path = args.model_path
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0)
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as root:

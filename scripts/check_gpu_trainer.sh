@@ -7,7 +7,7 @@ set -euo pipefail
 run_dir=${1:-outputs/gpu-check}
 rm -rf "$run_dir"
 python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print("cuda:", torch.cuda.get_device_name(0), "torch", torch.__version__)'
-rlorch train run.dir="$run_dir" run.progress=false train.steps=5 trainer.device=cuda trainer.nproc=1
+rlorch train run.dir="$run_dir" run.progress=false train.steps=5 trainer.fsdp.device=cuda trainer.fsdp.nproc=1
 grep '^\[trainer\]' "$run_dir/logs/trainer.log" || true
 python3 - "$run_dir" <<'PY'
 import json, sys

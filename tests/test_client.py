@@ -12,7 +12,7 @@ import asyncio
 import pytest
 
 from rlorch.inference.client import EngineError, SGLangEngine, parse_weight_version
-from rlorch.inference.server import CpuServer, ServerThread
+from rlorch.serve.server import CpuServer, ServerThread
 from rlorch.types import Engine, SamplingParams, VersionStamps
 
 PROMPT = [5, 6, 7, 8]

@@ -15,7 +15,7 @@ from pathlib import Path
 def start_train(run_dir: Path, *overrides: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "rlorch.cli", "train", "inference=cpu", "trainer=sim",
                f"run.dir={run_dir}", "run.progress=false", "rollout.batch_size=16", "rollout.group_size=4",
-               "rollout.max_concurrent=32", "rollout.max_new_tokens=8", "trainer.step_time=0.2", *overrides]
+               "rollout.max_concurrent=32", "rollout.max_new_tokens=8", "trainer.sim.step_time=0.2", *overrides]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -31,7 +31,7 @@ def read_run(run_dir: Path) -> tuple[dict, list[dict]]:
 @pytest.mark.parametrize("staleness", [0, 1, 2, 4])
 def test_uniform_latency_reaches_exactly_the_bound(tmp_path, staleness):
     code, summary, steps = train(tmp_path, f"s{staleness}", f"rollout.max_staleness={staleness}",
-                                 "inference.latency=[0.01,0.01]", "trainer.step_time=0.03",
+                                 "inference.sim.latency=[0.01,0.01]", "trainer.sim.step_time=0.03",
                                  "rollout.max_concurrent=64", "train.steps=12")
     assert code == 0 and summary["status"] == "completed"
     assert max(r["age_max"] for r in steps) == staleness
@@ -39,7 +39,7 @@ def test_uniform_latency_reaches_exactly_the_bound(tmp_path, staleness):
 
 
 def test_jittered_latency_admission_overshoots_and_strict_never_does(tmp_path):
-    jitter = ["rollout.max_staleness=1", "inference.latency=[0.001,0.25]", "trainer.step_time=0.02",
+    jitter = ["rollout.max_staleness=1", "inference.sim.latency=[0.001,0.25]", "trainer.sim.step_time=0.02",
               "rollout.max_concurrent=64", "train.steps=30"]
     _, loose, loose_steps = train(tmp_path, "admission", *jitter, "rollout.enforce=admission")
     _, strict, strict_steps = train(tmp_path, "strict", *jitter, "rollout.enforce=strict")
@@ -51,7 +51,7 @@ def test_jittered_latency_admission_overshoots_and_strict_never_does(tmp_path):
 
 def test_ship_mode_parks_batches_until_the_trainer_catches_up(tmp_path):
     code, summary, steps = train(tmp_path, "ship", "rollout.enforce=ship", "rollout.max_staleness=0",
-                                 "inference.latency=[0.001,0.001]", "trainer.step_time=0.03", "train.steps=8")
+                                 "inference.sim.latency=[0.001,0.001]", "trainer.sim.step_time=0.03", "train.steps=8")
     assert code == 0 and summary["lost"] == 0
     assert summary["parked_s"] > 0 and any(r["parked_s"] > 0 for r in steps)
 
@@ -59,15 +59,16 @@ def test_ship_mode_parks_batches_until_the_trainer_catches_up(tmp_path):
 def test_constant_reward_stops_on_the_empty_batch_guard(tmp_path):
     """The sim engine samples one fixed completion: a flat reward short of the maximum is a
     collapsed policy, and the guard says so."""
-    code, summary, _ = train(tmp_path, "flat", "inference.reward=constant", "train.max_empty_batches=3")
+    code, summary, _ = train(tmp_path, "flat", "inference.sim.reward=constant", "train.max_empty_batches=3")
     assert code != 0 and summary["status"] == "failed"
     assert "3 consecutive batches had nothing trainable" in summary["error"]
     assert "24 collapsed" in summary["error"] and "policy collapsed" in summary["error"]
+    assert summary["stop"] == "empty_batches"
     assert summary["empty_batches"] == 3 and summary["lost"] == 0
 
 
 def test_a_solved_task_converges_checkpoints_and_evaluates(tmp_path):
-    code, summary, steps = train(tmp_path, "solved", "inference.reward=solved", "rollout.group_size=4",
+    code, summary, steps = train(tmp_path, "solved", "inference.sim.reward=solved", "rollout.group_size=4",
                                  "rollout.batch_size=8", "train.max_empty_batches=3", "train.steps=50")
     assert code == 0 and summary["status"] == "converged", summary
     assert "the task is solved" in summary["reason"] and summary["lost"] == 0
@@ -76,7 +77,7 @@ def test_a_solved_task_converges_checkpoints_and_evaluates(tmp_path):
 
 
 def test_resume_at_a_late_step_keeps_the_bound_and_loses_nothing(tmp_path):
-    common = ["rollout.max_staleness=2", "inference.latency=[0.005,0.005]", "trainer.step_time=0.02",
+    common = ["rollout.max_staleness=2", "inference.sim.latency=[0.005,0.005]", "trainer.sim.step_time=0.02",
               "rollout.max_concurrent=1000", "trainer.checkpoint_every=5"]
     code, first, _ = train(tmp_path, "run", *common, "train.steps=40")
     assert code == 0 and first["lost"] == 0
@@ -93,7 +94,7 @@ def test_resume_at_a_late_step_keeps_the_bound_and_loses_nothing(tmp_path):
 def test_sigterm_mid_run_checkpoints_within_the_window_and_resume_trains_the_rest(tmp_path):
     run_dir = tmp_path / "term"
     command = [sys.executable, "-m", "rlorch.cli", "train", "conf=sim", f"run.dir={run_dir}", "run.progress=false",
-               "train.steps=400", "trainer.step_time=0.02", "inference.latency=[0.01,0.2]",
+               "train.steps=400", "trainer.sim.step_time=0.02", "inference.sim.latency=[0.01,0.2]",
                "run.shutdown_timeout=5"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     metrics = run_dir / "metrics.jsonl"
@@ -117,7 +118,7 @@ def test_sigterm_mid_run_checkpoints_within_the_window_and_resume_trains_the_res
 
 
 def test_async_overlaps_generation_and_training(tmp_path):
-    timing = ["inference.latency=[0.1,0.1]", "trainer.step_time=0.1", "train.steps=15",
+    timing = ["inference.sim.latency=[0.1,0.1]", "trainer.sim.step_time=0.1", "train.steps=15",
               "rollout.max_concurrent=64", "eval.enabled=false"]
     _, sync, _ = train(tmp_path, "sync", *timing, "rollout.max_staleness=0", "trainer.correction=none")
     _, overlapped, _ = train(tmp_path, "async", *timing, "rollout.max_staleness=1")
@@ -148,7 +149,7 @@ def test_metrics_carry_the_step_keys_and_periodic_gauges_and_eval_records(tmp_pa
 
 
 def test_resume_alarm_fails_the_run_when_the_gate_is_not_recovered(tmp_path, monkeypatch):
-    common = ["rollout.max_staleness=1", "inference.latency=[0.002,0.002]", "trainer.step_time=0.05",
+    common = ["rollout.max_staleness=1", "inference.sim.latency=[0.002,0.002]", "trainer.sim.step_time=0.05",
               "rollout.max_concurrent=10000"]
     code, _, _ = train(tmp_path, "run", *common, "train.steps=20")
     assert code == 0
@@ -177,7 +178,7 @@ def test_resume_from_a_checkpoint_the_watcher_skipped_past_trains_every_step(tmp
 
 def test_ship_mode_bounds_age_by_two_s_plus_two(tmp_path):
     code, summary, steps = train(tmp_path, "shipbound", "rollout.enforce=ship", "rollout.max_staleness=0",
-                                 "inference.latency=[0.001,0.001]", "trainer.step_time=0.05", "train.steps=15")
+                                 "inference.sim.latency=[0.001,0.001]", "trainer.sim.step_time=0.05", "train.steps=15")
     assert code == 0 and summary["lost"] == 0
     assert max(r["age_max"] for r in steps) <= 2
 
@@ -217,7 +218,7 @@ def test_a_prompt_that_cannot_be_made_fails_the_run_instead_of_hanging(tmp_path,
 
 def test_multi_turn_episodes_keep_replies_unmasked_and_stamp_every_model_turn(tmp_path):
     code, summary, _ = train(tmp_path, "turns", "task=reverse_retry", "task.params.max_turns=3", "train.steps=3",
-                             "inference.tokens=3")
+                             "inference.sim.tokens=3")
     assert code == 0 and summary["lost"] == 0
     rollout = json.loads((tmp_path / "turns" / "rollouts" / "step_000001.jsonl").read_text().splitlines()[0])
     mask, prompt_len = rollout["loss_mask"], rollout["prompt_len"]

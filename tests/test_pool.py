@@ -18,7 +18,7 @@ from rlorch.config import Config, InferenceBackend
 from rlorch.inference.client import EngineError, SGLangEngine
 from rlorch.inference.launcher import LaunchError, start_engines
 from rlorch.inference.pool import EnginePool
-from rlorch.inference.server import CpuServer, ServerThread, rlorch_version
+from rlorch.serve.server import CpuServer, ServerThread, rlorch_version
 from rlorch.types import Engine, SamplingParams
 
 PROMPT = [5, 6, 7, 8]
@@ -30,7 +30,7 @@ def cpu_config(num_servers: int) -> Config:
     config.inference.num_servers = num_servers
     config.inference.ready_timeout = 120
     config.inference.shutdown_timeout = 5
-    config.inference.threads = 1
+    config.inference.cpu.threads = 1
     config.rollout.request_timeout = 60
     return config
 
@@ -165,10 +165,10 @@ def test_server_commands(tmp_path):
     from rlorch.inference.launcher import server_command
 
     config = cpu_config(1)
-    config.inference.launch_args = ["inference.max_batch=8"]
+    config.inference.launch_args = ["inference.cpu.max_batch=8"]
     cpu = server_command(config, model_path=tmp_path, port=1234)
     assert cpu[1:4] == ["-m", "rlorch.cli", "serve"] and "--port" in cpu and f"model.path={tmp_path}" in cpu
-    assert "inference.threads=1" in cpu and cpu[-1] == "inference.max_batch=8"
+    assert "inference.cpu.threads=1" in cpu and cpu[-1] == "inference.cpu.max_batch=8"
     config.inference.backend = InferenceBackend.sglang
     config.inference.launch_args = ["--mem-fraction-static", "0.8"]
     sglang = server_command(config, model_path=tmp_path, port=1234)

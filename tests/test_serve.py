@@ -20,7 +20,7 @@ import urllib.request
 import aiohttp
 import pytest
 
-from rlorch.inference.server import CpuServer, ServerThread, rlorch_version
+from rlorch.serve.server import CpuServer, ServerThread, rlorch_version
 
 PROMPT = [5, 6, 7, 8]
 
@@ -232,7 +232,7 @@ def test_abort_request_by_rid(server):
 def test_sampler_reports_the_logprob_of_the_distribution_it_drew_from():
     import torch
 
-    from rlorch.inference.sampling import RequestParams, sample
+    from rlorch.serve.sampling import RequestParams, sample
 
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 3.0, 1.0, 2.0], [1.0, 0.0, 0.0, 0.0]])
     params = [RequestParams(temperature=2.0), RequestParams(temperature=1.0, top_k=1),

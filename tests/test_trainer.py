@@ -17,8 +17,8 @@ from rlorch.rundir import COMPLETE, PUBLISHED, RunDir, save_config, write_atomic
 
 def _make_run(root: Path, *overrides: str) -> tuple[RunDir, object]:
     run = RunDir(root).make()
-    config = compose(["trainer.device=cpu", "train.steps=3", "trainer.checkpoint_every=2",
-                      "trainer.micro_batch_size=2", *overrides])
+    config = compose(["trainer.fsdp.device=cpu", "train.steps=3", "trainer.checkpoint_every=2",
+                      "trainer.fsdp.micro_batch_size=2", *overrides])
     save_config(config, run.config)
     return run, config
 
@@ -45,7 +45,7 @@ def _write_batch(run: RunDir, step: int, lines: list[dict] | None = None) -> Non
 
 
 def _launch(config, run: RunDir, resume: Path | None = None) -> subprocess.Popen:
-    from rlorch.trainer.fsdp import trainer_command
+    from rlorch.trainer.process import trainer_command
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen(trainer_command(config, run.root, resume), env=env,
@@ -63,14 +63,14 @@ def _metrics(run: RunDir) -> list[dict]:
 
 
 def test_trainer_command_standalone_unless_rendezvous(tmp_path):
-    from rlorch.trainer.fsdp import trainer_command
+    from rlorch.trainer.process import trainer_command
 
-    config = compose(["trainer.nproc=2"])
+    config = compose(["trainer.fsdp.nproc=2"])
     command = trainer_command(config, tmp_path, tmp_path / "checkpoints" / "step_000002")
     assert command[:4] == [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     assert command[command.index("--nproc-per-node") + 1] == "2"
     assert command[-4:] == ["--run-dir", str(tmp_path), "--resume", str(tmp_path / "checkpoints" / "step_000002")]
-    cluster = compose(['trainer.torchrun_args=["--nnodes=2","--rdzv_endpoint=host:29400"]'])
+    cluster = compose(['trainer.fsdp.torchrun_args=["--nnodes=2","--rdzv_endpoint=host:29400"]'])
     assert "--standalone" not in trainer_command(cluster, tmp_path, None)
 
 
@@ -88,7 +88,7 @@ def test_trains_publishes_checkpoints_resumes_and_stops(tmp_path):
     identically, then checkpoints step 3 on STOP while waiting for batch 4."""
     from transformers import AutoModelForCausalLM
 
-    run, config = _make_run(tmp_path / "run", "trainer.nproc=2", "trainer.keep=2")
+    run, config = _make_run(tmp_path / "run", "trainer.fsdp.nproc=2", "trainer.keep=2")
     for step in (1, 2, 3):
         _write_batch(run, step)
     code, output = _finish(_launch(config, run))
@@ -109,8 +109,8 @@ def test_trains_publishes_checkpoints_resumes_and_stops(tmp_path):
     # Step 3's weights and checkpoint now belong to an abandoned trajectory: both get replaced.
     (run.weights_for(3) / "abandoned").write_text("")
     (run.checkpoint(3) / "trainer" / "abandoned").write_text("")
-    config = compose(["trainer.device=cpu", "train.steps=5", "trainer.checkpoint_every=10",
-                      "trainer.micro_batch_size=2", "trainer.nproc=1"])
+    config = compose(["trainer.fsdp.device=cpu", "train.steps=5", "trainer.checkpoint_every=10",
+                      "trainer.fsdp.micro_batch_size=2", "trainer.fsdp.nproc=1"])
     save_config(config, run.config)
     process = _launch(config, run, run.checkpoint(2))
     _wait_for(lambda: len(_metrics(run)) == 4 and (run.weights_for(3) / PUBLISHED).exists(), process)
@@ -172,7 +172,7 @@ def _one_step_weights(root: Path, *overrides: str) -> tuple[dict, dict]:
     from safetensors.torch import load_file
 
     run, config = _make_run(root, "train.steps=1", "rollout.max_staleness=0", "trainer.lr=0.05",
-                            "trainer.micro_batch_size=8", *overrides)
+                            "trainer.fsdp.micro_batch_size=8", *overrides)
     _write_batch(run, 1)
     code, output = _finish(_launch(config, run))
     assert code == 0, output

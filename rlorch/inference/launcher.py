@@ -27,8 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from rlorch.backends import inference_backend
+from rlorch.config import Config, InferenceBackend
 from rlorch.inference.client import SGLangEngine
 from rlorch.inference.pool import EnginePool
+from rlorch.rundir import RunDir
+from rlorch.types import PolicyVersion
 
 LOG_TAIL_LINES = 40
 
@@ -57,29 +61,38 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def _cpu_command(config, *, model_path: Path, port: int, host: str) -> list[str]:
+    inference = config.inference
+    return [sys.executable, "-m", "rlorch.cli", "serve", "--host", host, "--port", str(port),
+            "--parent-pid", str(os.getpid()),
+            f"model.path={model_path}", f"model.dtype={config.model.dtype}",
+            f"inference.cpu.threads={inference.cpu.threads}", f"inference.cpu.max_batch={inference.cpu.max_batch}",
+            f"run.seed={config.run.seed}", *inference.launch_args]
+
+
+def _sglang_command(config, *, model_path: Path, port: int, host: str) -> list[str]:
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
+            "--host", host, "--port", str(port), "--weight-version", "0", *config.inference.launch_args]
+
+
+SERVER_COMMANDS = {InferenceBackend.cpu: _cpu_command, InferenceBackend.sglang: _sglang_command}
+"""How each launched backend starts one server."""
+
+
 def server_command(config, *, model_path: Path, port: int, host: str = "127.0.0.1") -> list[str]:
     """The command line of one launched server."""
-    inference = config.inference
-    backend = getattr(inference.backend, "value", inference.backend)
-    if backend == "cpu":
-        return [sys.executable, "-m", "rlorch.cli", "serve", "--host", host, "--port", str(port),
-                "--parent-pid", str(os.getpid()),
-                f"model.path={model_path}", f"model.dtype={config.model.dtype}",
-                f"inference.threads={inference.threads}", f"inference.max_batch={inference.max_batch}",
-                f"run.seed={config.run.seed}", *inference.launch_args]
-    if backend == "sglang":
-        return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
-                "--host", host, "--port", str(port), "--weight-version", "0", *inference.launch_args]
-    raise ValueError(f"inference.backend={backend!r} is not launched by rlorch.inference.launcher")
+    build = SERVER_COMMANDS.get(config.inference.backend)
+    if build is None:
+        raise ValueError(f"inference.backend={config.inference.backend.value!r} is not launched by rlorch.inference.launcher")
+    return build(config, model_path=model_path, port=port, host=host)
 
 
 async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path: Path) -> EnginePool:
     """Launch or connect to the configured servers; return a ready pool (see the module doc)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     inference = config.inference
-    backend = getattr(inference.backend, "value", inference.backend)
-    if backend not in ("cpu", "sglang"):
-        raise ValueError(f"inference.backend={backend!r} is not launched by rlorch.inference.launcher")
+    if inference.backend not in SERVER_COMMANDS:
+        raise ValueError(f"inference.backend={inference.backend.value!r} is not launched by rlorch.inference.launcher")
     if inference.addresses:
         servers = [ServerProcess(i, a, None, None) for i, a in enumerate(inference.addresses)]
     else:
@@ -98,7 +111,7 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
         await shutdown()
         raise
     return EnginePool(engines, request_timeout=config.rollout.request_timeout,
-                      max_retries=config.rollout.max_retries, name=f"{backend}-pool", on_close=shutdown)
+                      max_retries=config.rollout.max_retries, name=f"{inference.backend.value}-pool", on_close=shutdown)
 
 
 def _spawn(config, index: int, *, log_dir: Path, model_path: Path) -> ServerProcess:
@@ -167,3 +180,16 @@ def _signal(process: subprocess.Popen, sig: int) -> None:
             process.send_signal(sig)
         except ProcessLookupError:
             pass
+
+
+@inference_backend(InferenceBackend.cpu, InferenceBackend.sglang)
+async def start_servers(config: Config, run_dir: RunDir, policy: PolicyVersion) -> tuple[EnginePool, object]:
+    """Launched (or reached) servers as one pool, and the model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from rlorch.model import resolve_model_path
+
+    model_path = resolve_model_path(config.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pool = await start_engines(config, log_dir=run_dir.logs, servers_file=run_dir.servers, model_path=model_path)
+    return pool, tokenizer

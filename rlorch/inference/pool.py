@@ -18,14 +18,15 @@ import logging
 import time
 from typing import Awaitable, Callable, Optional
 
-from rlorch.inference.client import EngineError, EngineUnavailable, SGLangEngine
-from rlorch.types import Generation, SamplingParams
+from rlorch.inference.client import EngineError, EngineUnavailable
+from rlorch.lifecycle import cancel_and_wait
+from rlorch.types import Generation, SamplingParams, Server
 
 log = logging.getLogger("rlorch.pool")
 
 
 class EnginePool:
-    def __init__(self, engines: list[SGLangEngine], *, request_timeout: float = 300.0, max_retries: int = 3,
+    def __init__(self, engines: list[Server], *, request_timeout: float = 300.0, max_retries: int = 3,
                  probe_interval: float = 1.0, name: str = "pool",
                  on_close: Optional[Callable[[], Awaitable[None]]] = None):
         """``on_close`` runs last in :meth:`close` (the launcher stops its processes there)."""
@@ -49,17 +50,17 @@ class EnginePool:
 
     # ---- routing --------------------------------------------------------------------------
 
-    def _live(self) -> list[SGLangEngine]:
+    def _live(self) -> list[Server]:
         return [e for e in self.engines if self._up[e.name]]
 
-    def _mark_down(self, engine: SGLangEngine, reason: str) -> None:
+    def _mark_down(self, engine: Server, reason: str) -> None:
         if self._up[engine.name]:
             log.warning("%s: server %s marked down: %s", self.name, engine.name, reason)
         self._up[engine.name] = False
         self._changed.set()
         self._ensure_probe()
 
-    async def _pick(self) -> SGLangEngine:
+    async def _pick(self) -> Server:
         """The live server with the fewest requests in flight (ties rotate); waits for one to
         come back when none is up, at most ``request_timeout``."""
         deadline = time.monotonic() + self.request_timeout
@@ -92,7 +93,7 @@ class EnginePool:
                                            for i in range(n))))
 
     async def _generate(self, input_ids: list[int], params: SamplingParams, rid: str, *,
-                        prefer: Optional[SGLangEngine] = None) -> Generation:
+                        prefer: Optional[Server] = None) -> Generation:
         self._ensure_probe()
         partial: Optional[Generation] = None
         for attempt in range(1, self.max_retries + 1):
@@ -117,7 +118,7 @@ class EnginePool:
 
     # ---- control --------------------------------------------------------------------------
 
-    async def _each(self, engines: list[SGLangEngine], call: Callable[[SGLangEngine], Awaitable]) -> list:
+    async def _each(self, engines: list[Server], call: Callable[[Server], Awaitable]) -> list:
         """Run ``call`` on every engine in parallel; mark unreachable ones down; return the
         (engine, EngineError) pairs of servers that answered with a failure."""
         results = await asyncio.gather(*(call(e) for e in engines), return_exceptions=True)
@@ -192,7 +193,7 @@ class EnginePool:
                 if await engine.healthy():
                     await self._rejoin(engine)
 
-    async def _rejoin(self, engine: SGLangEngine) -> None:
+    async def _rejoin(self, engine: Server) -> None:
         async with self._reload_lock:
             try:
                 if self._checkpoint is not None and await engine.weight_version() != self._checkpoint[1]:
@@ -206,9 +207,8 @@ class EnginePool:
             log.info("%s: server %s is back", self.name, engine.name)
 
     async def close(self) -> None:
-        if self._probe is not None:
-            self._probe.cancel()
-            await asyncio.gather(self._probe, return_exceptions=True)
+        """Stop the probe, close every client and stop what the launcher started."""
+        await cancel_and_wait(self._probe)
         await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)
         if self._on_close is not None:
             await self._on_close()

@@ -10,14 +10,16 @@ from __future__ import annotations
 import asyncio
 import random
 
-from rlorch.config import InferenceConfig
+from rlorch.backends import inference_backend
+from rlorch.config import Config, InferenceBackend, SimEngineConfig
+from rlorch.rundir import RunDir
 from rlorch.types import Generation, PolicyVersion, SamplingParams, VersionStamps
 
 
 class SimEngine:
     name = "sim"
 
-    def __init__(self, config: InferenceConfig, *, policy: PolicyVersion, seed: int = 0):
+    def __init__(self, config: SimEngineConfig, *, policy: PolicyVersion, seed: int = 0):
         self.lo, self.hi = config.latency
         self.tokens = config.tokens
         self.policy = policy
@@ -68,3 +70,8 @@ class SimEngine:
 
     def gauges(self) -> dict:
         return {"servers_up": 1}
+
+
+@inference_backend(InferenceBackend.sim)
+async def start_sim(config: Config, run_dir: RunDir, policy: PolicyVersion) -> tuple[SimEngine, None]:
+    return SimEngine(config.inference.sim, policy=policy, seed=config.run.seed), None

@@ -9,7 +9,7 @@ failed, queued), so a resume neither skips nor repeats data.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from rlorch.orchestrator.dispatcher import DispatcherState
 from rlorch.orchestrator.ledger import Ledger, ResumeState, regroup
@@ -33,22 +33,65 @@ class Unfinished:
         return groups + self.sink_groups + self.dispatcher.finished
 
 
-def snapshot(run_dir: RunDir, step: int, *, ledger: Ledger, unfinished: Unfinished, prompt_position: int,
-             group_size: int, empty_batches: int, abandoned: Optional[list[Prompt]] = None) -> ResumeState:
-    """Write ``orchestrator.json`` for checkpoint ``step``.
+class Snapshots:
+    """Which checkpoints have their orchestrator state, and writing it.
 
-    ``abandoned``: prompts cancelled in flight by a shutdown (already counted as requeued). Without
-    it, the prompts in flight now are the ones a resume runs again, counted as requeued here.
+    ``unfinished()`` reads the components' state at the moment of a snapshot; ``empty_batches()``
+    is the train sink's count of this life.
     """
-    untrained = unfinished.groups(ledger, step)
-    state = unfinished.dispatcher
-    in_flight = state.in_flight if abandoned is None else abandoned
-    totals = ledger.totals(step=step, untrained=sum(len(g) for g in untrained), failed_prompts=len(state.failed),
-                           empty_batches=empty_batches)
-    if abandoned is None:
-        totals["requeued"] += len(in_flight) * group_size
-    resume = ResumeState(step=step, prompt_position=prompt_position, untrained=untrained,
-                         pending_prompts=in_flight + state.failed + state.queued, totals=totals)
-    write_json_atomic(CheckpointDir(run_dir.checkpoint(step)).state, resume.to_json())
-    ledger.snapshotted(step)
-    return resume
+
+    def __init__(self, run_dir: RunDir, *, ledger: Ledger, group_size: int, unfinished: Callable[[], Unfinished],
+                 prompt_position: Callable[[], int], empty_batches: Callable[[], int]):
+        self.run_dir, self.ledger, self.group_size = run_dir, ledger, group_size
+        self.unfinished, self.prompt_position, self.empty_batches = unfinished, prompt_position, empty_batches
+        self.done: set[int] = set()
+        self.first_step = 1
+        self.final: Optional[int] = None
+        """The checkpoint the run ended on (None: nothing was checkpointed)."""
+
+    def resumed_at(self, step: int) -> None:
+        self.first_step = step + 1
+        self.ledger.snapshotted(step)
+        self.done.update(s for s, _ in self.run_dir.complete_checkpoints() if s <= step)
+
+    def catch_up(self, version: int) -> None:
+        """Snapshot every complete trainer checkpoint of this life up to ``version`` not yet done."""
+        for step, _ in self.run_dir.complete_checkpoints():
+            if step not in self.done and self.first_step <= step <= version:
+                self.write(step)
+
+    def finish(self, version: int, abandoned: list[Prompt]) -> None:
+        """At the end: the newest complete checkpoint gets the state the run ends with."""
+        complete = [step for step, _ in self.run_dir.complete_checkpoints() if self.first_step - 1 <= step <= version]
+        if complete:
+            self.write(complete[-1], abandoned=abandoned)
+            self.final = complete[-1]
+
+    def write(self, step: int, abandoned: Optional[list[Prompt]] = None) -> ResumeState:
+        """``orchestrator.json`` for checkpoint ``step``. ``abandoned``: prompts cancelled in flight
+        by a shutdown (already counted as requeued); without it, the prompts in flight now are
+        the ones a resume runs again, counted as requeued here."""
+        unfinished = self.unfinished()
+        untrained = unfinished.groups(self.ledger, step)
+        state = unfinished.dispatcher
+        in_flight = state.in_flight if abandoned is None else abandoned
+        totals = self.ledger.totals(step=step, untrained=sum(len(g) for g in untrained),
+                                    failed_prompts=len(state.failed), empty_batches=self.empty_batches())
+        if abandoned is None:
+            totals["requeued"] += len(in_flight) * self.group_size
+        resume = ResumeState(step=step, prompt_position=self.prompt_position(), untrained=untrained,
+                             pending_prompts=in_flight + state.failed + state.queued, totals=totals)
+        write_json_atomic(CheckpointDir(self.run_dir.checkpoint(step)).state, resume.to_json())
+        self.ledger.snapshotted(step)
+        self.done.add(step)
+        return resume
+
+    def account(self, version: int) -> dict:
+        """The summary's accounting at the checkpoint the run ended on (``lost`` must be 0)."""
+        step = self.final if self.final is not None else version
+        unfinished = self.unfinished()
+        untrained = sum(len(g) for g in unfinished.groups(self.ledger, step))
+        return {"steps": step, **self.ledger.account(
+            step=step, untrained=untrained, failed_prompts=len(unfinished.dispatcher.failed),
+            empty_batches=self.empty_batches(), saved=self.final is not None),
+            "checkpoint": str(self.run_dir.checkpoint(self.final)) if self.final is not None else None}

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterator, Optional
 
 from rlorch.lifecycle import cancel_and_wait
-from rlorch.orchestrator.gate import CapacityGate
-from rlorch.types import Prompt, Rollout
+from rlorch.types import Admission, Prompt, Rollout
 
 Work = Callable[[Prompt], Awaitable[list[Rollout]]]
 
@@ -38,7 +37,7 @@ class DispatcherState:
 
 
 class Dispatcher:
-    def __init__(self, *, gate: CapacityGate, work: Work, prompts: Iterator[Prompt], group_size: int,
+    def __init__(self, *, gate: Admission, work: Work, prompts: Iterator[Prompt], group_size: int,
                  queue_size: int, max_buffered: int, request_timeout: float, max_retries: int):
         self.gate = gate
         self.work = work
@@ -144,9 +143,7 @@ class Dispatcher:
         are returned for requeueing (a group that finished in the same tick is kept)."""
         await self.stop()
         entries = list(self._in_flight.items())
-        for task, _ in entries:
-            task.cancel()
-        await asyncio.gather(*(task for task, _ in entries), return_exceptions=True)
+        await cancel_and_wait(*(task for task, _ in entries))
         return [prompt for task, (prompt, _) in entries if task.cancelled()]
 
     # submission and fetch --------------------------------------------------------------------

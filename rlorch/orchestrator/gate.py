@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Optional
 
 from rlorch.types import PolicyVersion
 
@@ -41,6 +42,7 @@ class CapacityGate:
         self.running = 0
         self.accepted = 0
         self.rejected = 0
+        self._resume_limit: Optional[int] = None
         self._lock = threading.Lock()
 
     @property
@@ -118,6 +120,23 @@ class CapacityGate:
         if count > self.running:
             raise ValueError(f"finishing {count} rollouts but only {self.running} running")
         self.running -= count
+
+    def arm_resume_check(self, limit: int) -> None:
+        """After a resume: the admissions before the first version bump may not exceed
+        ``limit`` ((S + 1) * B), or the recovery adjustment failed and the bound is lost."""
+        self._resume_limit = limit
+
+    def resume_overshoot(self) -> Optional[int]:
+        """Once, at the first version bump after a resume: the admissions kept in the system
+        (discarded ones freed their slots) when they exceed the armed limit, else None."""
+        limit, self._resume_limit = self._resume_limit, None
+        admitted = self.submitted - self.rejected
+        return admitted if limit is not None and admitted > limit else None
+
+    def gauges(self) -> dict:
+        counts = self.counts()
+        return {"capacity": counts.capacity, "gate_running": counts.running, "gate_accepted": counts.accepted,
+                "gate_rejected": counts.rejected}
 
     def counts(self) -> GateCounts:
         with self._lock:

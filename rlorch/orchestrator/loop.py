@@ -13,14 +13,12 @@ Invariants kept here rather than in a dashboard:
 from __future__ import annotations
 
 import asyncio
-import enum
 import time
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from rlorch.config import Config, Enforce
 from rlorch.lifecycle import cancel_and_wait
-from rlorch.orchestrator.checkpoints import Unfinished, snapshot
+from rlorch.orchestrator.checkpoints import Snapshots, Unfinished
 from rlorch.orchestrator.dispatcher import Dispatcher, Work
 from rlorch.orchestrator.evaluation import Evaluations
 from rlorch.orchestrator.gate import CapacityGate
@@ -28,42 +26,10 @@ from rlorch.orchestrator.ledger import Fate, Ledger, ResumeState
 from rlorch.orchestrator.metrics import MetricsLoop
 from rlorch.orchestrator.sinks import TrainSink, Verdict
 from rlorch.orchestrator.steps import StepRecords
+from rlorch.orchestrator.stops import Converged, RunFailed, StopKind, StopReason
 from rlorch.orchestrator.watcher import WeightWatcher
 from rlorch.rundir import RunDir, write_atomic, write_json_atomic
-from rlorch.types import Batch, Engine, PolicyVersion, Prompt, Rollout, Trainer, max_reward
-
-
-class StopKind(str, enum.Enum):
-    """Why the loop stopped before (or at) its step target."""
-
-    signal = "signal"
-    trainer = "trainer"
-    watcher = "watcher"
-    generation = "generation"
-    resume_alarm = "resume_alarm"
-    empty_batches = "empty_batches"
-    converged = "converged"
-
-
-@dataclass(frozen=True)
-class StopReason:
-    kind: StopKind
-    detail: str
-
-    def __str__(self) -> str:
-        return self.detail
-
-
-class RunFailed(RuntimeError):
-    """The run stopped on one of its own invariants; ``reason`` says which and why."""
-
-    def __init__(self, reason: StopReason):
-        super().__init__(reason.detail)
-        self.reason = reason
-
-
-class Converged(Exception):
-    """Nearly every recent group earned the maximum reward: the task is solved, the run ends well."""
+from rlorch.types import Batch, Engine, PolicyVersion, Rollout, Trainer, max_reward
 
 
 class Orchestrator:
@@ -95,7 +61,9 @@ class Orchestrator:
                                      expecting=lambda: self.shipped > self.policy.value,
                                      on_version=self._on_version, on_error=self._on_watcher_error)
         self.metrics = MetricsLoop(path=run_dir.metrics, interval=config.metrics.interval, gauges={
-            "dispatcher": self.dispatcher.gauges, "watcher": self.watcher.gauges, "loop": self._gauges,
+            "dispatcher": self.dispatcher.gauges, "watcher": self.watcher.gauges, "gate": self.gate.gauges,
+            "sink": self.sink.gauges, "loop": lambda: {"step": self.shipped, "parked_s_total": round(self.parked_s, 4),
+                                                       "admitted_total": self.dispatcher.admitted},
             "engines": lambda: {f"engines_{key}": value for key, value in engines.gauges().items()}})
         if config.metrics.tensorboard:
             self.metrics.enable_tensorboard(run_dir.tensorboard)
@@ -104,32 +72,26 @@ class Orchestrator:
         self.ledger = Ledger(group_size=r.group_size, admissions=lambda: self.gate.submitted,
                              restored=resume.totals if resume else None)
         self.steps = StepRecords(run_dir.trainer_metrics)
-        self.shipped, self.first_step, self.parked_s, self._park_last = 0, 1, 0.0, 0.0
+        self.snapshots = Snapshots(run_dir, ledger=self.ledger, group_size=r.group_size,
+                                   unfinished=lambda: Unfinished(self.dispatcher.state(), self.sink.pending_groups(),
+                                                                 self.parked),
+                                   prompt_position=lambda: prompts.position,
+                                   empty_batches=lambda: self.sink.totals.empty_batches)
+        self.shipped, self.parked_s, self._park_last = 0, 0.0, 0.0
         self.admitted_at_last_step = 0
-        self.resume_admitted_limit: Optional[int] = None
-        self.snapshotted: set[int] = set()
         self.parked: Optional[Batch] = None
         self.alarm = asyncio.Event()
         self.stop_reason: Optional[StopReason] = None
         self.started = started if started is not None else time.monotonic()
-        self.checkpoint_step: Optional[int] = None
 
     # wiring ----------------------------------------------------------------------------------
-    def _gauges(self) -> dict:
-        gate = self.gate.counts()
-        return {"step": self.shipped, "buffered": self.sink.buffered, "admitted_total": self.dispatcher.admitted,
-                "parked_s_total": round(self.parked_s, 4), "capacity": gate.capacity,
-                "gate_running": gate.running, "gate_accepted": gate.accepted, "gate_rejected": gate.rejected}
-
     def _on_version(self, version: int) -> None:
         # Checked before the dispatcher can run: the admissions made on the resumed version alone.
-        if self.resume_admitted_limit is not None:
-            admitted = self.gate.submitted - self.gate.rejected
-            if admitted > self.resume_admitted_limit:
-                self._raise_alarm(StopReason(StopKind.resume_alarm, (
-                    f"resume alarm: {admitted} rollouts admitted before the first step after resume, more "
-                    f"than (S+1)*B = {self.resume_admitted_limit}: the staleness bound is lost")))
-            self.resume_admitted_limit = None
+        overshoot = self.gate.resume_overshoot()
+        if overshoot is not None:
+            self._raise_alarm(StopReason(StopKind.resume_alarm, (
+                f"resume alarm: {overshoot} rollouts admitted before the first step after resume, more than "
+                f"(S+1)*B = {self.gate.pending_limit}: the staleness bound is lost")))
         self.dispatcher.notify()
         self.version_changed.set()
 
@@ -160,10 +122,8 @@ class Orchestrator:
             self._file(group, state.step + 1)
         self.dispatcher.restore(state.pending_prompts)
         if not self.ship_side:
-            self.resume_admitted_limit = (self.config.rollout.max_staleness + 1) * self.batch_size
-        self.first_step = state.step + 1
-        self.ledger.snapshotted(state.step)
-        self.snapshotted.update(step for step, _ in self.run_dir.complete_checkpoints() if step <= state.step)
+            self.gate.arm_resume_check(self.gate.pending_limit)
+        self.snapshots.resumed_at(state.step)
 
     def _file(self, group: list[Rollout], step: int) -> None:
         """Hand a finished group to the sink; a rejected one leaves the gate's accounting."""
@@ -218,6 +178,7 @@ class Orchestrator:
             status, self.stop_reason = "converged", StopReason(StopKind.converged, str(solved))
             await self._drain(alarm_task)
         except RunFailed as err:
+            self.stop_reason = self.stop_reason or err.reason
             status, error = ("interrupted", None) if err.reason.kind is StopKind.signal else ("failed", str(err))
             await self._shutdown()
         finally:
@@ -253,9 +214,7 @@ class Orchestrator:
             self.metrics.write(record)
             if evaluate and self.evaluations.due(record["step"]):
                 self.evaluations.start(record["step"])
-        for step, _ in self.run_dir.complete_checkpoints():
-            if step not in self.snapshotted and self.first_step <= step <= self.policy.value:
-                self._snapshot(step)
+        self.snapshots.catch_up(self.policy.value)
 
     def _check_alarm(self) -> None:
         if self.stop_reason is not None and self.stop_reason.kind is not StopKind.converged:
@@ -301,20 +260,12 @@ class Orchestrator:
             await self.trainer.submit(batch)
 
     def _check_empty(self) -> None:
-        """The empty-batch guard: after train.max_empty_batches consecutive batch-worths with
-        nothing trainable, end the run, saying which cause it was (a solved task ends well)."""
-        totals = self.sink.totals
-        if totals.consecutive_empty < self.config.train.max_empty_batches:
-            return
-        verdict, why = self.sink.diagnose()
-        message = (f"{totals.consecutive_empty} consecutive batches had nothing trainable "
-                   f"(train.max_empty_batches={self.config.train.max_empty_batches}); {why}.")
-        if verdict is Verdict.solved:
-            raise Converged(message)
-        entropy = self.steps.last.get("entropy")
-        if verdict is Verdict.collapsed and entropy is not None:
-            message += f" The trainer's last entropy was {entropy:.3g} nats per token."
-        raise RunFailed(StopReason(StopKind.empty_batches, message))
+        """A solved task ends the run well; a collapsed policy or a flat reward fails it."""
+        stop = self.sink.guard(self.config.train.max_empty_batches)
+        if stop is not None and stop[0] is Verdict.solved:
+            raise Converged(stop[1])
+        if stop is not None:
+            raise RunFailed(StopReason(StopKind.empty_batches, stop[1]))
 
     async def _park(self, step: int) -> None:
         """Ship-side gating: hold batch ``step`` until the trainer is within S versions of it."""
@@ -336,13 +287,6 @@ class Orchestrator:
         self.dispatcher.notify()
 
     # checkpoints, drain, shutdown ------------------------------------------------------------
-    def _snapshot(self, step: int, abandoned: Optional[list[Prompt]] = None) -> None:
-        unfinished = Unfinished(self.dispatcher.state(), self.sink.pending_groups(), self.parked)
-        snapshot(self.run_dir, step, ledger=self.ledger, unfinished=unfinished, prompt_position=self.prompts.position,
-                 group_size=self.config.rollout.group_size, empty_batches=self.sink.totals.empty_batches,
-                 abandoned=abandoned)
-        self.snapshotted.add(step)
-
     async def _wait_version(self, version: int) -> None:
         while self.policy.value < version:
             self._check_alarm()
@@ -363,14 +307,7 @@ class Orchestrator:
             _, pending = await asyncio.wait(pending | {alarm_task}, return_when=asyncio.FIRST_COMPLETED)
             pending.discard(alarm_task)
             self._check_alarm()
-        self._final_checkpoint(abandoned=[])
-
-    def _final_checkpoint(self, abandoned: list[Prompt]) -> None:
-        complete = [step for step, _ in self.run_dir.complete_checkpoints()
-                    if self.first_step - 1 <= step <= self.policy.value]
-        if complete:
-            self._snapshot(complete[-1], abandoned=abandoned)
-            self.checkpoint_step = complete[-1]
+        self.snapshots.finish(self.policy.value, abandoned=[])
 
     async def _shutdown(self) -> None:
         """Bounded: stop admitting, drain for at most run.shutdown_timeout, checkpoint, exit."""
@@ -386,20 +323,13 @@ class Orchestrator:
         except (asyncio.TimeoutError, OSError, RuntimeError):
             pass
         self._after_version(evaluate=False)
-        self._final_checkpoint(abandoned=abandoned)
+        self.snapshots.finish(self.policy.value, abandoned=abandoned)
 
     def _summary(self, status: str, error: Optional[str]) -> dict:
-        checkpoint = self.checkpoint_step
-        step = checkpoint if checkpoint is not None else self.policy.value
-        unfinished = Unfinished(self.dispatcher.state(), self.sink.pending_groups(), self.parked)
-        untrained = sum(len(g) for g in unfinished.groups(self.ledger, step))
         reason = self.stop_reason
         return {"status": status, "error": error, "reason": str(reason) if reason else None,
-                "stop": reason.kind.value if reason else None, "steps": step, "version": self.policy.value,
-                **self.ledger.account(step=step, untrained=untrained, failed_prompts=len(unfinished.dispatcher.failed),
-                                      empty_batches=self.sink.totals.empty_batches, saved=checkpoint is not None),
-                "short_batches": self.sink.totals.short_batches,
-                "checkpoint": str(self.run_dir.checkpoint(checkpoint)) if checkpoint else None,
+                "stop": reason.kind.value if reason else None, "version": self.policy.value,
+                **self.snapshots.account(self.policy.value), "short_batches": self.sink.totals.short_batches,
                 "parked_s": round(self.parked_s, 4), "reward_mean_last": self.steps.last.get("reward_mean"),
                 **self.evaluations.summary(), "wall_s": round(time.monotonic() - self.started, 3),
                 "loop_s": round(time.monotonic() - self.loop_started, 3)}

@@ -117,6 +117,9 @@ class TrainSink:
     def buffered(self) -> int:
         return self._count
 
+    def gauges(self) -> dict:
+        return {"buffered": self._count, "short_batches": self.totals.short_batches}
+
     def is_stale(self, group: Sequence[Rollout], train_version: int) -> bool:
         ages = head_ages(group, train_version)
         return bool(ages) and max(ages) > self.max_staleness
@@ -164,6 +167,15 @@ class TrainSink:
             sampled = [-p for p, m in zip(rollout.logprobs, rollout.loss_mask) if m]
             totals.recent_surprisal += sum(sampled)
             totals.recent_tokens += len(sampled)
+
+    def guard(self, max_empty_batches: int) -> Optional[tuple[Verdict, str]]:
+        """The empty-batch guard: after ``max_empty_batches`` consecutive batch-worths with
+        nothing trainable, the verdict and the message the run ends with; else None."""
+        if self.totals.consecutive_empty < max_empty_batches:
+            return None
+        verdict, why = self.diagnose()
+        return verdict, (f"{self.totals.consecutive_empty} consecutive batches had nothing trainable "
+                         f"(train.max_empty_batches={max_empty_batches}); {why}.")
 
     def diagnose(self) -> tuple[Verdict, str]:
         """Why recent batches had nothing trainable.

@@ -19,24 +19,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-_MULTI_NODE_FLAGS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id",
-                     "--rdzv-conf", "--master-addr", "--master-port")
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlorch.model import resolve_model_path
+from rlorch.rundir import RunDir, load_config, write_json_atomic
+from rlorch.trainer import checkpoint
+from rlorch.trainer.batch import BatchError, micro_batches, minibatch_slices, read_batch
+from rlorch.trainer.checkpoint import CheckpointError
+from rlorch.trainer.loss import LossStats, MismatchStats, policy_loss, token_entropy, token_logprobs
+from rlorch.trainer.publish import clear_staging, discard_newer, prune, publish, write_hf
+
 POLL_SECONDS = 0.01
-
-
-def trainer_command(config, run_dir: Path, resume: Optional[Path] = None) -> list[str]:
-    """The torchrun command line the runner launches (``--standalone`` unless the extra
-    torchrun arguments set up their own rendezvous)."""
-    trainer = config.trainer
-    flags = {arg.split("=", 1)[0].replace("_", "-") for arg in trainer.torchrun_args}
-    command = [sys.executable, "-m", "torch.distributed.run"]
-    if not flags & set(_MULTI_NODE_FLAGS):
-        command.append("--standalone")
-    command += ["--nproc-per-node", str(trainer.nproc), *trainer.torchrun_args,
-                "-m", "rlorch.trainer.fsdp", "--run-dir", str(run_dir)]
-    if resume is not None:
-        command += ["--resume", str(resume)]
-    return command
 
 
 @dataclass
@@ -57,8 +55,6 @@ class Worker:
 
 
 def _setup_distributed(device_setting: str):
-    import torch
-    import torch.distributed as dist
 
     use_cuda = device_setting == "cuda" or (device_setting == "auto" and torch.cuda.is_available())
     if use_cuda:
@@ -78,14 +74,7 @@ def _decoder_layers(model) -> list:
 
 
 def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlorch.model import resolve_model_path
-    from rlorch.trainer import checkpoint
 
     torch.manual_seed(config.run.seed)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -107,7 +96,6 @@ def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
 
 
 def _broadcast(value):
-    import torch.distributed as dist
 
     box = [value]
     dist.broadcast_object_list(box, src=0)
@@ -116,9 +104,6 @@ def _broadcast(value):
 
 def _all_reduce(values: list[float], device, op: str = "sum") -> list[float]:
     """All-reduce a few numbers (on the device: NCCL reduces only device tensors)."""
-    import torch
-    import torch.distributed as dist
-
     if dist.get_world_size() == 1:
         return values
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
@@ -152,10 +137,7 @@ def train_step(worker: Worker, step: int) -> dict:
     The proximal logprobs (the weights before the first update) are computed once, in a forward
     pass without gradients that also measures the training-inference mismatch and the entropy.
     """
-    import torch
 
-    from rlorch.trainer.batch import micro_batches, minibatch_slices, read_batch
-    from rlorch.trainer.loss import LossStats
 
     started = time.perf_counter()
     trainer, model = worker.config.trainer, worker.model
@@ -165,8 +147,8 @@ def train_step(worker: Worker, step: int) -> dict:
     for part in minibatch_slices(len(sequences), trainer.minibatches):
         chunk = sequences[part]
         tokens = sum(sum(s.loss_mask) for s in chunk)
-        count = max(1, math.ceil(math.ceil(len(chunk) / worker.world) / trainer.micro_batch_size))
-        plan.append((micro_batches(chunk[worker.rank::worker.world], trainer.micro_batch_size, count, pad_id),
+        count = max(1, math.ceil(math.ceil(len(chunk) / worker.world) / trainer.fsdp.micro_batch_size))
+        plan.append((micro_batches(chunk[worker.rank::worker.world], trainer.fsdp.micro_batch_size, count, pad_id),
                      tokens))
     model.train()
     probe = _proximal_pass(worker, [micro for micros, _ in plan for micro in micros], version=step - 1)
@@ -210,7 +192,6 @@ class ProximalProbe:
         return [self.mismatch.tokens, self.mismatch.kl_sum, self.entropy_sum, self.tokens]
 
     def summary(self, sums: list[float], mismatch_max: float) -> dict:
-        from rlorch.trainer.loss import MismatchStats
 
         age0, kl_sum, entropy_sum, tokens = sums
         merged = MismatchStats(tokens=age0, kl_sum=kl_sum, max_abs=mismatch_max)
@@ -223,9 +204,7 @@ def _proximal_pass(worker: Worker, micros: list, version: int) -> ProximalProbe:
     Tokens stamped with ``version`` (the one these weights are) were sampled by the engines from
     these very weights: their logprob difference is the training-inference mismatch.
     """
-    import torch
 
-    from rlorch.trainer.loss import MismatchStats, token_entropy, token_logprobs
 
     temperature = worker.config.rollout.temperature
     probe = ProximalProbe(prox=[], mismatch=MismatchStats())
@@ -245,8 +224,6 @@ def _proximal_pass(worker: Worker, micros: list, version: int) -> ProximalProbe:
 
 def _accumulate(worker: Worker, micros: list, total_tokens: int, proximal: list):
     """Forward/backward every micro-batch; gradients accumulate to the minibatch's token mean."""
-    from rlorch.trainer.loss import LossStats, policy_loss, token_entropy, token_logprobs
-
     trainer, device = worker.config.trainer, worker.device
     temperature = worker.config.rollout.temperature
     loss_sum, stats = 0.0, LossStats()
@@ -270,24 +247,18 @@ def _accumulate(worker: Worker, micros: list, total_tokens: int, proximal: list)
 
 def _full_state_dict(model) -> dict:
     """Collective: the full (unsharded) state dict on rank 0's CPU, empty elsewhere."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def write_weights(worker: Worker, target: Path) -> None:
     """Collective: the HF checkpoint of the current weights into ``target`` (rank 0 writes)."""
-    from rlorch.trainer.publish import write_hf
-
     state = _full_state_dict(worker.model)
     if worker.rank == 0:
         write_hf(target, worker.model, state, worker.tokenizer)
 
 
 def publish_version(worker: Worker, step: int) -> None:
-    import torch.distributed as dist
 
-    from rlorch.trainer.publish import prune, publish
 
     state = _full_state_dict(worker.model)
     if worker.rank == 0:
@@ -297,7 +268,6 @@ def publish_version(worker: Worker, step: int) -> None:
 
 
 def save_checkpoint(worker: Worker, step: int) -> None:
-    from rlorch.trainer import checkpoint
 
     if step in worker.saved:
         return
@@ -347,16 +317,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--resume", type=Path, default=None, help="RUN_DIR/checkpoints/step_N")
     args = parser.parse_args(argv)
 
-    import torch.distributed as dist
 
-    from rlorch.rundir import RunDir, load_config, write_json_atomic
-    from rlorch.trainer.batch import BatchError
-    from rlorch.trainer.checkpoint import CheckpointError
-    from rlorch.trainer.publish import clear_staging, discard_newer
 
     run = RunDir(args.run_dir)
     config = load_config(run.config)
-    device = _setup_distributed(config.trainer.device)
+    device = _setup_distributed(config.trainer.fsdp.device)
     try:
         worker = build_worker(config, run, device, args.resume)
         if worker.rank == 0:

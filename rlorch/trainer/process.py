@@ -9,13 +9,34 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Optional
 
-from rlorch.config import Config
+from rlorch.backends import trainer_backend
+from rlorch.config import Config, TrainerBackend
 from rlorch.rundir import RunDir
 from rlorch.types import Batch
+
+
+_MULTI_NODE_FLAGS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id",
+                     "--rdzv-conf", "--master-addr", "--master-port")
+
+
+def trainer_command(config, run_dir: Path, resume: Optional[Path] = None) -> list[str]:
+    """The torchrun command line the runner launches (``--standalone`` unless the extra
+    torchrun arguments set up their own rendezvous)."""
+    trainer = config.trainer.fsdp
+    flags = {arg.split("=", 1)[0].replace("_", "-") for arg in trainer.torchrun_args}
+    command = [sys.executable, "-m", "torch.distributed.run"]
+    if not flags & set(_MULTI_NODE_FLAGS):
+        command.append("--standalone")
+    command += ["--nproc-per-node", str(trainer.nproc), *trainer.torchrun_args,
+                "-m", "rlorch.trainer.fsdp", "--run-dir", str(run_dir)]
+    if resume is not None:
+        command += ["--resume", str(resume)]
+    return command
 
 
 def log_tail(path: Path, lines: int = 30) -> str:
@@ -34,7 +55,6 @@ class TorchrunTrainer:
         self.process: Optional[subprocess.Popen] = None
 
     async def start(self) -> None:
-        from rlorch.trainer.fsdp import trainer_command
 
         ready = self.run_dir.trainer_ready
         ready.unlink(missing_ok=True)
@@ -88,3 +108,8 @@ class TorchrunTrainer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 await asyncio.to_thread(self.process.wait)
+
+
+@trainer_backend(TrainerBackend.fsdp)
+def make_fsdp_trainer(config: Config, run_dir: RunDir, resume: Optional[Path], start_step: int) -> TorchrunTrainer:
+    return TorchrunTrainer(config, run_dir=run_dir, resume=resume)

@@ -20,7 +20,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from rlorch.config import Config
+from rlorch.backends import trainer_backend
+from rlorch.config import Config, TrainerBackend
+from rlorch.lifecycle import cancel_and_wait
 from rlorch.rundir import COMPLETE, PUBLISHED, CheckpointDir, RunDir, step_name
 from rlorch.types import Batch
 
@@ -56,7 +58,7 @@ class SimTrainer:
                 if batch.step != self.step + 1:
                     raise RuntimeError(f"trainer expected batch {self.step + 1}, got {batch.step}")
                 started = time.monotonic()
-                await asyncio.sleep(self.config.trainer.step_time)
+                await asyncio.sleep(self.config.trainer.sim.step_time)
                 self.step = batch.step
                 self._record(batch, time.monotonic() - started)
                 if self.step % self.config.trainer.publish_every == 0 or self.step == self.config.train.steps:
@@ -110,9 +112,17 @@ class SimTrainer:
         self.checkpointed = step
 
     async def stop(self, timeout: float) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await cancel_and_wait(self._task, timeout=timeout)
+        self._task = None
         if self.step > self.checkpointed:
             self._checkpoint(self.step)
+
+
+@trainer_backend(TrainerBackend.sim)
+def make_sim_trainer(config: Config, run_dir: RunDir, resume: Optional[Path], start_step: int) -> SimTrainer:
+    from rlorch.model import resolve_model_path
+
+    # Behind real engines the marker checkpoints link the served model, so reloads work.
+    real_engines = config.inference.backend.generates_model_tokens
+    return SimTrainer(config, run_dir=run_dir, start_step=start_step,
+                      model_path=resolve_model_path(config.model.path) if real_engines else None)

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from rlorch.inference.sampling import RequestParams, sample
+from rlorch.serve.sampling import RequestParams, sample
 
 PAUSE_MESSAGE = "Abort: generation paused (pause_generation)."
 

@@ -2,8 +2,8 @@
 
 Request and response shapes follow SGLang 0.5.x (see the reference notes on its HTTP API), so
 the same client drives this engine and SGLang. Generation is batched by
-:class:`~rlorch.inference.batcher.Batcher`; behaviour logprobs are defined in
-:mod:`rlorch.inference.sampling`.
+:class:`~rlorch.serve.batcher.Batcher`; behaviour logprobs are defined in
+:mod:`rlorch.serve.sampling`.
 
 Errors answer HTTP 400 with ``{"error": {"message": ...}}`` (weight updates: ``{"success":
 false, "message": ...}``) and never stop the server.
@@ -24,8 +24,9 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from rlorch.inference.batcher import Batcher, LoadError, Sequence
-from rlorch.inference.sampling import RequestError, RequestParams, is_int
+from rlorch.lifecycle import cancel_and_wait
+from rlorch.serve.batcher import Batcher, LoadError, Sequence
+from rlorch.serve.sampling import RequestError, RequestParams, is_int
 
 log = logging.getLogger("rlorch.serve")
 
@@ -138,9 +139,7 @@ class CpuServer:
         self._scheduler = asyncio.create_task(self.batcher.run(), name="rlorch-batcher")
 
     async def _on_cleanup(self, app: web.Application) -> None:
-        if self._scheduler is not None:
-            self._scheduler.cancel()
-            await asyncio.gather(self._scheduler, return_exceptions=True)
+        await cancel_and_wait(self._scheduler)
         if self.batcher is not None:
             self.batcher.close()
 
@@ -456,7 +455,7 @@ def serve_command(config, *, host: str, port: int, weight_version: str = "0",
     except ConfigError as err:
         log.error("cannot serve: %s", err)
         return 2
-    server = CpuServer(path, dtype=config.model.dtype, max_batch=config.inference.max_batch,
-                       seed=config.run.seed, weight_version=weight_version, threads=config.inference.threads)
+    server = CpuServer(path, dtype=config.model.dtype, max_batch=config.inference.cpu.max_batch,
+                       seed=config.run.seed, weight_version=weight_version, threads=config.inference.cpu.threads)
     asyncio.run(_serve_until_signal(server, host, port, parent))
     return 0

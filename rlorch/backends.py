@@ -1,0 +1,56 @@
+"""The backend registry: which module starts each inference engine and each trainer.
+
+A backend is one module that registers a starter here under its config enum value, plus a preset
+in ``conf/inference/`` or ``conf/trainer/``. Modules are imported only when their backend is
+chosen, so ``rlorch --help`` never pays for torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Optional
+
+from rlorch.config import Config, InferenceBackend, TrainerBackend
+from rlorch.rundir import RunDir
+from rlorch.types import Engine, PolicyVersion, Trainer
+
+InferenceStarter = Callable[[Config, RunDir, PolicyVersion], Awaitable[tuple[Engine, Any]]]
+"""``(config, run_dir, policy) -> (engine, tokenizer or None)``: ready to generate."""
+TrainerFactory = Callable[[Config, RunDir, Optional[Path], int], Trainer]
+"""``(config, run_dir, resume checkpoint or None, start step) -> trainer`` (not started)."""
+
+INFERENCE_MODULES = {InferenceBackend.sim: "rlorch.inference.sim", InferenceBackend.cpu: "rlorch.inference.launcher",
+                     InferenceBackend.sglang: "rlorch.inference.launcher"}
+TRAINER_MODULES = {TrainerBackend.sim: "rlorch.trainer.sim", TrainerBackend.fsdp: "rlorch.trainer.process"}
+
+_inference: dict[InferenceBackend, InferenceStarter] = {}
+_trainers: dict[TrainerBackend, TrainerFactory] = {}
+
+
+def inference_backend(*kinds: InferenceBackend) -> Callable[[InferenceStarter], InferenceStarter]:
+    def register(starter: InferenceStarter) -> InferenceStarter:
+        for kind in kinds:
+            _inference[kind] = starter
+        return starter
+    return register
+
+
+def trainer_backend(*kinds: TrainerBackend) -> Callable[[TrainerFactory], TrainerFactory]:
+    def register(factory: TrainerFactory) -> TrainerFactory:
+        for kind in kinds:
+            _trainers[kind] = factory
+        return factory
+    return register
+
+
+async def start_inference(config: Config, run_dir: RunDir, policy: PolicyVersion) -> tuple[Engine, Any]:
+    kind = config.inference.backend
+    importlib.import_module(INFERENCE_MODULES[kind])
+    return await _inference[kind](config, run_dir, policy)
+
+
+def make_trainer(config: Config, run_dir: RunDir, resume: Optional[Path], start_step: int) -> Trainer:
+    kind = config.trainer.backend
+    importlib.import_module(TRAINER_MODULES[kind])
+    return _trainers[kind](config, run_dir, resume, start_step)
