@@ -206,9 +206,15 @@ class EnginePool:
             self._changed.set()
             log.info("%s: server %s is back", self.name, engine.name)
 
-    async def close(self) -> None:
+    async def start(self) -> None:
+        """Nothing runs until a server goes down: the rejoin probe starts then."""
+
+    async def stop(self, timeout: Optional[float] = None) -> None:
         """Stop the probe, close every client and stop what the launcher started."""
-        await cancel_and_wait(self._probe)
+        await cancel_and_wait(self._probe, timeout=timeout)
         await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)
         if self._on_close is not None:
             await self._on_close()
+
+    async def close(self) -> None:
+        await self.stop()
