@@ -28,20 +28,20 @@ _inference: dict[InferenceBackend, InferenceStarter] = {}
 _trainers: dict[TrainerBackend, TrainerFactory] = {}
 
 
-def inference_backend(*kinds: InferenceBackend) -> Callable[[InferenceStarter], InferenceStarter]:
-    def register(starter: InferenceStarter) -> InferenceStarter:
-        for kind in kinds:
-            _inference[kind] = starter
-        return starter
-    return register
+def _registrar(table: dict) -> Callable:
+    def backend(*kinds):
+        def register(starter):
+            for kind in kinds:
+                table[kind] = starter
+            return starter
+        return register
+    return backend
 
 
-def trainer_backend(*kinds: TrainerBackend) -> Callable[[TrainerFactory], TrainerFactory]:
-    def register(factory: TrainerFactory) -> TrainerFactory:
-        for kind in kinds:
-            _trainers[kind] = factory
-        return factory
-    return register
+inference_backend = _registrar(_inference)
+"""``@inference_backend(InferenceBackend.X, ...)`` registers an :data:`InferenceStarter`."""
+trainer_backend = _registrar(_trainers)
+"""``@trainer_backend(TrainerBackend.X, ...)`` registers a :data:`TrainerFactory`."""
 
 
 async def start_inference(config: Config, run_dir: RunDir, policy: PolicyVersion) -> tuple[Engine, Any]:
