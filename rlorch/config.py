@@ -127,6 +127,11 @@ class RolloutConfig:
     one batch; past it the batch trains on the groups it has (a short batch), so the loop never
     spins hunting for groups whose rewards differ. 0 = no budget."""
 
+    @property
+    def pending_limit(self) -> int:
+        """(S + 1) * B: the most rollouts in the system at steady state under admission gating."""
+        return (self.max_staleness + 1) * self.batch_size
+
     def __post_init__(self) -> None:
         _require(self.max_staleness >= 0, "rollout.max_staleness", "must be >= 0")
         _require(self.batch_size >= 1, "rollout.batch_size", "must be >= 1")
@@ -423,7 +428,7 @@ def warnings_for(config: Config) -> list[str]:
     if r.max_concurrent < r.batch_size:
         found.append(f"rollout.max_concurrent ({r.max_concurrent}) < rollout.batch_size ({r.batch_size}): "
                      "a batch needs several admission waves, generation and training barely overlap")
-    usable = (r.max_staleness + 1) * r.batch_size
+    usable = r.pending_limit
     if r.max_concurrent > usable:
         found.append(f"rollout.max_concurrent ({r.max_concurrent}) > (S+1)*B = {usable}: "
                      f"{r.max_concurrent - usable} slots can never be used")

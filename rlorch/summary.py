@@ -14,7 +14,7 @@ def config_summary(config: Config) -> Table:
     table.add_column("value")
     rows = [
         ("staleness S / batch B / concurrency C", f"{r.max_staleness} / {r.batch_size} / {r.max_concurrent}"),
-        ("pending limit (S+1)*B", str((r.max_staleness + 1) * r.batch_size)),
+        ("pending limit (S+1)*B", str(r.pending_limit)),
         ("group size / enforce", f"{r.group_size} / {r.enforce.value}"),
         ("inference", f"{config.inference.backend.value} x{config.inference.num_servers}"
                       + (f" at {', '.join(config.inference.addresses)}" if config.inference.addresses else "")),
