@@ -176,7 +176,7 @@ def test_a_tool_using_environment_runs_its_episodes_end_to_end(env, tmp_path):
             call_len, result_len = runs[0][1], runs[1][1]
             result = tokenizer.decode(tokens[prompt_len + call_len:prompt_len + call_len + result_len])
             assert result.startswith("=") and result.endswith("|"), result
-            call = tokenizer.decode(tokens[prompt_len:prompt_len + call_len])
+            call = tokenizer.decode(tokens[prompt_len:prompt_len + call_len], skip_special_tokens=True)
             assert result == f"={calculate(call)}|"
             assert tokens[prompt_len + call_len - 1] in (bar, tokenizer.eos_token_id) or call_len == 8
             assert all(lp == 0.0 for lp, m in zip(rollout["logprobs"], mask) if not m)
