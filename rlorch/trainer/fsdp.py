@@ -55,7 +55,6 @@ class Worker:
 
 
 def _setup_distributed(device_setting: str):
-
     use_cuda = device_setting == "cuda" or (device_setting == "auto" and torch.cuda.is_available())
     if use_cuda:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -74,8 +73,6 @@ def _decoder_layers(model) -> list:
 
 
 def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
-
-
     torch.manual_seed(config.run.seed)
     rank, world = dist.get_rank(), dist.get_world_size()
     path = resolve_model_path(config.model.path) if rank == 0 else None
@@ -96,7 +93,6 @@ def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
 
 
 def _broadcast(value):
-
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
@@ -137,7 +133,6 @@ def train_step(worker: Worker, step: int) -> dict:
     The proximal logprobs (the weights before the first update) are computed once, in a forward
     pass without gradients that also measures the training-inference mismatch and the entropy.
     """
-
 
     started = time.perf_counter()
     trainer, model = worker.config.trainer, worker.model
@@ -184,7 +179,7 @@ class ProximalProbe:
     """What the forward pass before the first update measured, per micro-batch and summed."""
 
     prox: list
-    mismatch: object
+    mismatch: MismatchStats
     entropy_sum: float = 0.0
     tokens: float = 0.0
 
@@ -192,7 +187,6 @@ class ProximalProbe:
         return [self.mismatch.tokens, self.mismatch.kl_sum, self.entropy_sum, self.tokens]
 
     def summary(self, sums: list[float], mismatch_max: float) -> dict:
-
         age0, kl_sum, entropy_sum, tokens = sums
         merged = MismatchStats(tokens=age0, kl_sum=kl_sum, max_abs=mismatch_max)
         return {**merged.summary(), "entropy": entropy_sum / tokens if tokens else None}
@@ -204,7 +198,6 @@ def _proximal_pass(worker: Worker, micros: list, version: int) -> ProximalProbe:
     Tokens stamped with ``version`` (the one these weights are) were sampled by the engines from
     these very weights: their logprob difference is the training-inference mismatch.
     """
-
 
     temperature = worker.config.rollout.temperature
     probe = ProximalProbe(prox=[], mismatch=MismatchStats())
@@ -258,8 +251,6 @@ def write_weights(worker: Worker, target: Path) -> None:
 
 
 def publish_version(worker: Worker, step: int) -> None:
-
-
     state = _full_state_dict(worker.model)
     if worker.rank == 0:
         publish(worker.run, step, worker.model, state, worker.tokenizer)
@@ -268,7 +259,6 @@ def publish_version(worker: Worker, step: int) -> None:
 
 
 def save_checkpoint(worker: Worker, step: int) -> None:
-
     if step in worker.saved:
         return
     worker.saved.add(step)
@@ -316,8 +306,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--resume", type=Path, default=None, help="RUN_DIR/checkpoints/step_N")
     args = parser.parse_args(argv)
-
-
 
     run = RunDir(args.run_dir)
     config = load_config(run.config)
