@@ -54,6 +54,13 @@ class InferenceBackend(str, enum.Enum):
         return self is not InferenceBackend.sim
 
 
+class WeightTransfer(str, enum.Enum):
+    """How new weights reach the engines."""
+
+    disk = "disk"
+    distributed = "distributed"
+
+
 class TrainerBackend(str, enum.Enum):
     """Registered in :mod:`rlorch.backends`; each has a preset in conf/trainer/."""
 
@@ -229,11 +236,22 @@ class InferenceConfig:
     """Seconds to wait for launched servers to answer /health_generate."""
     shutdown_timeout: float = 10.0
     """Seconds launched servers get to exit before they are killed."""
+    weight_transfer: WeightTransfer = WeightTransfer.disk
+    """disk: engines load each published HF checkpoint; distributed: the trainer's rank 0
+    broadcasts each version over a process group with the engines (SGLang's
+    /init_weights_update_group and /update_weights_from_distributed; gloo with cpu engines, nccl
+    with sglang). Resumable checkpoints are written to disk either way."""
+    transfer_address: str = "127.0.0.1"
+    """weight_transfer=distributed: the trainer host's address as the engines reach it."""
+    transfer_timeout: float = 60.0
+    """weight_transfer=distributed: seconds the group may take to form and one version to
+    arrive before the trainer publishes that version to disk instead."""
     sim: SimEngineConfig = field(default_factory=SimEngineConfig)
     cpu: CpuEngineConfig = field(default_factory=CpuEngineConfig)
 
     def __post_init__(self) -> None:
         _require(self.num_servers >= 1, "inference.num_servers", "must be >= 1")
+        _require(self.transfer_timeout > 0, "inference.transfer_timeout", "must be > 0 seconds")
         _require(self.ready_timeout > 0, "inference.ready_timeout", "must be > 0 seconds")
 
 
@@ -417,6 +435,9 @@ class Config:
         _require(self.inference.backend.generates_model_tokens or not self.trainer.backend.needs_model_tokens,
                  "trainer", f"trainer={self.trainer.backend.value} needs real tokens: use inference=cpu or "
                             f"inference=sglang with it, or trainer=sim with inference=sim")
+        _require(self.inference.weight_transfer is WeightTransfer.disk
+                 or (self.trainer.backend is TrainerBackend.fsdp and self.inference.backend is not InferenceBackend.sim),
+                 "inference.weight_transfer", "distributed needs trainer=fsdp and inference=cpu or sglang")
         _require(self.rollout.max_concurrent >= self.rollout.group_size, "rollout.max_concurrent",
                  f"must be >= rollout.group_size ({self.rollout.group_size}): a group is admitted whole")
 

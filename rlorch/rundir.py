@@ -100,6 +100,26 @@ class RunDir:
         return self.root / "servers.json"
 
     @property
+    def weight_group(self) -> Path:
+        """Where the trainer's weight-transfer group meets (``inference.weight_transfer=distributed``)."""
+        return self.trainer / "weight_group.json"
+
+    @property
+    def offers(self) -> Path:
+        """Versions offered over the weight-transfer group: ``broadcast/step_N.json``."""
+        return self.root / "broadcast"
+
+    def offer_for(self, step: int) -> Path:
+        return self.offers / f"{step_name(step)}.json"
+
+    def broadcast_offers(self) -> Iterator[tuple[int, Path]]:
+        """(version, offer file) of every version offered over the group, oldest first."""
+        if not self.offers.is_dir():
+            return iter(())
+        found = [(parse_step(p.name.removesuffix(".json")), p) for p in self.offers.glob("step_*.json")]
+        return iter(sorted((step, p) for step, p in found if step is not None))
+
+    @property
     def tensorboard(self) -> Path:
         return self.root / "tensorboard"
 

@@ -70,6 +70,7 @@ def resume_training(checkpoint: str, overrides: list[str]) -> int:
 async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> int:
     from rlorch.backends import make_trainer, start_inference
     from rlorch.episode import PromptSource, make_work, reward_override
+    from rlorch.inference.weight_transfer import join_weight_group
     from rlorch.orchestrator.loop import Orchestrator
     from rlorch.tasks import make_environment
 
@@ -89,6 +90,7 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
             await engines.reload(str(weights_of(checkpoint, run_dir, resume.step)), resume.step)
         trainer = make_trainer(config, run_dir, checkpoint, resume.step if resume else 0)
         await trainer.start()
+        await join_weight_group(config, run_dir, engines)
         work = make_work(config, engine=engines, tokenizer=tokenizer, env=env,
                          override=reward_override(config, config.run.seed))
         orchestrator = Orchestrator(config, run_dir=run_dir, policy=policy, engines=engines, trainer=trainer,

@@ -195,6 +195,21 @@ class SGLangEngine:
         if status != 200 or not isinstance(body, dict) or not body.get("success", False):
             raise EngineError(f"{self.name} could not load {path}: {self._message(body)}")
 
+    async def init_weights_update_group(self, spec: dict) -> None:
+        """Join the trainer's weight-transfer group (SGLang's InitWeightsUpdateGroupReqInput fields)."""
+        await self._weights_call("/init_weights_update_group", spec, "could not join the weight group")
+
+    async def update_weights_from_distributed(self, offer: dict, version: int) -> None:
+        """Receive ``offer`` (names, dtypes, shapes, group_name) over the group as policy ``version``."""
+        payload = {**offer, "flush_cache": True, "abort_all_requests": False, "weight_version": str(version)}
+        await self._weights_call("/update_weights_from_distributed", payload,
+                                 f"could not receive version {version}")
+
+    async def _weights_call(self, path: str, payload: dict, failure: str) -> None:
+        status, body = await self._request("POST", path, timeout=self.control_timeout, payload=payload)
+        if status != 200 or not isinstance(body, dict) or not body.get("success", False):
+            raise EngineError(f"{self.name} {failure}: {self._message(body)}")
+
     async def healthy(self) -> bool:
         try:
             status, _ = await self._request("GET", "/health_generate", timeout=min(30.0, self.control_timeout))

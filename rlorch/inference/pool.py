@@ -148,6 +148,23 @@ class EnginePool:
         ``weight_version`` (loading is all-or-nothing), so it stays in rotation; one that stops
         answering is marked down and loads the current checkpoint before it rejoins.
         """
+        await self._update(version, lambda e: e.reload(path, version))
+        self._checkpoint = (str(path), version)
+
+    async def init_weights_update_group(self, spec: dict) -> None:
+        """Every server joins the trainer's weight group: server ``i`` as rank ``1 + i``."""
+        failed = await self._each(self.engines, lambda e: e.init_weights_update_group(
+            {**spec, "rank_offset": 1 + self.engines.index(e)}))
+        if failed or not all(self._up.values()):
+            raise EngineError(f"{self.name}: not every server joined the weight group: "
+                              + "; ".join(str(err) for _, err in failed))
+
+    async def update_weights_from_distributed(self, offer: dict, version: int) -> None:
+        """Like :meth:`reload`, with every live server receiving ``offer`` over the weight group.
+        A server down meanwhile loads the last version from disk before it rejoins."""
+        await self._update(version, lambda e: e.update_weights_from_distributed(offer, version))
+
+    async def _update(self, version: int, load: Callable[[Server], Awaitable]) -> None:
         async with self._reload_lock:
             live = self._live()
             if not live:
@@ -156,7 +173,7 @@ class EnginePool:
             try:
                 refused = {e.name for e, _ in failed}
                 paused = [e for e in self._live() if e.name not in refused]
-                failed += await self._each(paused, lambda e: e.reload(path, version))
+                failed += await self._each(paused, load)
             finally:
                 failed += await self._each(self._live(), lambda e: e.resume())
             if failed:
@@ -164,7 +181,6 @@ class EnginePool:
                                   + "; ".join(str(err) for _, err in failed))
             if not self._live():
                 raise EngineUnavailable(f"{self.name}: every server went down while loading version {version}")
-            self._checkpoint = (str(path), version)
 
     async def healthy(self) -> bool:
         live = self._live()

@@ -58,6 +58,7 @@ class Orchestrator:
         self.version_changed = asyncio.Event()
         self.watcher = WeightWatcher(config.watcher, policy=policy, engines=engines,
                                      published=run_dir.published_weights,
+                                     offers=run_dir.broadcast_offers,
                                      expecting=lambda: self.shipped > self.policy.value,
                                      on_version=self._on_version, on_error=self._on_watcher_error)
         self.metrics = MetricsLoop(path=run_dir.metrics, interval=config.metrics.interval, gauges={

@@ -9,6 +9,8 @@ version its engine does not hold yet.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -18,6 +20,7 @@ from rlorch.config import WatcherConfig
 from rlorch.lifecycle import cancel_and_wait
 from rlorch.types import Engine, PolicyVersion
 
+log = logging.getLogger("rlorch.watcher")
 
 class WatcherStalled(RuntimeError):
     pass
@@ -26,6 +29,7 @@ class WatcherStalled(RuntimeError):
 class WeightWatcher:
     def __init__(self, config: WatcherConfig, *, policy: PolicyVersion, engines: Engine,
                  published: Callable[[], Iterable[tuple[int, Path]]],
+                 offers: Callable[[], Iterable[tuple[int, Path]]] = lambda: (),
                  expecting: Callable[[], bool] = lambda: False,
                  on_version: Callable[[int], None] = lambda version: None,
                  on_error: Callable[[BaseException], None] = lambda error: None):
@@ -33,6 +37,10 @@ class WeightWatcher:
         self.policy = policy
         self.engines = engines
         self.published = published
+        self.offers = offers
+        """Versions the trainer offers over the weight group (``inference.weight_transfer=distributed``)."""
+        self.failed_offers: set[int] = set()
+        """Offered versions the engines did not receive: they come from disk instead."""
         self.expecting = expecting
         self.on_version = on_version
         self.on_error = on_error
@@ -54,10 +62,13 @@ class WeightWatcher:
         self._task = None
 
     async def poll_once(self) -> bool:
-        """Load the newest published checkpoint if it is ahead of the live version."""
-        newest = None
-        for version, path in self.published():
-            newest = (version, path)
+        """Load the newest version ahead of the live one: received over the weight group when it
+        is offered there (and newer than anything on disk), else the newest published checkpoint."""
+        newest = max(self.published(), default=None)
+        offered = max(self.offers(), default=None)
+        if (offered is not None and offered[0] > self.policy.value and offered[0] not in self.failed_offers
+                and (newest is None or offered[0] > newest[0])):
+            return await self._receive(*offered)
         if newest is None or newest[0] <= self.policy.value:
             return False
         version, path = newest
@@ -71,17 +82,38 @@ class WeightWatcher:
                 self.superseded += 1
                 return False
             raise
+        self._advance(version, detected, path / "PUBLISHED")
+        return True
+
+    async def _receive(self, version: int, offer_path: Path) -> bool:
+        """Have the engines receive an offered version; when that fails the trainer publishes the
+        version to disk instead, and the next polls load it from there."""
+        try:
+            offer = json.loads(offer_path.read_text())
+        except FileNotFoundError:
+            return False
+        detected = time.monotonic()
+        try:
+            await self.engines.update_weights_from_distributed(offer, version)
+        except Exception as err:  # the disk is the fallback: a failed transfer must not end the run
+            self.failed_offers.add(version)
+            log.warning("version %d did not arrive over the weight group (%s); loading it from disk "
+                        "once the trainer publishes it there", version, err)
+            return False
+        self._advance(version, detected, offer_path)
+        return True
+
+    def _advance(self, version: int, detected: float, marker: Path) -> None:
         self.policy.bump(version)
         now = time.monotonic()
         self.reload_s = now - detected
         try:
-            self.publish_to_reload_s = time.time() - os.path.getmtime(path / "PUBLISHED")
+            self.publish_to_reload_s = time.time() - os.path.getmtime(marker)
         except OSError:
             self.publish_to_reload_s = None
         self.reloads += 1
         self._last_advance = now
         self.on_version(version)
-        return True
 
     async def _poll_loop(self) -> None:
         try:
@@ -106,4 +138,4 @@ class WeightWatcher:
     def gauges(self) -> dict:
         return {"version": self.policy.value, "reloads": self.reloads, "reload_s": self.reload_s,
                 "publish_to_reload_s": self.publish_to_reload_s, "version_idle_s": round(self.stalled_for(), 3),
-                "reloads_superseded": self.superseded}
+                "reloads_superseded": self.superseded, "transfer_fallbacks": len(self.failed_offers)}

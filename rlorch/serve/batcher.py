@@ -152,11 +152,16 @@ class Batcher:
     async def load_weights(self, path: str, *, dtype: torch.dtype, version: Optional[str],
                            abort_all: bool) -> None:
         """Load an HF safetensors checkpoint into the live model; raise :class:`LoadError`."""
+        await self.update_weights(lambda: load_checkpoint(self.model, Path(path), dtype), version=version,
+                                  abort_all=abort_all)
+
+    async def update_weights(self, load: Callable[[], None], *, version: Optional[str], abort_all: bool) -> None:
+        """Run ``load`` (which changes the live weights, or raises leaving them unchanged) on the
+        model thread under the model lock, then take ``version``."""
         if abort_all:
             self.abort(all_requests=True, message="Abort: weight update (abort_all_requests).")
         async with self._lock:
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._executor, load_checkpoint, self.model, Path(path), dtype)
+            await self.run_on_model_thread(load)
             if version is not None:
                 self.weight_version = version
         self.counters["weight_updates"] += 1
@@ -395,6 +400,13 @@ def load_checkpoint(model, path: Path, dtype: torch.dtype) -> None:
             tensors.update(load_file(str(file)))
         except Exception as err:  # safetensors raises its own error types for corrupt files
             raise LoadError(f"cannot read {file.name}: {err}") from err
+    load_tensors(model, tensors, dtype)
+
+
+@torch.no_grad()
+def load_tensors(model, tensors: dict, dtype: torch.dtype) -> None:
+    """Copy named tensors (HF state-dict names) into ``model``: every parameter must be there with
+    its shape, and no unknown name; all checks pass before the first copy."""
     params = dict(model.named_parameters())
     known = set(model.state_dict().keys())
     missing = sorted(set(params) - set(tensors))

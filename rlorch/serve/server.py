@@ -93,6 +93,9 @@ class CpuServer:
         self.batcher: Optional[Batcher] = None
         self._scheduler: Optional[asyncio.Task] = None
         self._runner: Optional[web.AppRunner] = None
+        from rlorch.serve.weight_sync import WeightSync
+
+        self.weight_sync = WeightSync(self)
 
     def _eos_ids(self) -> list[int]:
         eos = getattr(self.model.generation_config, "eos_token_id", None)
@@ -125,7 +128,7 @@ class CpuServer:
             web.get("/flush_cache", self.flush_cache),
             web.post("/flush_cache", self.flush_cache),
         ]
-        app.add_routes(routes)
+        app.add_routes(routes + self.weight_sync.routes())
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app

@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlorch.model import resolve_model_path
 from rlorch.rundir import RunDir, load_config, write_json_atomic
 from rlorch.trainer import checkpoint
+from rlorch.trainer.broadcast import Broadcaster, plan
 from rlorch.trainer.batch import BatchError, micro_batches, minibatch_slices, read_batch
 from rlorch.trainer.checkpoint import CheckpointError
 from rlorch.trainer.loss import LossStats, MismatchStats, policy_loss, token_entropy, token_logprobs
@@ -52,6 +53,8 @@ class Worker:
     step: int = 0
     saved: set = field(default_factory=set)
     """Checkpoints this life resumed from or wrote; any other one on disk gets overwritten."""
+    broadcaster: Optional[Broadcaster] = None
+    """Rank 0 with ``inference.weight_transfer=distributed``: sends each version to the engines."""
 
 
 def _setup_distributed(device_setting: str):
@@ -250,11 +253,15 @@ def write_weights(worker: Worker, target: Path) -> None:
         write_hf(target, worker.model, state, worker.tokenizer)
 
 
-def publish_version(worker: Worker, step: int) -> None:
+def publish_version(worker: Worker, step: int, *, last: bool = False) -> None:
+    """Hand version ``step`` to the engines: broadcast when a group is up, else (or when the
+    broadcast fails) publish to disk; the last version always goes to disk as well."""
     state = _full_state_dict(worker.model)
     if worker.rank == 0:
-        publish(worker.run, step, worker.model, state, worker.tokenizer)
-        prune(worker.run, worker.config.trainer.keep)
+        sent = worker.broadcaster is not None and worker.broadcaster.send(step, state)
+        if not sent or last:
+            publish(worker.run, step, worker.model, state, worker.tokenizer)
+            prune(worker.run, worker.config.trainer.keep)
     dist.barrier()
 
 
@@ -289,7 +296,7 @@ def run_loop(worker: Worker) -> None:
             _append_metrics(run, record)
         if step % config.trainer.publish_every == 0 or step == last:
             started = time.perf_counter()
-            publish_version(worker, step)
+            publish_version(worker, step, last=step == last)
             record["publish_s"] = time.perf_counter() - started
         _log(worker, " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
         if step % config.trainer.checkpoint_every == 0 or step == last:
@@ -316,8 +323,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             run.make()
             clear_staging(run)
             discard_newer(run, worker.step)
+            worker.broadcaster = plan(config, run, log=lambda message: _log(worker, message))
             write_json_atomic(run.trainer_ready, {"step": worker.step, "world_size": worker.world,
                                                       "device": str(device), "pid": os.getpid()})
+            if worker.broadcaster is not None:
+                worker.broadcaster.join()
         run_loop(worker)
     except (BatchError, CheckpointError) as err:
         print(f"rlorch trainer: {err}", file=sys.stderr, flush=True)

@@ -1,0 +1,139 @@
+"""Weight transfer over a process group (``inference.weight_transfer=distributed``) with a real
+`rlorch serve` engine, gloo and the trainer's own broadcaster; the disk is the reference."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from rlorch.inference.client import EngineError, SGLangEngine
+from rlorch.inference.pool import EnginePool
+from rlorch.orchestrator.watcher import WeightWatcher
+from rlorch.config import WatcherConfig
+from rlorch.rundir import RunDir
+from rlorch.serve.server import CpuServer, ServerThread
+from rlorch.trainer.broadcast import Broadcaster, _free_port
+from rlorch.types import PolicyVersion, SamplingParams
+from rlorch.weight_group import GroupSpec
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 4]]
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+
+@pytest.fixture()
+def server(model_dir):
+    thread = ServerThread(CpuServer(model_dir, threads=1))
+    yield thread.address
+    thread.stop()
+
+
+def _state(path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+
+
+def _broadcaster(run: RunDir, engines: int = 1) -> Broadcaster:
+    spec = GroupSpec(master_address="127.0.0.1", master_port=_free_port("127.0.0.1"), rank_offset=1,
+                     world_size=1 + engines, backend="gloo")
+    run.offers.mkdir(parents=True, exist_ok=True)
+    return Broadcaster(run, spec, timeout=30.0, device="cpu", log=print)
+
+
+async def _outputs(engine) -> list[tuple[list[int], list[float], list[int]]]:
+    answers = [await engine.generate(p, GREEDY, f"probe-{i}") for i, p in enumerate(PROMPTS)]
+    return [(a.output_ids, a.logprobs, a.versions.expand()) for a in answers]
+
+
+async def _send(broadcaster: Broadcaster, pool: EnginePool, watcher: WeightWatcher, step: int, state: dict) -> bool:
+    """The trainer's send (on its own thread, as in its process) while the watcher polls."""
+    sending = asyncio.create_task(asyncio.to_thread(broadcaster.send, step, state))
+    while not sending.done():
+        await watcher.poll_once()
+        await asyncio.sleep(0.01)
+    return sending.result()
+
+
+def test_engine_generates_the_same_after_gloo_as_after_disk(server, model_dir, perturbed_dir, tmp_path):
+    run = RunDir(tmp_path / "run").make()
+    broadcaster = _broadcaster(run)
+    state = _state(perturbed_dir)
+
+    async def scenario():
+        pool = EnginePool([SGLangEngine(server)])
+        watcher = WeightWatcher(WatcherConfig(), policy=PolicyVersion(0), engines=pool,
+                                published=run.published_weights, offers=run.broadcast_offers)
+        try:
+            before = await _outputs(pool)
+            await asyncio.gather(asyncio.to_thread(broadcaster.join),
+                                 pool.init_weights_update_group(broadcaster.spec.to_json()))
+            assert broadcaster.group is not None
+            assert await _send(broadcaster, pool, watcher, 1, state)
+            assert watcher.policy.value == 1 and not watcher.failed_offers
+            over_group = await _outputs(pool)
+            await pool.reload(str(perturbed_dir), 2)
+            from_disk = await _outputs(pool)
+            await pool.reload(str(model_dir), 3)
+            base_again = await _outputs(pool)
+        finally:
+            await pool.close()
+        return before, over_group, from_disk, base_again
+
+    before, over_group, from_disk, base_again = asyncio.run(scenario())
+    assert [(ids, lps) for ids, lps, _ in over_group] == [(ids, lps) for ids, lps, _ in from_disk]
+    assert [versions for _, _, versions in over_group] == [[1] * len(ids) for ids, _, _ in over_group]
+    assert [lps for _, lps, _ in before] != [lps for _, lps, _ in over_group]
+    assert [(ids, lps) for ids, lps, _ in before] == [(ids, lps) for ids, lps, _ in base_again]
+
+
+def test_refused_transfer_leaves_weights_and_watcher_waits_for_disk(server, perturbed_dir, tmp_path):
+    """An offer the engine cannot take (a wrong shape) fails on the engine before anything moves:
+    the watcher records the fallback instead of failing the run, and loads the version from
+    disk once it is published there."""
+    run = RunDir(tmp_path / "run").make()
+
+    async def scenario():
+        pool = EnginePool([SGLangEngine(server)])
+        watcher = WeightWatcher(WatcherConfig(), policy=PolicyVersion(0), engines=pool,
+                                published=run.published_weights, offers=run.broadcast_offers)
+        try:
+            before = await _outputs(pool)
+            run.offers.mkdir(parents=True, exist_ok=True)
+            run.offer_for(1).write_text(json.dumps({"names": ["model.norm.weight"], "dtypes": ["float32"],
+                                                    "shapes": [[3]], "group_name": "weight_update_group"}))
+            assert not await watcher.poll_once()
+            assert watcher.failed_offers == {1} and watcher.policy.value == 0
+            unchanged = await _outputs(pool)
+            import shutil
+
+            shutil.copytree(perturbed_dir, run.weights_for(1))
+            (run.weights_for(1) / "PUBLISHED").touch()
+            assert await watcher.poll_once()
+            assert watcher.policy.value == 1 and watcher.gauges()["transfer_fallbacks"] == 1
+            return before, unchanged
+        finally:
+            await pool.close()
+
+    before, unchanged = asyncio.run(scenario())
+    assert before == unchanged
+
+
+def test_engine_refuses_bad_group_requests(server):
+    async def scenario():
+        engine = SGLangEngine(server)
+        try:
+            with pytest.raises(EngineError, match="gloo"):
+                await engine.init_weights_update_group({"master_address": "127.0.0.1", "master_port": 1,
+                                                        "rank_offset": 1, "world_size": 2, "backend": "nccl"})
+            with pytest.raises(EngineError, match="rank_offset"):
+                await engine.init_weights_update_group({"master_address": "127.0.0.1", "master_port": 1,
+                                                        "rank_offset": 0, "world_size": 2, "backend": "gloo"})
+            with pytest.raises(EngineError, match="init_weights_update_group first"):
+                await engine.update_weights_from_distributed({"names": [], "dtypes": [], "shapes": []}, 1)
+        finally:
+            await engine.close()
+
+    asyncio.run(scenario())
