@@ -19,6 +19,7 @@ from rich.console import Console
 from rlorch.config import Config, ConfigError
 from rlorch.lifecycle import cancel_and_wait
 from rlorch.rundir import RunDir, save_config
+from rlorch.startup import StartupClock
 from rlorch.types import PolicyVersion
 
 EXIT_INTERRUPTED = {"SIGINT": 130, "SIGTERM": 143}
@@ -41,6 +42,7 @@ def new_run_dir(config: Config) -> RunDir:
 
 
 def run_training(config: Config, overrides: list[str]) -> int:
+    _warm_up(config)
     try:
         run_dir = new_run_dir(config)
     except ConfigError as err:
@@ -63,23 +65,43 @@ def resume_training(checkpoint: str, overrides: list[str]) -> int:
         return 2
     step = resume.step_of(path)
     resume.prepare(run_dir, step, config, overrides)
+    _warm_up(config)
     console.print(f"resuming {run_dir.root} at step {step + 1}", highlight=False)
     return asyncio.run(_run(config, run_dir, checkpoint=path))
 
 
+def _warm_up(config: Config) -> None:
+    """Start the fork server early when rlorch processes will be launched (rlorch.forkserver)."""
+    from rlorch.config import InferenceBackend, TrainerBackend
+
+    if config.inference.backend == InferenceBackend.cpu or config.trainer.backend == TrainerBackend.fsdp:
+        from rlorch import forkserver
+
+        forkserver.warm_up()
+
+
 async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> int:
-    from rlorch.backends import make_trainer, start_inference
+    from rlorch.backends import make_trainer
     from rlorch.episode import PromptSource, make_work, reward_override
     from rlorch.inference.weight_transfer import join_weight_group
     from rlorch.orchestrator.loop import Orchestrator
     from rlorch.tasks import make_environment
 
-    started = time.monotonic()
+    clock = StartupClock()
+    started = clock.origin
     policy = PolicyVersion(0)
     env = make_environment(config)
     engines, tokenizer, trainer = None, None, None
     try:
-        engines, tokenizer = await start_inference(config, run_dir, policy)
+        from rlorch.resume import step_of
+
+        trainer = make_trainer(config, run_dir, checkpoint, step_of(checkpoint) if checkpoint else 0)
+        launched, trainer_started = await _start_concurrently(config, run_dir, policy, trainer, clock)
+        if not isinstance(launched, BaseException):
+            engines, tokenizer = launched
+        for outcome in (launched, trainer_started):
+            if isinstance(outcome, BaseException):
+                raise outcome
         prompts = PromptSource(env, tokenizer=tokenizer, seed=config.run.seed)
         resume = None
         if checkpoint is not None:
@@ -88,13 +110,13 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
             resume = read_state(checkpoint, prompts.make)
             prompts.position = resume.prompt_position
             await engines.reload(str(weights_of(checkpoint, run_dir, resume.step)), resume.step)
-        trainer = make_trainer(config, run_dir, checkpoint, resume.step if resume else 0)
-        await trainer.start()
         await join_weight_group(config, run_dir, engines)
+        clock.mark("ready")
         work = make_work(config, engine=engines, tokenizer=tokenizer, env=env,
                          override=reward_override(config, config.run.seed))
         orchestrator = Orchestrator(config, run_dir=run_dir, policy=policy, engines=engines, trainer=trainer,
                                     work=work, prompts=prompts, resume=resume, started=started)
+        orchestrator.startup = clock
         _install_signals(orchestrator)
         # The loop allocates a few small objects per rollout and may hold 10^5 in flight: freeze
         # what start-up built and collect the young generation less often, so collection cost
@@ -115,6 +137,25 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
         if engines is not None:
             await engines.close()
     return _report(summary, run_dir)
+
+
+async def _start_concurrently(config: Config, run_dir: RunDir, policy: PolicyVersion, trainer: Any,
+                              clock: StartupClock) -> tuple[Any, Any]:
+    """Start the engines and the trainer at once (each is seconds of imports and model loading,
+    independent of the other); return each outcome, an exception for a start that failed, so
+    the caller can stop whatever did start."""
+    from rlorch.backends import start_inference
+
+    async def engines():
+        async with clock.part("engines"):
+            return await start_inference(config, run_dir, policy)
+
+    async def trainer_start():
+        async with clock.part("trainer"):
+            await trainer.start()
+
+    launched, started = await asyncio.gather(engines(), trainer_start(), return_exceptions=True)
+    return launched, started
 
 
 def _install_signals(orchestrator: Any) -> None:

@@ -72,6 +72,8 @@ def test_trainer_command_standalone_unless_rendezvous(tmp_path):
     assert command[-4:] == ["--run-dir", str(tmp_path), "--resume", str(tmp_path / "checkpoints" / "step_000002")]
     cluster = compose(['trainer.fsdp.torchrun_args=["--nnodes=2","--rdzv_endpoint=host:29400"]'])
     assert "--standalone" not in trainer_command(cluster, tmp_path, None)
+    single = trainer_command(compose([]), tmp_path, None)
+    assert single == [sys.executable, "-m", "rlorch.trainer.fsdp", "--run-dir", str(tmp_path)]
 
 
 def _wait_for(condition, process: subprocess.Popen, timeout: float = 90) -> None:

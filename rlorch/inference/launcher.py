@@ -27,10 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from rlorch import forkserver
 from rlorch.backends import inference_backend
 from rlorch.config import Config, InferenceBackend
 from rlorch.inference.client import SGLangEngine
 from rlorch.inference.pool import EnginePool
+from rlorch.lifecycle import cancel_and_wait
 from rlorch.rundir import RunDir
 from rlorch.types import PolicyVersion
 
@@ -121,9 +123,7 @@ def _spawn(config, index: int, *, log_dir: Path, model_path: Path) -> ServerProc
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log, "ab") as handle:
         handle.write(f"$ {' '.join(command)}\n".encode())
-        handle.flush()
-        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=env, start_new_session=True)
+    process = forkserver.spawn(command, log_path=str(log), env=env)
     return ServerProcess(index, f"127.0.0.1:{port}", process, log)
 
 
@@ -184,12 +184,22 @@ def _signal(process: subprocess.Popen, sig: int) -> None:
 
 @inference_backend(InferenceBackend.cpu, InferenceBackend.sglang)
 async def start_servers(config: Config, run_dir: RunDir, policy: PolicyVersion) -> tuple[EnginePool, object]:
-    """Launched (or reached) servers as one pool, and the model's tokenizer."""
-    from transformers import AutoTokenizer
-
+    """Launched (or reached) servers as one pool, and the model's tokenizer (loaded on a thread
+    while the servers start: importing transformers takes seconds)."""
     from rlorch.model import resolve_model_path
 
     model_path = resolve_model_path(config.model.path)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    pool = await start_engines(config, log_dir=run_dir.logs, servers_file=run_dir.servers, model_path=model_path)
-    return pool, tokenizer
+    tokenizer = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, model_path))
+    try:
+        pool = await start_engines(config, log_dir=run_dir.logs, servers_file=run_dir.servers,
+                                   model_path=model_path)
+    except BaseException:
+        await cancel_and_wait(tokenizer)
+        raise
+    return pool, await tokenizer
+
+
+def _load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

@@ -84,6 +84,9 @@ class Orchestrator:
         self.alarm = asyncio.Event()
         self.stop_reason: Optional[StopReason] = None
         self.started = started if started is not None else time.monotonic()
+        self.startup: Any = None
+        """The runner's start-up clock (rlorch.startup.StartupClock): ``startup_s`` in the summary."""
+        self.first_step_at: Optional[float] = None
 
     # wiring ----------------------------------------------------------------------------------
     def _on_version(self, version: int) -> None:
@@ -168,7 +171,10 @@ class Orchestrator:
         helpers = [asyncio.create_task(self._health_loop()), asyncio.create_task(self._bookkeeping_loop())]
         await self.metrics.start()
         if self.config.eval.enabled:
+            evaluated = time.monotonic()
             await self.evaluations.run(self.policy.value)
+            if self.startup is not None:
+                self.startup.parts["eval"] = round(time.monotonic() - evaluated, 3)
         await self.watcher.start()
         await self.dispatcher.start()
         status, error = "completed", None
@@ -212,6 +218,10 @@ class Orchestrator:
         extra = {"version": self.policy.value, **self.dispatcher.gauges(), "reload_s": self.watcher.reload_s}
         for record in self.steps.ready(self.policy.value, extra):
             record["wall_s"] = round(time.monotonic() - self.started, 3)
+            if self.first_step_at is None:
+                self.first_step_at = time.monotonic()
+                if self.startup is not None:
+                    self.startup.parts["first_step"] = round(self.first_step_at - self.loop_started, 3)
             self.metrics.write(record)
             if evaluate and self.evaluations.due(record["step"]):
                 self.evaluations.start(record["step"])
@@ -333,4 +343,5 @@ class Orchestrator:
                 **self.snapshots.account(self.policy.value), "short_batches": self.sink.totals.short_batches,
                 "parked_s": round(self.parked_s, 4), "reward_mean_last": self.steps.last.get("reward_mean"),
                 **self.evaluations.summary(), "wall_s": round(time.monotonic() - self.started, 3),
-                "loop_s": round(time.monotonic() - self.loop_started, 3)}
+                "loop_s": round(time.monotonic() - self.loop_started, 3),
+                "startup_s": self.startup.summary(self.first_step_at) if self.startup is not None else None}

@@ -65,7 +65,11 @@ def _setup_distributed(device_setting: str):
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    if "RANK" in os.environ:
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    else:  # started without torchrun: a group of one
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
     return device
 
 

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from rlorch import forkserver
 from rlorch.backends import trainer_backend
 from rlorch.config import Config, TrainerBackend
 from rlorch.rundir import RunDir
@@ -25,9 +26,13 @@ _MULTI_NODE_FLAGS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backe
 
 
 def trainer_command(config, run_dir: Path, resume: Optional[Path] = None) -> list[str]:
-    """The torchrun command line the runner launches (``--standalone`` unless the extra
-    torchrun arguments set up their own rendezvous)."""
+    """The command line the runner launches: the worker itself for one process and no extra
+    torchrun arguments (torchrun's agent would cost a second torch import at every start),
+    else torchrun (``--standalone`` unless the extra arguments set up their own rendezvous)."""
     trainer = config.trainer.fsdp
+    if trainer.nproc == 1 and not trainer.torchrun_args:
+        command = [sys.executable, "-m", "rlorch.trainer.fsdp", "--run-dir", str(run_dir)]
+        return command + (["--resume", str(resume)] if resume is not None else [])
     flags = {arg.split("=", 1)[0].replace("_", "-") for arg in trainer.torchrun_args}
     command = [sys.executable, "-m", "torch.distributed.run"]
     if not flags & set(_MULTI_NODE_FLAGS):
@@ -62,9 +67,7 @@ class TorchrunTrainer:
         command = trainer_command(self.config, self.run_dir.root, self.resume)
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                "PYTHONUNBUFFERED": "1"}
-        with open(self.log, "ab") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True)
+        self.process = forkserver.spawn(command, log_path=str(self.log), env=env)
         deadline = time.monotonic() + self.config.trainer.start_timeout
         while not ready.exists():
             if self.process.poll() is not None:

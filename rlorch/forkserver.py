@@ -1,0 +1,212 @@
+"""Start rlorch's own subprocesses (``rlorch serve``, the trainer worker) as forks of one warm
+process that has already imported torch and transformers.
+
+Each of those processes otherwise spends seconds of CPU importing the same modules at every run
+start; on a small machine they compete for the same cores, so starting them concurrently does
+not help unless that work is done once. The fork server is started on the first spawn (with
+``OMP_NUM_THREADS`` as the children get it, since the OpenMP runtime reads it when torch is
+imported), imports the heavy modules before it forks anything, and starts no threads, so a
+fork is safe. Each child gets its own session, environment, working directory and log, and runs
+its module as ``python -m`` would.
+
+:func:`spawn` hands back a :class:`Forked` with the part of ``subprocess.Popen``'s interface the
+launcher and the trainer use (``pid``, ``poll``, ``wait``, ``returncode``, ``send_signal``);
+commands that are not an rlorch module of this interpreter get a plain ``Popen``. Set
+``RLORCH_FORKSERVER=0`` to launch every process the ordinary way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional
+
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint.state_dict",
+           "transformers", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
+           "transformers.models.auto.tokenization_auto", "transformers.models.qwen2.modeling_qwen2",
+           "transformers.models.qwen2.tokenization_qwen2_fast", "safetensors.torch", "aiohttp.web",
+           "rlorch.cli", "rlorch.compose", "rlorch.config", "rlorch.serve.server", "rlorch.serve.batcher",
+           "rlorch.trainer.fsdp")
+FORKABLE = ("rlorch.cli", "rlorch.trainer.fsdp")
+
+
+class Forked:
+    """A process forked by the fork server (a ``Popen`` look-alike)."""
+
+    def __init__(self, pid: int, server: "ForkServer"):
+        self.pid = pid
+        self._server = server
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self._server.exits.get(self.pid)
+
+    def poll(self) -> Optional[int]:
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+
+class ForkServer:
+    """The client side: one warm process, asked over a pipe to fork."""
+
+    def __init__(self):
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+        self.process = subprocess.Popen([sys.executable, "-m", "rlorch.forkserver"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, env=env, text=True, bufsize=1,
+                                        start_new_session=True)
+        self.exits: dict[int, int] = {}
+        self._pids: dict[int, int] = {}
+        self._arrived = threading.Condition()
+        self._next = 0
+        self._lock = threading.Lock()
+        threading.Thread(target=self._read, name="rlorch-forkserver", daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            message = json.loads(line)
+            with self._arrived:
+                if "exit" in message:
+                    self.exits[message["exit"]] = message["status"]
+                else:
+                    self._pids[message["id"]] = message["pid"]
+                self._arrived.notify_all()
+
+    def spawn(self, command: list[str], *, log: str, env: dict, cwd: str) -> Forked:
+        with self._lock:
+            self._next += 1
+            ident = self._next
+            self.process.stdin.write(json.dumps({"id": ident, "argv": command[2:], "module": command[2],
+                                                 "env": env, "cwd": cwd, "log": log}) + "\n")
+            self.process.stdin.flush()
+        with self._arrived:
+            if not self._arrived.wait_for(lambda: ident in self._pids or self.process.poll() is not None, 120):
+                raise RuntimeError("the fork server did not answer in 120 s")
+            if ident not in self._pids:
+                raise RuntimeError(f"the fork server exited with status {self.process.returncode}")
+            return Forked(self._pids.pop(ident), self)
+
+
+_server: Optional[ForkServer] = None
+_server_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    return os.environ.get("RLORCH_FORKSERVER", "1") != "0"
+
+
+def warm_up() -> None:
+    """Start the fork server now (it takes seconds to import), if it will be used."""
+    global _server
+    if enabled():
+        with _server_lock:
+            if _server is None or _server.process.poll() is not None:
+                _server = ForkServer()
+
+
+def spawn(command: list[str], *, log_path: str, env: dict) -> "Forked | subprocess.Popen":
+    """Start ``command`` in its own session with stdout and stderr appended to ``log_path``."""
+    forkable = (enabled() and len(command) > 2 and command[0] == sys.executable and command[1] == "-m"
+                and command[2] in FORKABLE)
+    if forkable:
+        warm_up()
+        return _server.spawn(command, log=log_path, env=env, cwd=os.getcwd())
+    with open(log_path, "ab") as handle:
+        return subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, start_new_session=True)
+
+
+# ---- the server side -------------------------------------------------------------------------
+
+def _child(request: dict) -> None:
+    """In the forked child: become the requested ``python -m`` process, then exit."""
+    import runpy
+    import signal
+
+    os.setsid()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    fd = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    sys.stdin = open(0, closefd=False)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    sys.argv = [request["module"], *request["argv"][1:]]
+    code = 0
+    try:
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _serve() -> None:
+    import importlib
+    import select
+
+    for module in PRELOAD:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass
+    out = sys.stdout
+    pending = b""
+    while True:
+        ready, _, _ = select.select([0], [], [], 0.05)
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            out.write(json.dumps({"exit": pid, "status": os.waitstatus_to_exitcode(status)}) + "\n")
+            out.flush()
+        if not ready:
+            continue
+        chunk = os.read(0, 1 << 16)
+        if not chunk:
+            return
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                _child(request)
+            out.write(json.dumps({"id": request["id"], "pid": pid}) + "\n")
+            out.flush()
+
+
+if __name__ == "__main__":
+    _serve()
