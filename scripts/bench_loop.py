@@ -15,6 +15,9 @@ import argparse
 import asyncio
 import gc
 import json
+import os
+import platform
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -83,17 +86,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is printed")
+    parser.add_argument("--skip-overlap", action="store_true", help="only the throughput and admission figures")
     args = parser.parse_args()
+    print(f"machine: {platform.machine()} {os.cpu_count()} CPUs, {platform.platform()}, "
+          f"python {platform.python_version()}, load average {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for group in (8, 1):
-            rate = loop_throughput(root, args.steps, args.batch, group)
-            print(f"whole loop, instant engine, group size {group}: {rate:,.0f} rollouts/s "
-                  f"({args.steps} steps x {args.batch} rollouts)")
+            rates = [loop_throughput(root / f"r{i}", args.steps, args.batch, group) for i in range(args.repeats)]
+            print(f"whole loop, instant engine, group size {group}: {statistics.median(rates):,.0f} rollouts/s "
+                  f"median of {args.repeats} (runs {', '.join(f'{r:,.0f}' for r in rates)}; "
+                  f"{args.steps} steps x {args.batch} rollouts)")
         asyncio.run(admission_cost(1_000))  # warm the allocator and the event loop's paths
-        small, large = asyncio.run(admission_cost(1_000)), asyncio.run(admission_cost(100_000))
-        print(f"admission cost: {small * 1e6:.2f} us with 1,000 in flight, "
+        small = statistics.median(asyncio.run(admission_cost(1_000)) for _ in range(args.repeats))
+        large = statistics.median(asyncio.run(admission_cost(100_000)) for _ in range(args.repeats))
+        print(f"admission cost (median of {args.repeats}): {small * 1e6:.2f} us with 1,000 in flight, "
               f"{large * 1e6:.2f} us with 100,000 in flight (ratio {large / small:.2f})")
+        if args.skip_overlap:
+            return
         sync_s, async_s, ratio = overlap(root)
         print(f"G = T = 0.1 s, 20 steps: sync {sync_s:.2f} s, async (S=2) {async_s:.2f} s, "
               f"ratio {ratio:.2f} (ideal max(G,T)/(G+T) = 0.50)")

@@ -194,8 +194,6 @@ class Dispatcher:
                     task.cancel()
 
     async def _run_group(self, prompt: Prompt) -> list[Rollout]:
-        task = asyncio.current_task()
-        loop = asyncio.get_running_loop()
         last: Optional[BaseException] = None
         for _ in range(self.max_retries):
             try:
@@ -205,6 +203,7 @@ class Dispatcher:
                                            f"expected {self.group_size}")
                 return group
             except asyncio.CancelledError:
+                task = asyncio.current_task()
                 if task not in self._timed_out:
                     raise
                 self._timed_out.discard(task)
@@ -213,7 +212,7 @@ class Dispatcher:
             except (OSError, ConnectionError, RuntimeError) as err:
                 last = err
             self.retries += 1
-            self._in_flight[task][1] = loop.time()
+            self._in_flight[asyncio.current_task()][1] = asyncio.get_running_loop().time()
         raise GenerationFailed(f"group {prompt.group_id} failed {self.max_retries} times: {last!r}") from last
 
     def _finished(self, task: asyncio.Task) -> None:

@@ -11,6 +11,7 @@ seed and process) is never a training prompt; evaluation draws only from those.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import Callable
@@ -19,8 +20,6 @@ from rlorch.config import Config
 from rlorch.tasks import register
 from rlorch.tasks.base import SingleTurn, require, task_params
 from rlorch.types import Conversation
-
-DIGITS = "0123456789"
 
 FORMAT_WEIGHT = 0.2
 """Default share of the reward for the answer's form (digits only, the right length). Enough for
@@ -82,6 +81,7 @@ class RetryParams(DigitParams):
         require(self.max_turns >= 1, "max_turns", "must be >= 1")
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def is_held_out(digits: str) -> bool:
     """Whether a digit string belongs to the evaluation split (fixed, seed-independent)."""
     return hashlib.blake2b(digits.encode(), digest_size=4).digest()[0] % HELD_OUT_MODULUS == 0
@@ -108,11 +108,8 @@ class DigitTask(SingleTurn):
         span = self.max_digits - self.min_digits + 1
         draw = int.from_bytes(hashlib.shake_256(key.encode()).digest(8 + self.max_digits), "big")
         draw, pick = divmod(draw, span)
-        digits = []
-        for _ in range(self.min_digits + pick):
-            draw, digit = divmod(draw, 10)
-            digits.append(DIGITS[digit])
-        return "".join(digits)
+        length = self.min_digits + pick
+        return str(draw % 10 ** length).zfill(length)[::-1]
 
     def make_prompt(self, index: int, seed: int) -> tuple[str, str]:
         """Training prompt ``index``: never one of the held-out strings."""
