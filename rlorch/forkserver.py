@@ -132,13 +132,16 @@ def spawn(command: list[str], *, log_path: str, env: dict) -> "Forked | subproce
 
 # ---- the server side -------------------------------------------------------------------------
 
-def _child(request: dict) -> None:
-    """In the forked child: become the requested ``python -m`` process, then exit."""
+def _child(request: dict, ready: int) -> None:
+    """In the forked child: become the requested ``python -m`` process, then exit. The fork
+    server answers with the pid only once the child leads its own session (``ready`` closed),
+    so signalling its process group right away reaches it, as with ``Popen``."""
     import runpy
     import signal
 
     os.setsid()
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.close(ready)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     fd = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -201,9 +204,14 @@ def _serve() -> None:
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
             request = json.loads(line)
+            started, ready = os.pipe()
             pid = os.fork()
             if pid == 0:
-                _child(request)
+                os.close(started)
+                _child(request, ready)
+            os.close(ready)
+            os.read(started, 1)
+            os.close(started)
             out.write(json.dumps({"id": request["id"], "pid": pid}) + "\n")
             out.flush()
 

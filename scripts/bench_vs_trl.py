@@ -85,7 +85,8 @@ def trl_worker(steps: int) -> None:
 
     args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="trl-"), per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
                       num_generations=GROUP, max_completion_length=NEW_TOKENS, temperature=TEMPERATURE,
-                      learning_rate=LR, beta=0.0, max_steps=steps, logging_steps=10, save_strategy="no",
+                      learning_rate=LR, lr_scheduler_type="constant", gradient_checkpointing=False,
+                      beta=0.0, max_steps=steps, logging_steps=10, save_strategy="no",
                       report_to=[], use_cpu=True, bf16=False, seed=0, shuffle_dataset=False)
     trainer = GRPOTrainer(model=str(path), reward_funcs=[reward], args=args,
                           train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[Clock()])

@@ -137,3 +137,24 @@ def test_engine_refuses_bad_group_requests(server):
             await engine.close()
 
     asyncio.run(scenario())
+
+
+def test_distributed_transfer_needs_real_backends():
+    from rlorch.compose import compose
+    from rlorch.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        compose(["conf=sim", "inference.weight_transfer=distributed"])
+    assert err.value.key == "inference.weight_transfer"
+    assert compose(["inference.weight_transfer=distributed"]).inference.weight_transfer.value == "distributed"
+
+
+def test_summary_says_where_the_start_went(tmp_path):
+    from rlorch.compose import compose
+    from rlorch.runner import run_training
+
+    config = compose(["conf=sim", f"run.dir={tmp_path / 'run'}", "run.progress=false", "train.steps=3"])
+    assert run_training(config, []) == 0
+    startup = json.loads((tmp_path / "run" / "summary.json").read_text())["startup_s"]
+    assert {"engines", "trainer", "ready", "eval", "first_step", "total"} <= set(startup)
+    assert startup["ready"] <= startup["total"] and startup["first_step"] <= startup["total"]
