@@ -50,10 +50,10 @@ def run_rlorch(root: Path, steps: int) -> dict:
     return {"wall_s": wall, "steady_samples_s": steady}
 
 
-def run_trl(python: str, steps: int) -> dict:
+def run_trl(python: str, steps: int, threads: int) -> dict:
     started = time.monotonic()
     result = subprocess.run([python, __file__, "--trl-worker", "--steps", str(steps)], check=True,
-                            capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+                            capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     wall = time.monotonic() - started
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     return {"wall_s": wall, **figures}
@@ -100,6 +100,8 @@ def main() -> None:
     parser.add_argument("--trl-python", help="an interpreter with trl installed")
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--trl-threads", type=int, default=1,
+                        help="torch threads for TRL (each rlorch process uses one; more oversubscribes a busy machine)")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_worker:
@@ -111,7 +113,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-vs-trl-") as root:
         for _ in range(args.pairs):
             results["rlorch"].append(run_rlorch(Path(root), args.steps))
-            results["trl"].append(run_trl(args.trl_python, args.steps))
+            results["trl"].append(run_trl(args.trl_python, args.steps, args.trl_threads))
     print(f"machine: {platform.machine()} {os.cpu_count()} CPUs, {platform.platform()}, "
           f"python {platform.python_version()}, load average {os.getloadavg()[0]:.2f}")
     for name, runs in results.items():

@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -55,6 +56,10 @@ class Worker:
     """Checkpoints this life resumed from or wrote; any other one on disk gets overwritten."""
     broadcaster: Optional[Broadcaster] = None
     """Rank 0 with ``inference.weight_transfer=distributed``: sends each version to the engines."""
+    handing_off: Optional[Future] = None
+    """Rank 0: the hand-off of the last version (broadcast or disk), running beside the next step."""
+    hand_off_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlorch-publish"))
 
 
 def _setup_distributed(device_setting: str):
@@ -258,18 +263,37 @@ def write_weights(worker: Worker, target: Path) -> None:
 
 
 def publish_version(worker: Worker, step: int, *, last: bool = False) -> None:
-    """Hand version ``step`` to the engines: broadcast when a group is up, else (or when the
-    broadcast fails) publish to disk; the last version always goes to disk as well."""
+    """Hand version ``step`` to the engines on rank 0's hand-off thread, so the next step trains
+    meanwhile: broadcast when a group is up, else (or when the broadcast fails) publish to disk;
+    the last version always goes to disk as well, and is waited for.
+
+    Versions are handed off one at a time and in order (the previous hand-off is finished, and
+    its error raised, before the next starts); the state dict is a copy taken now, so training
+    on does not change what is handed off."""
     state = _full_state_dict(worker.model)
     if worker.rank == 0:
-        sent = worker.broadcaster is not None and worker.broadcaster.send(step, state)
-        if not sent or last:
-            publish(worker.run, step, worker.model, state, worker.tokenizer)
-            prune(worker.run, worker.config.trainer.keep)
+        wait_handed_off(worker)
+        worker.handing_off = worker.hand_off_thread.submit(_hand_off, worker, step, state, last)
+        if last:
+            wait_handed_off(worker)
     dist.barrier()
 
 
+def _hand_off(worker: Worker, step: int, state: dict, last: bool) -> None:
+    sent = worker.broadcaster is not None and worker.broadcaster.send(step, state)
+    if not sent or last:
+        publish(worker.run, step, worker.model, state, worker.tokenizer)
+        prune(worker.run, worker.config.trainer.keep)
+
+
+def wait_handed_off(worker: Worker) -> None:
+    if worker.handing_off is not None:
+        pending, worker.handing_off = worker.handing_off, None
+        pending.result()
+
+
 def save_checkpoint(worker: Worker, step: int) -> None:
+    wait_handed_off(worker)
     if step in worker.saved:
         return
     worker.saved.add(step)
