@@ -116,7 +116,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     result = asyncio.run(bench(args))
-    print(f"machine: {platform.machine()} {os.cpu_count()} CPUs, {platform.platform()}, python {platform.python_version()}")
+    print(f"machine: {platform.machine()} {os.cpu_count()} CPUs, {platform.platform()}, python {platform.python_version()}, "
+          f"load average {os.getloadavg()[0]:.2f}")
     print(f"model: Qwen2 {result['parameters'] / 1e6:.1f}M parameters (float32, {result['parameters'] * 4 / 2**20:.0f} MiB)")
     print(f"disk        trainer write+fsync {result['write']:.3f}s  engine pause-to-resume {result['disk']:.3f}s "
           f"(median of {args.rounds})")
