@@ -10,8 +10,8 @@ second between the 10th step and the last), and the machine it ran on.
 
 TRL is an optional extra, never installed in CI: install it into its own environment and pass
 its interpreter, e.g.
-    python3 -m venv --system-site-packages /tmp/trl && /tmp/trl/bin/pip install -e ".[trl]"
-    python scripts/bench_vs_trl.py --trl-python /tmp/trl/bin/python
+    python3 -m venv --system-site-packages .venv-trl && .venv-trl/bin/pip install -e ".[trl]"
+    python scripts/bench_vs_trl.py --trl-python .venv-trl/bin/python
 
 Usage: python scripts/bench_vs_trl.py --trl-python PYTHON [--pairs 3] [--steps 60]
 """

@@ -20,11 +20,16 @@ def test_forked_command_runs_as_python_m_with_its_env_log_and_status(tmp_path):
 
 
 def test_forked_process_is_a_session_leader_that_signals_reach(tmp_path):
-    process = forkserver.spawn([sys.executable, "-m", "rlorch.cli", "serve", "--port", "0"],
+    process = forkserver.spawn([sys.executable, "-m", "rlorch.cli", "serve", "--port", "0",
+                                "--parent-pid", str(os.getpid())],
                                log_path=str(tmp_path / "serve.log"), env=dict(os.environ))
-    assert os.getpgid(process.pid) == process.pid
-    os.killpg(process.pid, signal.SIGKILL)
-    assert process.wait(60) == -signal.SIGKILL
+    try:
+        assert os.getpgid(process.pid) == process.pid
+        os.killpg(process.pid, signal.SIGKILL)
+        assert process.wait(60) == -signal.SIGKILL
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
 
 
 def test_other_commands_start_the_ordinary_way(tmp_path):
