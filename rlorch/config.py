@@ -407,6 +407,7 @@ class Config:
     sim: SimConfig = field(default_factory=SimConfig)
 
     def __post_init__(self) -> None:
+        _require_finite(self, "")
         uncorrected = self.trainer.correction == Correction.none
         off_policy = self.rollout.max_staleness > 0 or self.rollout.enforce == Enforce.ship
         _require(not (uncorrected and off_policy and not self.trainer.allow_uncorrected),
@@ -419,6 +420,21 @@ class Config:
                             f"inference=sglang with it, or trainer=sim with inference=sim")
         _require(self.rollout.max_concurrent >= self.rollout.group_size, "rollout.max_concurrent",
                  f"must be >= rollout.group_size ({self.rollout.group_size}): a group is admitted whole")
+
+
+def _require_finite(section: Any, prefix: str) -> None:
+    """No setting may be inf or NaN (``trainer.lr=inf`` would train NaN weights)."""
+    import math
+    from dataclasses import fields, is_dataclass
+
+    for item in fields(section):
+        value, key = getattr(section, item.name), f"{prefix}{item.name}"
+        if is_dataclass(value):
+            _require_finite(value, f"{key}.")
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for number in values:
+            _require(not (isinstance(number, float) and not math.isfinite(number)), key,
+                     f"must be a finite number, got {number}")
 
 
 def warnings_for(config: Config) -> list[str]:

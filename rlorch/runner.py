@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import signal
 import sys
 import time
 from pathlib import Path
@@ -19,6 +18,8 @@ from rich.console import Console
 from rlorch.config import Config, ConfigError
 from rlorch.lifecycle import cancel_and_wait
 from rlorch.rundir import RunDir, save_config
+from rlorch.runlock import RunLock, set_aside_failed_start
+from rlorch.signals import SignalRelay, startup_summary
 from rlorch.types import PolicyVersion
 
 EXIT_INTERRUPTED = {"SIGINT": 130, "SIGTERM": 143}
@@ -28,7 +29,10 @@ console = Console(stderr=True)
 def new_run_dir(config: Config) -> RunDir:
     if config.run.dir:
         root = Path(config.run.dir)
-        if root.exists() and any(root.iterdir()):
+        holder = RunLock(root).holder() if root.is_dir() else None
+        if holder is not None:
+            raise ConfigError("run.dir", f"{root} is in use by process {holder}; one process per run directory")
+        if root.exists() and any(root.iterdir()) and not set_aside_failed_start(root):
             raise ConfigError("run.dir", f"{root} already holds a run; continue it with "
                                          f"`rlorch resume checkpoint={root}/checkpoints/step_N` or pick another run.dir")
     else:
@@ -43,13 +47,15 @@ def new_run_dir(config: Config) -> RunDir:
 def run_training(config: Config, overrides: list[str]) -> int:
     try:
         run_dir = new_run_dir(config)
-    except ConfigError as err:
+        lock = RunLock(run_dir.root).acquire()
+    except (ConfigError, OSError) as err:
         console.print(f"[bold red]invalid config[/] {err}", highlight=False)
         return 2
-    config.run.dir = str(run_dir.root)
-    save_config(config, run_dir.config)
-    console.print(f"run directory: [bold]{run_dir.root}[/]", highlight=False)
-    return asyncio.run(_run(config, run_dir, checkpoint=None))
+    with lock:
+        config.run.dir = str(run_dir.root)
+        save_config(config, run_dir.config)
+        console.print(f"run directory: [bold]{run_dir.root}[/]", highlight=False)
+        return asyncio.run(_run(config, run_dir, checkpoint=None))
 
 
 def resume_training(checkpoint: str, overrides: list[str]) -> int:
@@ -58,26 +64,29 @@ def resume_training(checkpoint: str, overrides: list[str]) -> int:
     path = Path(checkpoint)
     try:
         config, run_dir = resume.resume_target(path, overrides)
+        lock = RunLock(run_dir.root).acquire()
     except ConfigError as err:
         console.print(f"[bold red]cannot resume[/] {err}", highlight=False)
         return 2
-    step = resume.step_of(path)
-    resume.prepare(run_dir, step, config, overrides)
-    console.print(f"resuming {run_dir.root} at step {step + 1}", highlight=False)
-    return asyncio.run(_run(config, run_dir, checkpoint=path))
+    with lock:
+        step = resume.step_of(path)
+        resume.prepare(run_dir, step, config, overrides)
+        console.print(f"resuming {run_dir.root} at step {step + 1}", highlight=False)
+        return asyncio.run(_run(config, run_dir, checkpoint=path))
 
 
 async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> int:
+    started = time.monotonic()
+    signals = SignalRelay()
     from rlorch.backends import make_trainer, start_inference
     from rlorch.episode import PromptSource, make_work, reward_override
     from rlorch.orchestrator.loop import Orchestrator
     from rlorch.tasks import make_environment
 
-    started = time.monotonic()
     policy = PolicyVersion(0)
-    env = make_environment(config)
     engines, tokenizer, trainer = None, None, None
     try:
+        env = make_environment(config)
         engines, tokenizer = await start_inference(config, run_dir, policy)
         prompts = PromptSource(env, tokenizer=tokenizer, seed=config.run.seed)
         resume = None
@@ -93,7 +102,7 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
                          override=reward_override(config, config.run.seed))
         orchestrator = Orchestrator(config, run_dir=run_dir, policy=policy, engines=engines, trainer=trainer,
                                     work=work, prompts=prompts, resume=resume, started=started)
-        _install_signals(orchestrator)
+        signals.forward_to(orchestrator.request_shutdown)
         # The loop allocates a few small objects per rollout and may hold 10^5 in flight: freeze
         # what start-up built and collect the young generation less often, so collection cost
         # stays flat as the number in flight grows.
@@ -104,8 +113,17 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
             summary = await orchestrator.run()
         finally:
             await cancel_and_wait(progress)
+    except asyncio.CancelledError:
+        if signals.received is None:
+            raise
+        asyncio.current_task().uncancel()
+        summary = startup_summary(run_dir, status="interrupted", reason=signals.received, error=None,
+                                  step=_start_step(checkpoint), wall_s=time.monotonic() - started)
     except Exception as err:
         console.print(f"[bold red]run failed[/] {err}", highlight=False)
+        if not run_dir.summary.exists():
+            startup_summary(run_dir, status="failed", reason=None, error=str(err), step=_start_step(checkpoint),
+                            wall_s=time.monotonic() - started)
         return 1
     finally:
         if trainer is not None:
@@ -115,10 +133,10 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
     return _report(summary, run_dir)
 
 
-def _install_signals(orchestrator: Any) -> None:
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, orchestrator.request_shutdown, sig.name)
+def _start_step(checkpoint: Optional[Path]) -> int:
+    from rlorch.rundir import parse_step
+
+    return (parse_step(checkpoint.name) or 0) if checkpoint is not None else 0
 
 
 def _report(summary: dict, run_dir: RunDir) -> int:

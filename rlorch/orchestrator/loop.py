@@ -207,9 +207,9 @@ class Orchestrator:
             self.version_changed.clear()
             self._after_version()
 
-    def _after_version(self, evaluate: bool = True) -> None:
+    def _after_version(self, evaluate: bool = True, final: bool = False) -> None:
         extra = {"version": self.policy.value, **self.dispatcher.gauges(), "reload_s": self.watcher.reload_s}
-        for record in self.steps.ready(self.policy.value, extra):
+        for record in self.steps.ready(self.policy.value, extra, final=final):
             record["wall_s"] = round(time.monotonic() - self.started, 3)
             self.metrics.write(record)
             if evaluate and self.evaluations.due(record["step"]):
@@ -300,7 +300,7 @@ class Orchestrator:
             self._check_alarm()
         await self._wait_version(self.shipped)
         await self.trainer.stop(self.config.run.shutdown_timeout)
-        self._after_version()
+        self._after_version(final=True)
         self.evaluations.start(self.policy.value)
         pending = set(self.evaluations.tasks)
         while pending:
@@ -322,7 +322,7 @@ class Orchestrator:
             await asyncio.wait_for(self.watcher.poll_once(), max(0.5, deadline - time.monotonic()))
         except (asyncio.TimeoutError, OSError, RuntimeError):
             pass
-        self._after_version(evaluate=False)
+        self._after_version(evaluate=False, final=True)
         self.snapshots.finish(self.policy.value, abandoned=abandoned)
 
     def _summary(self, status: str, error: Optional[str]) -> dict:

@@ -25,7 +25,7 @@ from typing import Any, Optional
 from aiohttp import web
 
 from rlorch.lifecycle import cancel_and_wait
-from rlorch.serve.batcher import Batcher, LoadError, Sequence
+from rlorch.serve.batcher import Batcher, GenerationFailed, LoadError, Sequence
 from rlorch.serve.sampling import RequestError, RequestParams, is_int
 
 log = logging.getLogger("rlorch.serve")
@@ -137,6 +137,7 @@ class CpuServer:
                                weight_version=self.initial_version, min_step_time=self.min_step_time,
                                decode=self._decode)
         self._scheduler = asyncio.create_task(self.batcher.run(), name="rlorch-batcher")
+        self._scheduler.add_done_callback(_log_scheduler_failure)
 
     async def _on_cleanup(self, app: web.Application) -> None:
         await cancel_and_wait(self._scheduler)
@@ -177,6 +178,8 @@ class CpuServer:
         except asyncio.CancelledError:
             self.batcher.abort_sequences(seqs, "Abort: client disconnected.")
             raise
+        except GenerationFailed as err:
+            return _error(str(err), status=500)
         logprobs = body.get("return_logprob", False)
         answers = [self._answer(seq, bool(logprobs)) for seq in seqs]
         return web.json_response(answers if batched or len(seqs) > 1 else answers[0])
@@ -392,6 +395,12 @@ class CpuServer:
         message = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
                    "or waiting requests, the operation will not be performed.)\n")
         return web.Response(text=message, status=400 if busy else 200)
+
+
+def _log_scheduler_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("generation loop failed; answering 500 and failing health checks from now on",
+                  exc_info=task.exception())
 
 
 class ServerThread:

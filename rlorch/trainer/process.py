@@ -7,7 +7,10 @@ Batches reach it through the run directory (the orchestrator writes them before 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -16,6 +19,7 @@ from typing import Optional
 
 from rlorch.backends import trainer_backend
 from rlorch.config import Config, TrainerBackend
+from rlorch.lifecycle import ORCHESTRATOR_PID_ENV, kill_group, process_alive
 from rlorch.rundir import RunDir
 from rlorch.types import Batch
 
@@ -53,23 +57,26 @@ class TorchrunTrainer:
         self.resume = resume
         self.log = run_dir.logs / "trainer.log"
         self.process: Optional[subprocess.Popen] = None
+        self.log_start = 0
 
     async def start(self) -> None:
 
         ready = self.run_dir.trainer_ready
         ready.unlink(missing_ok=True)
         self.run_dir.stop_file.unlink(missing_ok=True)
+        shutil.rmtree(self.run_dir.trainer_workers, ignore_errors=True)
         command = trainer_command(self.config, self.run_dir.root, self.resume)
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1", ORCHESTRATOR_PID_ENV: str(os.getpid())}
         with open(self.log, "ab") as log:
+            self.log_start = log.tell()
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True)
         deadline = time.monotonic() + self.config.trainer.start_timeout
         while not ready.exists():
             if self.process.poll() is not None:
-                raise RuntimeError(f"trainer exited with code {self.process.returncode} before it was ready; "
-                                   f"{self.log}:\n{log_tail(self.log)}")
+                raise RuntimeError(f"trainer exited with code {self.process.returncode} before it was ready"
+                                   f"{_cause(self.log, self.log_start)}; {self.log}:\n{log_tail(self.log)}")
             if time.monotonic() > deadline:
                 await self.stop(5.0)
                 raise RuntimeError(f"trainer not ready after trainer.start_timeout="
@@ -88,7 +95,8 @@ class TorchrunTrainer:
             published = [version for version, _ in self.run_dir.published_weights()]
             if self.run_dir.stop_file.exists() or (published and published[-1] >= self.config.train.steps):
                 return None
-        return f"trainer exited with code {self.process.returncode}; {self.log}:\n{log_tail(self.log)}"
+        return (f"trainer exited with code {self.process.returncode}{_cause(self.log, self.log_start)}; "
+                f"{self.log}:\n{log_tail(self.log)}")
 
     async def stop(self, timeout: float) -> None:
         """Ask for a checkpoint of the last completed step and an exit; kill after ``timeout``."""
@@ -100,14 +108,52 @@ class TorchrunTrainer:
         while self.process.poll() is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.process.poll() is None:
-            import signal
-
-            os.killpg(self.process.pid, signal.SIGTERM)
+            kill_group(self.process.pid, signal.SIGTERM)
             try:
                 await asyncio.to_thread(self.process.wait, 5)
             except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
+                kill_group(self.process.pid, signal.SIGKILL)
                 await asyncio.to_thread(self.process.wait)
+        await self._kill_workers()
+
+    async def _kill_workers(self) -> None:
+        """Torchrun starts each rank in a session of its own, so killing torchrun's group
+        misses them, and a dead torchrun cannot stop them: every recorded rank still running
+        gets SIGTERM, then SIGKILL after 5 s."""
+        pids = [pid for pid in _worker_pids(self.run_dir) if kill_group(pid, signal.SIGTERM)]
+        deadline = time.monotonic() + 5.0
+        while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for pid in pids:
+            kill_group(pid, signal.SIGKILL)
+
+
+def _worker_pids(run_dir: RunDir) -> list[int]:
+    """The recorded trainer ranks that are still this run's trainer processes (a recycled
+    pid running something else is left alone)."""
+    pids = []
+    for path in sorted(run_dir.trainer_workers.glob("rank-*.json")):
+        try:
+            pid = int(json.loads(path.read_text())["pid"])
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if b"rlorch.trainer.fsdp" in command and str(run_dir.root).encode() in command:
+            pids.append(pid)
+    return pids
+
+
+def _cause(log: Path, start: int) -> str:
+    """The trainer's own one-line reason (``rlorch trainer: ...``), which torchrun's error
+    report can push out of the log's tail."""
+    try:
+        with open(log, "rb") as handle:
+            handle.seek(start)
+            lines = handle.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    causes = [line for line in lines if line.startswith("rlorch trainer: ")]
+    return f": {causes[-1].removeprefix('rlorch trainer: ')}" if causes else ""
 
 
 @trainer_backend(TrainerBackend.fsdp)
