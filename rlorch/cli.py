@@ -93,13 +93,15 @@ def serve(
     port: int = typer.Option(30000, "--port", help="Port to bind."),
     weight_version: str = typer.Option("0", "--weight-version", help="Version reported for the initial weights."),
     parent_pid: Optional[int] = typer.Option(None, "--parent-pid", help="Exit when this process is gone."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="RLORCH_API_KEY", show_envvar=True,
+                                          help="Require 'Authorization: Bearer KEY' on every endpoint but /health*."),
 ) -> None:
     """Run the CPU inference engine: a real HTTP server speaking SGLang's native API."""
     from rlorch.serve.server import serve_command
 
     config = _config_or_exit(overrides or [])
     raise typer.Exit(serve_command(config, host=host, port=port, weight_version=weight_version,
-                                   parent=parent_pid))
+                                   parent=parent_pid, api_key=api_key))
 
 
 def main() -> None:

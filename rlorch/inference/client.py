@@ -59,11 +59,13 @@ class SGLangEngine:
     """One SGLang-compatible server. Keeps one keep-alive ``aiohttp.ClientSession``."""
 
     def __init__(self, address: str, *, request_timeout: float = 300.0, control_timeout: float = 600.0,
-                 extra_params: Optional[dict] = None, name: Optional[str] = None):
+                 extra_params: Optional[dict] = None, name: Optional[str] = None, api_key: Optional[str] = None):
         """``request_timeout`` bounds each /generate call; ``control_timeout`` bounds pause, continue
         and weight updates. ``extra_params`` are added to every request's sampling_params
-        (e.g. ``{"ignore_eos": True}``)."""
+        (e.g. ``{"ignore_eos": True}``). ``api_key`` goes out as ``Authorization: Bearer`` (SGLang's
+        ``--api-key``)."""
         self.url = normalize_address(address)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.name = name or self.url.split("://", 1)[1]
         self.request_timeout = request_timeout
         self.control_timeout = control_timeout
@@ -85,7 +87,7 @@ class SGLangEngine:
         """One HTTP call; returns (status, parsed JSON or text). Transport failures raise
         :class:`EngineUnavailable`."""
         try:
-            async with self._client().request(method, self.url + path, json=payload,
+            async with self._client().request(method, self.url + path, json=payload, headers=self._headers,
                                               timeout=aiohttp.ClientTimeout(total=timeout)) as response:
                 body = await response.read()
                 status = response.status

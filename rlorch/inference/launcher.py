@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -31,10 +32,14 @@ from rlorch.backends import inference_backend
 from rlorch.config import Config, InferenceBackend
 from rlorch.inference.client import SGLangEngine
 from rlorch.inference.pool import EnginePool
+from rlorch.lifecycle import cancel_and_wait
 from rlorch.rundir import RunDir
 from rlorch.types import PolicyVersion
 
 LOG_TAIL_LINES = 40
+API_KEY_ENV = "RLORCH_API_KEY"
+"""A launched ``rlorch serve`` reads its per-run key here; with ``inference.addresses``, the key
+the client sends to servers started elsewhere (optional)."""
 
 
 class LaunchError(RuntimeError):
@@ -62,6 +67,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _cpu_command(config, *, model_path: Path, port: int, host: str) -> list[str]:
+    """The API key reaches ``rlorch serve`` through its environment (RLORCH_API_KEY), out of ``ps``."""
     inference = config.inference
     return [sys.executable, "-m", "rlorch.cli", "serve", "--host", host, "--port", str(port),
             "--parent-pid", str(os.getpid()),
@@ -71,6 +77,7 @@ def _cpu_command(config, *, model_path: Path, port: int, host: str) -> list[str]
 
 
 def _sglang_command(config, *, model_path: Path, port: int, host: str) -> list[str]:
+    """SGLang takes its API key only as ``--api-key`` (added by :func:`_spawn`)."""
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
             "--host", host, "--port", str(port), "--weight-version", "0", *config.inference.launch_args]
 
@@ -94,13 +101,18 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
     if inference.backend not in SERVER_COMMANDS:
         raise ValueError(f"inference.backend={inference.backend.value!r} is not launched by rlorch.inference.launcher")
     if inference.addresses:
+        api_key = os.environ.get(API_KEY_ENV) or None
         servers = [ServerProcess(i, a, None, None) for i, a in enumerate(inference.addresses)]
     else:
-        servers = [_spawn(config, i, log_dir=log_dir, model_path=model_path)
+        api_key = secrets.token_urlsafe(24)
+        servers = [_spawn(config, i, log_dir=log_dir, model_path=model_path, api_key=api_key)
                    for i in range(inference.num_servers)]
-    engines = [SGLangEngine(s.address, request_timeout=config.rollout.request_timeout) for s in servers]
+    engines = [SGLangEngine(s.address, request_timeout=config.rollout.request_timeout, api_key=api_key)
+               for s in servers]
+    monitor: list[asyncio.Task] = []
 
     async def shutdown() -> None:
+        await cancel_and_wait(*monitor)
         await stop_servers(servers, timeout=inference.shutdown_timeout)
 
     try:
@@ -110,17 +122,38 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
         await asyncio.gather(*(e.close() for e in engines), return_exceptions=True)
         await shutdown()
         raise
-    return EnginePool(engines, request_timeout=config.rollout.request_timeout,
+    pool = EnginePool(engines, request_timeout=config.rollout.request_timeout,
                       max_retries=config.rollout.max_retries, name=f"{inference.backend.value}-pool", on_close=shutdown)
+    monitor.append(asyncio.create_task(watch_exits(servers, engines, pool), name="server-exits"))
+    return pool
 
 
-def _spawn(config, index: int, *, log_dir: Path, model_path: Path) -> ServerProcess:
+async def watch_exits(servers: list[ServerProcess], engines: list[SGLangEngine], pool: EnginePool,
+                      interval: float = 0.5) -> None:
+    """A launched server that exits is out of the pool within ``interval`` seconds, its exit
+    status and the tail of its log in the reason (a launched process never comes back)."""
+    reported: set[int] = set()
+    while len(reported) < sum(s.process is not None for s in servers):
+        for server, engine in zip(servers, engines):
+            if server.index in reported or server.process is None or server.process.poll() is None:
+                continue
+            reported.add(server.index)
+            pool.mark_dead(engine.name, f"server {server.index} ({server.address}) exited with status "
+                                        f"{server.process.returncode}; log {server.log} ends:\n{server.tail(10)}")
+        await asyncio.sleep(interval)
+
+
+def _spawn(config, index: int, *, log_dir: Path, model_path: Path, api_key: str) -> ServerProcess:
     port = free_port()
     log = log_dir / f"server-{index}.log"
     command = server_command(config, model_path=model_path, port=port)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", API_KEY_ENV: api_key}
+    shown = list(command)
+    if config.inference.backend is InferenceBackend.sglang:
+        command += ["--api-key", api_key]
+        shown += ["--api-key", "***"]
     with open(log, "ab") as handle:
-        handle.write(f"$ {' '.join(command)}\n".encode())
+        handle.write(f"$ {' '.join(shown)}\n".encode())
         handle.flush()
         process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    env=env, start_new_session=True)

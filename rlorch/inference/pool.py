@@ -39,6 +39,7 @@ class EnginePool:
         self.probe_interval = probe_interval
         self._on_close = on_close
         self._up = {e.name: True for e in self.engines}
+        self._dead: dict[str, str] = {}
         self._in_flight = {e.name: 0 for e in self.engines}
         self._changed = asyncio.Event()
         self._reload_lock = asyncio.Lock()
@@ -60,6 +61,18 @@ class EnginePool:
         self._changed.set()
         self._ensure_probe()
 
+    def mark_dead(self, name: str, reason: str) -> None:
+        """Server ``name`` is gone for good (its process exited): out of rotation now, and once
+        every server is dead a request fails at once with ``reason`` instead of waiting."""
+        self._dead[name] = reason
+        for engine in self.engines:
+            if engine.name == name:
+                self._mark_down(engine, reason)
+
+    def _no_live_server(self, waited: str) -> EngineUnavailable:
+        dead = "; ".join(self._dead.values())
+        return EngineUnavailable(f"{self.name}: no live server{waited}" + (f": {dead}" if dead else ""))
+
     async def _pick(self) -> Server:
         """The live server with the fewest requests in flight (ties rotate); waits for one to
         come back when none is up, at most ``request_timeout``."""
@@ -70,10 +83,12 @@ class EnginePool:
                 self._turn += 1
                 order = live[self._turn % len(live):] + live[:self._turn % len(live)]
                 return min(order, key=lambda e: self._in_flight[e.name])
+            if len(self._dead) == len(self.engines):
+                raise self._no_live_server("")
             self._changed.clear()
             left = deadline - time.monotonic()
             if left <= 0:
-                raise EngineUnavailable(f"{self.name}: no live server for {self.request_timeout:.0f}s")
+                raise self._no_live_server(f" for {self.request_timeout:.0f}s")
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout=left)
             except asyncio.TimeoutError:
@@ -151,7 +166,7 @@ class EnginePool:
         async with self._reload_lock:
             live = self._live()
             if not live:
-                raise EngineUnavailable(f"{self.name}: no live server to load version {version}")
+                raise self._no_live_server(f" to load version {version}")
             failed = await self._each(live, lambda e: e.pause())
             try:
                 refused = {e.name for e, _ in failed}
@@ -187,9 +202,9 @@ class EnginePool:
     async def _probe_loop(self) -> None:
         """Bring down servers back once ``/health_generate`` answers and they hold the current
         checkpoint; exits when every server is up."""
-        while not all(self._up.values()):
+        while not all(self._up[e.name] or e.name in self._dead for e in self.engines):
             await asyncio.sleep(self.probe_interval)
-            for engine in [e for e in self.engines if not self._up[e.name]]:
+            for engine in [e for e in self.engines if not self._up[e.name] and e.name not in self._dead]:
                 if await engine.healthy():
                     await self._rejoin(engine)
 

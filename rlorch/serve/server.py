@@ -12,6 +12,7 @@ false, "message": ...}``) and never stop the server.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -48,12 +49,27 @@ def _error(message: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
 
+MAX_BODY_BYTES = 16 * 1024 * 1024
+"""The largest request body accepted (413 above it, before reading it)."""
+BODY_TIMEOUT_S = 10.0
+"""A request body must arrive within this many seconds (408 otherwise): a slow or stalled
+client cannot hold a connection and its buffer."""
+
+
 async def _json_body(request: web.Request, *, empty_ok: bool = False) -> dict:
-    raw = await request.read()
+    """The request's JSON object; a body over MAX_BODY_BYTES or slower than BODY_TIMEOUT_S
+    raises the aiohttp error that answers it (413, 408), and a large one is parsed off the
+    event loop."""
+    if (request.content_length or 0) > MAX_BODY_BYTES:
+        raise web.HTTPRequestEntityTooLarge(MAX_BODY_BYTES, request.content_length)
+    try:
+        raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise web.HTTPRequestTimeout(text=f"request body not received within {BODY_TIMEOUT_S:g}s") from None
     if not raw.strip() and empty_ok:
         return {}
     try:
-        body = json.loads(raw)
+        body = json.loads(raw) if len(raw) < 1 << 20 else await asyncio.to_thread(json.loads, raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise RequestError(f"invalid JSON body: {err}") from err
     if not isinstance(body, dict):
@@ -65,9 +81,11 @@ class CpuServer:
     """A causal LM behind SGLang's native HTTP API; one instance serves one model."""
 
     def __init__(self, model_path: Path, *, dtype: str = "float32", max_batch: int = 64, seed: int = 0,
-                 weight_version: str = "0", min_step_time: float = 0.0, threads: Optional[int] = None):
+                 weight_version: str = "0", min_step_time: float = 0.0, threads: Optional[int] = None,
+                 api_key: Optional[str] = None):
         """``threads`` sets torch's (process-wide) intra-op threads; ``min_step_time`` throttles
-        each decode step (seconds) to emulate a slower engine."""
+        each decode step (seconds) to emulate a slower engine; ``api_key`` guards every endpoint
+        but the health checks."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -89,6 +107,8 @@ class CpuServer:
         self.seed = seed
         self.min_step_time = min_step_time
         self.initial_version = weight_version
+        self.api_key = api_key
+        self.max_text_chars = self.context_len * max(len(t) for t in self.tokenizer.get_vocab())
         self.address = ""
         self.batcher: Optional[Batcher] = None
         self._scheduler: Optional[asyncio.Task] = None
@@ -108,7 +128,7 @@ class CpuServer:
     # ---- lifecycle ------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._authorize])
         routes = [
             web.post("/generate", self.generate),
             web.post("/update_weights_from_disk", self.update_weights_from_disk),
@@ -129,6 +149,16 @@ class CpuServer:
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
+
+    @web.middleware
+    async def _authorize(self, request: web.Request, handler) -> web.StreamResponse:
+        """With an API key (SGLang's ``--api-key``), every endpoint but the health checks needs
+        ``Authorization: Bearer <key>``."""
+        if self.api_key is None or request.path.startswith("/health") or request.method == "OPTIONS":
+            return await handler(request)
+        if not hmac.compare_digest(request.headers.get("Authorization", ""), f"Bearer {self.api_key}"):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     async def _on_startup(self, app: web.Application) -> None:
         pad = self.tokenizer.pad_token_id
@@ -163,7 +193,7 @@ class CpuServer:
     async def generate(self, request: web.Request) -> web.Response:
         try:
             body = await _json_body(request)
-            prompts, params, rids, batched = self._parse_generate(body)
+            prompts, params, rids, batched = await asyncio.to_thread(self._parse_generate, body)
         except RequestError as err:
             return _error(str(err))
         loop = asyncio.get_running_loop()
@@ -207,6 +237,9 @@ class CpuServer:
         texts = text if batched else [text]
         if not texts or not all(isinstance(t, str) for t in texts):
             raise RequestError("text must be a string or a non-empty list of strings")
+        if any(len(t) > self.max_text_chars for t in texts):
+            raise RequestError(f"text longer than {self.max_text_chars} characters cannot fit the model's "
+                               f"context length ({self.context_len} tokens)")
         prompts = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
         return self._check_prompts(prompts, "text"), batched
 
@@ -452,7 +485,7 @@ async def _serve_until_signal(server: CpuServer, host: str, port: int, parent: O
 
 
 def serve_command(config, *, host: str, port: int, weight_version: str = "0",
-                  parent: Optional[int] = None) -> int:
+                  parent: Optional[int] = None, api_key: Optional[str] = None) -> int:
     """Run the CPU engine until SIGINT/SIGTERM (or until process ``parent`` is gone); the exit
     status (2 for a bad model path)."""
     from rlorch.config import ConfigError
@@ -465,6 +498,7 @@ def serve_command(config, *, host: str, port: int, weight_version: str = "0",
         log.error("cannot serve: %s", err)
         return 2
     server = CpuServer(path, dtype=config.model.dtype, max_batch=config.inference.cpu.max_batch,
-                       seed=config.run.seed, weight_version=weight_version, threads=config.inference.cpu.threads)
+                       seed=config.run.seed, weight_version=weight_version, threads=config.inference.cpu.threads,
+                       api_key=api_key or None)
     asyncio.run(_serve_until_signal(server, host, port, parent))
     return 0
