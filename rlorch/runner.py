@@ -84,7 +84,7 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
     from rlorch.tasks import make_environment
 
     policy = PolicyVersion(0)
-    engines, tokenizer, trainer = None, None, None
+    engines, tokenizer, trainer, orchestrator = None, None, None, None
     try:
         env = make_environment(config)
         engines, tokenizer = await start_inference(config, run_dir, policy)
@@ -121,7 +121,7 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
                                   step=_start_step(checkpoint), wall_s=time.monotonic() - started)
     except Exception as err:
         console.print(f"[bold red]run failed[/] {err}", highlight=False)
-        if not run_dir.summary.exists():
+        if orchestrator is None:
             startup_summary(run_dir, status="failed", reason=None, error=str(err), step=_start_step(checkpoint),
                             wall_s=time.monotonic() - started)
         return 1

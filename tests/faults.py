@@ -123,7 +123,11 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 def summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
+    """The run's summary.json ({} with status "none" when there is none)."""
+    path = run_dir / "summary.json"
+    if not path.exists():
+        return {"status": "none", "lost": None, "error": None, "checkpoint": None, "steps": 0}
+    return json.loads(path.read_text())
 
 
 def duplicate_groups(run_dir: Path) -> int:
@@ -250,6 +254,9 @@ def kill_engine(tmp: Path) -> Outcome:
     result = summary(run_dir)
     out.lost, out.duplicates = result["lost"], duplicate_groups(run_dir)
     out.check("server-0.log" in (result["error"] or ""), f"error does not name the engine's log: {result['error']}")
+    complete = sorted(p.parent.parent for p in (run_dir / "checkpoints").glob("step_*/trainer/COMPLETE"))
+    out.check(bool(complete) and all((p / "orchestrator.json").exists() for p in complete)
+              and result["checkpoint"] == str(complete[-1]), f"checkpoints {complete} vs {result['checkpoint']}")
     out.check(out.lost == 0 and out.leftovers == 0, "lost/leftovers")
     return out.done()
 
@@ -375,8 +382,8 @@ def two_processes_one_run_dir(tmp: Path) -> Outcome:
 
 
 def disk_full(tmp: Path) -> Outcome:
-    """A file-size limit (RLIMIT_FSIZE) stands in for a full disk: the run fails with a clear
-    message instead of hanging, and a retry in a new directory works."""
+    """A file-size limit (RLIMIT_FSIZE) stands in for a full disk: the run stops with the file
+    and the error named, checkpoints what it has (lost = 0), and resumes once there is room."""
     out, run_dir = Outcome("disk full (RLIMIT_FSIZE)"), tmp / "full"
     limit = 64 * 1024
 
@@ -389,8 +396,20 @@ def disk_full(tmp: Path) -> Outcome:
     out.exit_s = round(time.monotonic() - started, 2)
     out.leftovers = leftovers_after(run.tag, 0)
     out.check(code == 1, f"exit {code}: {run.output[-600:]}")
-    out.check("File too large" in run.output or "EFBIG" in run.output, f"no cause named: {run.output[-600:]}")
+    out.check("File too large" in run.output and "metrics.jsonl" in run.output, f"no cause named: {run.output[-600:]}")
     out.check("Traceback" not in run.output, "a traceback instead of a message")
+    first = summary(run_dir)
+    out.check(bool(first.get("checkpoint")), f"no checkpoint: {first}")
+    if first.get("checkpoint"):
+        stopped = first["steps"]
+        before = step_files(run_dir, stopped)
+        resumed = Run("resume", f"checkpoint={first['checkpoint']}", f"train.steps={stopped + 5}", *SIM[1:])
+        code = resumed.wait(120)
+        out.check(code == 0, f"resume exited {code}: {resumed.output[-600:]}")
+        out.check(step_files(run_dir, stopped) == before, "earlier batches changed")
+    result = summary(run_dir)
+    out.lost, out.duplicates = max(first["lost"] or 0, result["lost"] or 0), duplicate_groups(run_dir)
+    out.check(out.lost == 0 and out.duplicates == 0, "lost/duplicates")
     return out.done()
 
 
@@ -483,6 +502,15 @@ def _status(url: str) -> int:
         return err.code
     except (OSError, urllib.error.URLError):
         return 0
+
+
+def run_case(name: str, tmp: Path) -> Outcome:
+    """Run case ``name``; a case that raises (it timed out waiting, a file is missing) fails with
+    the exception as its note."""
+    try:
+        return CASES[name](tmp)
+    except Exception as err:
+        return Outcome(name, notes=[f"{type(err).__name__}: {err}"]).done()
 
 
 CASES: dict[str, Callable[[Path], Outcome]] = {

@@ -165,6 +165,7 @@ class Orchestrator:
                             "pending_limit": self.gate.pending_limit})
         alarm_task = asyncio.create_task(self.alarm.wait())
         helpers = [asyncio.create_task(self._health_loop()), asyncio.create_task(self._bookkeeping_loop())]
+        helpers[1].add_done_callback(self._on_bookkeeping_done)
         await self.metrics.start()
         if self.config.eval.enabled:
             await self.evaluations.run(self.policy.value)
@@ -199,6 +200,8 @@ class Orchestrator:
             problem = self.trainer.error()
             if problem:
                 self._raise_alarm(StopReason(StopKind.trainer, problem))
+            if self.metrics.failure:
+                self._raise_alarm(StopReason(StopKind.bookkeeping, self.metrics.failure))
 
     async def _bookkeeping_loop(self) -> None:
         """After each version bump: the resume check, step records, evaluations, snapshots."""
@@ -206,6 +209,11 @@ class Orchestrator:
             await self.version_changed.wait()
             self.version_changed.clear()
             self._after_version()
+
+    def _on_bookkeeping_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            error = task.exception()
+            self._raise_alarm(StopReason(StopKind.bookkeeping, f"bookkeeping failed: {type(error).__name__}: {error}"))
 
     def _after_version(self, evaluate: bool = True, final: bool = False) -> None:
         extra = {"version": self.policy.value, **self.dispatcher.gauges(), "reload_s": self.watcher.reload_s}
@@ -323,7 +331,9 @@ class Orchestrator:
         except (asyncio.TimeoutError, OSError, RuntimeError):
             pass
         self._after_version(evaluate=False, final=True)
-        self.snapshots.finish(self.policy.value, abandoned=abandoned)
+        # The trainer may be ahead of the engines (a reload failed): its checkpoints up to the
+        # last shipped batch are complete states of this run and get theirs too.
+        self.snapshots.finish(max(self.policy.value, self.shipped), abandoned=abandoned)
 
     def _summary(self, status: str, error: Optional[str]) -> dict:
         reason = self.stop_reason

@@ -24,7 +24,9 @@ class MetricsLoop:
         self.interval = interval
         self.gauges = gauges
         self.started = time.monotonic()
+        self.path = path
         self._file = open(path, "a", buffering=1)
+        self.failure: Optional[str] = None
         self._task: Optional[asyncio.Task] = None
         self._tensorboard = None
 
@@ -45,8 +47,17 @@ class MetricsLoop:
         return merged
 
     def write(self, record: dict) -> None:
+        """Append one record. Metrics are observations: a failed write (a full disk) does not
+        raise into the loop; it is kept in ``failure``, which the orchestrator turns into its
+        stop reason, and later records are dropped."""
+        if self.failure is not None:
+            return
         record = {"time": round(time.monotonic() - self.started, 4), **record}
-        self._file.write(json.dumps(record) + "\n")
+        try:
+            self._file.write(json.dumps(record) + "\n")
+        except OSError as err:
+            self.failure = f"writing {self.path} failed: {err}"
+            return
         if self._tensorboard is not None and record.get("kind") == "step":
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key not in ("step", "time"):
@@ -63,9 +74,13 @@ class MetricsLoop:
     async def stop(self, timeout: Optional[float] = None) -> None:
         await cancel_and_wait(self._task, timeout=timeout)
         self._task = None
-        self._file.flush()
+        if self.failure is None:
+            self._file.flush()
         if self._tensorboard is not None:
             self._tensorboard.close()
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:
+            pass
