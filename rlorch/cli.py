@@ -36,6 +36,21 @@ def _config_or_exit(overrides: list[str]):
         raise typer.Exit(2)
 
 
+def _preflight_or_exit(config) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    from rlorch.config import ConfigError
+    from rlorch.preflight import preflight
+
+    try:
+        preflight(config)
+    except ConfigError as err:
+        Console(stderr=True).print(f"[bold red]invalid config[/] [bold]{escape(err.key)}[/]: "
+                                   f"{escape(str(err).split(': ', 1)[-1])}", highlight=False)
+        raise typer.Exit(2)
+
+
 @app.command()
 def train(overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP)) -> None:
     """Run an RL job: engines, trainer and the orchestrator, into a new run directory."""
@@ -80,6 +95,7 @@ def validate_config(overrides: Optional[List[str]] = typer.Argument(None, help=O
     from rlorch.summary import config_summary
 
     config = _config_or_exit(overrides or [])
+    _preflight_or_exit(config)
     console = Console()
     console.print(config_summary(config))
     for warning in warnings_for(config):

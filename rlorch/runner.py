@@ -45,11 +45,18 @@ def new_run_dir(config: Config) -> RunDir:
 
 
 def run_training(config: Config, overrides: list[str]) -> int:
+    from rlorch.preflight import preflight
+
     try:
+        preflight(config)
         run_dir = new_run_dir(config)
         lock = RunLock(run_dir.root).acquire()
-    except (ConfigError, OSError) as err:
+    except ConfigError as err:
         console.print(f"[bold red]invalid config[/] {err}", highlight=False)
+        return 2
+    except OSError as err:
+        console.print(f"[bold red]invalid config[/] run.dir: cannot create {config.run.dir or 'outputs/'}: "
+                      f"{err.strerror or err}", highlight=False)
         return 2
     with lock:
         config.run.dir = str(run_dir.root)

@@ -243,6 +243,10 @@ def simulate_command(overrides: list[str], *, json_lines: bool, plot: Optional[s
     from rich.markup import escape
 
     try:
+        if plot:
+            from rlorch.preflight import writable_file
+
+            writable_file(plot, "--plot")
         results = simulate(overrides)
     except ConfigError as err:
         Console(stderr=True).print(f"[bold red]invalid config[/] [bold]{escape(err.key)}[/]: "

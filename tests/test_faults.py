@@ -97,7 +97,7 @@ def test_a_truncated_trainer_state_is_named_with_its_exception(tmp_path):
     digest = faults.tree_digest(run_dir)
     run = faults.Run("resume", f"checkpoint={run_dir}/checkpoints/step_000010")
     assert run.wait(60) == 2
-    assert "trainer_state.json: unreadable (JSONDecodeError" in run.output.replace("\n", "")
+    assert "trainer_state.json: unreadable (JSONDecodeError" in " ".join(run.output.split())
     assert faults.tree_digest(run_dir) == digest
 
 
@@ -117,12 +117,47 @@ def test_the_run_lock_names_its_holder_and_is_taken_over_after_it(tmp_path):
 
 def test_a_failed_start_does_not_block_a_retry_with_the_same_run_dir(tmp_path):
     run_dir = tmp_path / "retry"
-    failed = faults.Run("train", f"run.dir={run_dir}", *faults.SIM, "data.path=/nonexistent/prompts.jsonl")
-    assert failed.wait(60) != 0
+    failed = faults.Run("train", f"run.dir={run_dir}", *faults.SIM, "inference=cpu", "inference.ready_timeout=0.01")
+    assert failed.wait(60) == 1 and "not ready after" in failed.output, failed.output
+    assert faults.summary(run_dir)["status"] == "failed" and faults.leftovers_after(failed.tag) == 0
     again = faults.Run("train", f"run.dir={run_dir}", *faults.SIM, "train.steps=3")
     assert again.wait(60) == 0, again.output
     assert faults.summary(run_dir)["status"] == "completed"
     assert list(run_dir.glob("failed-start-*/config.yaml"))
+
+
+def test_bad_input_gets_one_line_naming_the_file_and_line_and_leaves_no_run_dir(tmp_path):
+    cases = {"bad.jsonl": (b'{"prompt": "a", "answer": "b"}\n{bad\n', "bad.jsonl:2: not valid JSON"),
+             "empty.jsonl": (b"", "empty.jsonl: no examples"),
+             "missing.jsonl": (b'{"prompt": "a"}\n', "missing.jsonl:1: missing key(s) 'answer'"),
+             "latin.jsonl": (b'{"prompt": "a", "answer": "b"}\n\xff\xfe\n', "latin.jsonl:2: not UTF-8")}
+    for name, (content, expected) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        for command in ("train", "validate-config"):
+            run = faults.Run(command, *faults.SIM, f"run.dir={tmp_path / 'run'}", f"data.path={tmp_path / name}")
+            assert run.wait(60) == 2, run.output
+            assert expected in " ".join(run.output.split()) and "Traceback" not in run.output, run.output
+    assert not (tmp_path / "run").exists()
+    checks = [(("train", *faults.SIM, "task.name=nope"), "task.name: unknown task 'nope'"),
+              (("validate-config", "model.path=/nonexistent"), "model.path: /nonexistent is not an HF model"),
+              (("train", *faults.SIM, f"run.dir={tmp_path / 'file' / 'run'}"), "run.dir: cannot create"),
+              (("simulate", "--plot", str(tmp_path / "nodir" / "x.png")), "--plot:")]
+    (tmp_path / "file").write_text("")
+    for args, expected in checks:
+        run = faults.Run(*args)
+        assert run.wait(60) == 2 and expected in " ".join(run.output.split()), run.output
+        assert "Traceback" not in run.output, run.output
+
+
+def test_serve_on_a_busy_port_says_so_in_one_line(model_dir):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        run = faults.Run("serve", "--port", str(busy.getsockname()[1]), f"model.path={model_dir}")
+        assert run.wait(120) == 2
+    assert "cannot serve on 127.0.0.1" in run.output and "Traceback" not in run.output, run.output
 
 
 # ---- non-finite numbers ---------------------------------------------------------------------

@@ -500,5 +500,9 @@ def serve_command(config, *, host: str, port: int, weight_version: str = "0",
     server = CpuServer(path, dtype=config.model.dtype, max_batch=config.inference.cpu.max_batch,
                        seed=config.run.seed, weight_version=weight_version, threads=config.inference.cpu.threads,
                        api_key=api_key or None)
-    asyncio.run(_serve_until_signal(server, host, port, parent))
+    try:
+        asyncio.run(_serve_until_signal(server, host, port, parent))
+    except OSError as err:
+        log.error("cannot serve on %s:%d: %s", host, port, err.strerror or err)
+        return 2
     return 0
