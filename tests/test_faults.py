@@ -69,9 +69,23 @@ def test_sigint_twice_mid_run_checkpoints_once_and_the_resume_repeats_nothing(tm
 
 
 @pytest.mark.slow
-def test_non_finite_gradients_fail_the_run_naming_the_steps(tmp_path):
-    outcome = faults.non_finite_training(tmp_path)
-    assert outcome.ok and outcome.leftovers == 0 and outcome.lost == 0, outcome.notes
+def test_weights_that_overflow_the_engine_fail_the_run_instead_of_hanging(tmp_path):
+    assert_clean(faults.non_finite_training(tmp_path), exit_within=240)
+
+
+@pytest.mark.slow
+def test_the_trainer_skips_non_finite_gradients_and_fails_on_the_third_in_a_row(tmp_path):
+    import test_trainer as trainer
+
+    run, config = trainer._make_run(tmp_path / "run", "train.steps=5", "trainer.correction=none",
+                                    "rollout.max_staleness=0")
+    for step in range(1, 6):
+        trainer._write_batch(run, step, [trainer._rollout("123=", "321", 1.0, logprob=-1e30),
+                                         trainer._rollout("123=", "999", -1.0, logprob=-1e30)])
+    code, output = trainer._finish(trainer._launch(config, run))
+    assert code != 0 and "non-finite gradients at steps 1..3" in output, output
+    assert [(m["step"], m["skipped_updates"]) for m in trainer._metrics(run)] == [(1, 1), (2, 1)]
+    assert [step for step, _ in run.published_weights()] == [1, 2]
 
 
 # ---- the run directory ----------------------------------------------------------------------

@@ -40,6 +40,7 @@ class EnginePool:
         self._on_close = on_close
         self._up = {e.name: True for e in self.engines}
         self._dead: dict[str, str] = {}
+        self._down_reason: dict[str, str] = {}
         self._in_flight = {e.name: 0 for e in self.engines}
         self._changed = asyncio.Event()
         self._reload_lock = asyncio.Lock()
@@ -58,6 +59,7 @@ class EnginePool:
         if self._up[engine.name]:
             log.warning("%s: server %s marked down: %s", self.name, engine.name, reason)
         self._up[engine.name] = False
+        self._down_reason[engine.name] = reason
         self._changed.set()
         self._ensure_probe()
 
@@ -70,8 +72,10 @@ class EnginePool:
                 self._mark_down(engine, reason)
 
     def _no_live_server(self, waited: str) -> EngineUnavailable:
-        dead = "; ".join(self._dead.values())
-        return EngineUnavailable(f"{self.name}: no live server{waited}" + (f": {dead}" if dead else ""))
+        """Names every server and why it is down (a dead one: its exit status and log tail)."""
+        reasons = "; ".join(self._dead.get(e.name) or f"{e.name}: {self._down_reason.get(e.name, 'down')}"
+                            for e in self.engines)
+        return EngineUnavailable(f"{self.name}: no live server{waited}: {reasons}")
 
     async def _pick(self) -> Server:
         """The live server with the fewest requests in flight (ties rotate); waits for one to
