@@ -223,6 +223,24 @@ def test_serve_refuses_an_oversized_body_and_times_out_a_slow_client(tmp_path):
     assert_clean(faults.serve_limits(tmp_path), exit_within=5)
 
 
+def test_serve_checks_sizes_before_reading_or_tokenising(model_dir):
+    from rlorch.serve.server import MAX_BODY_BYTES, CpuServer, ServerThread
+
+    server = CpuServer(model_dir, threads=1)
+    thread = ServerThread(server)
+    base = f"http://{thread.address}"
+    try:
+        text = json.dumps({"text": "1" * (server.max_text_chars + 1)}).encode()
+        too_long = urllib.request.Request(f"{base}/generate", data=text)
+        assert _status(too_long) == 400
+        declared = urllib.request.Request(f"{base}/generate", data=b"{}",
+                                          headers={"Content-Length": str(MAX_BODY_BYTES + 1)})
+        assert _status(declared) == 413
+        assert _status(f"{base}/health") == 200
+    finally:
+        thread.stop()
+
+
 def test_serve_with_an_api_key_refuses_requests_without_it(model_dir):
     from rlorch.inference.client import EngineError, SGLangEngine
     from rlorch.serve.server import CpuServer, ServerThread

@@ -54,6 +54,8 @@ MAX_BODY_BYTES = 16 * 1024 * 1024
 BODY_TIMEOUT_S = 10.0
 """A request body must arrive within this many seconds (408 otherwise): a slow or stalled
 client cannot hold a connection and its buffer."""
+IDLE_TIMEOUT_S = 15.0
+"""A kept-alive connection with no request for this long is closed."""
 
 
 async def _json_body(request: web.Request, *, empty_ok: bool = False) -> dict:
@@ -65,7 +67,8 @@ async def _json_body(request: web.Request, *, empty_ok: bool = False) -> dict:
     try:
         raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
     except asyncio.TimeoutError:
-        raise web.HTTPRequestTimeout(text=f"request body not received within {BODY_TIMEOUT_S:g}s") from None
+        raise web.HTTPRequestTimeout(text=f"request body not received within {BODY_TIMEOUT_S:g}s",
+                                     headers={"Connection": "close"}) from None
     if not raw.strip() and empty_ok:
         return {}
     try:
@@ -177,7 +180,8 @@ class CpuServer:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Bind and serve in the running loop; return ``host:port`` (the real port when 0)."""
         self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False,
-                                     handler_cancellation=True, shutdown_timeout=5.0)
+                                     handler_cancellation=True, shutdown_timeout=5.0,
+                                     keepalive_timeout=IDLE_TIMEOUT_S)
         await self._runner.setup()
         await web.TCPSite(self._runner, host, port).start()
         self.address = f"{host}:{self._runner.addresses[0][1]}"
