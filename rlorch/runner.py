@@ -17,7 +17,7 @@ from rich.console import Console
 
 from rlorch.config import Config, ConfigError
 from rlorch.lifecycle import cancel_and_wait
-from rlorch.rundir import RunDir, save_config
+from rlorch.rundir import RunDir, parse_step, save_config
 from rlorch.runlock import RunLock, set_aside_failed_start
 from rlorch.signals import SignalRelay, startup_summary
 from rlorch.types import PolicyVersion
@@ -134,15 +134,14 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
         return 1
     finally:
         if trainer is not None:
-            await trainer.stop(config.run.shutdown_timeout)
+            # Interrupted in start-up, the trainer has nothing to checkpoint: no need to wait.
+            await trainer.stop(config.run.shutdown_timeout if orchestrator is not None else 2.0)
         if engines is not None:
             await engines.close()
     return _report(summary, run_dir)
 
 
 def _start_step(checkpoint: Optional[Path]) -> int:
-    from rlorch.rundir import parse_step
-
     return (parse_step(checkpoint.name) or 0) if checkpoint is not None else 0
 
 

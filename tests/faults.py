@@ -238,9 +238,7 @@ def kill_engine(tmp: Path) -> Outcome:
     run = Run("train", "conf=sync", f"run.dir={run_dir}", "train.steps=200", "rollout.max_new_tokens=100",
               "rollout.request_timeout=60", *REAL)
     try:
-        wait_for(lambda: (run_dir / "trainer" / "ready").exists() and (run_dir / "servers.json").exists(),
-                 240, "trainer ready")
-        time.sleep(1.0)
+        wait_for(lambda: trainer_steps(run_dir) >= 1, 240, "a trainer step")
         engine = json.loads((run_dir / "servers.json").read_text())[0]["pid"]
         killed = time.monotonic()
         os.kill(engine, signal.SIGKILL)
@@ -255,8 +253,9 @@ def kill_engine(tmp: Path) -> Outcome:
     out.lost, out.duplicates = result["lost"], duplicate_groups(run_dir)
     out.check("server-0.log" in (result["error"] or ""), f"error does not name the engine's log: {result['error']}")
     complete = sorted(p.parent.parent for p in (run_dir / "checkpoints").glob("step_*/trainer/COMPLETE"))
-    out.check(bool(complete) and all((p / "orchestrator.json").exists() for p in complete)
-              and result["checkpoint"] == str(complete[-1]), f"checkpoints {complete} vs {result['checkpoint']}")
+    out.check(all((p / "orchestrator.json").exists() for p in complete)
+              and result["checkpoint"] == (str(complete[-1]) if complete else None),
+              f"complete checkpoints {complete}, summary names {result['checkpoint']}")
     out.check(out.lost == 0 and out.leftovers == 0, "lost/leftovers")
     return out.done()
 
@@ -288,7 +287,7 @@ def signal_twice_midrun_then_resume(tmp: Path, sig: signal.Signals = signal.SIGI
     out, run_dir = Outcome(f"{sig.name} twice mid-run, resume"), tmp / f"twice-{sig.name}"
     run = Run("train", f"run.dir={run_dir}", "train.steps=40", *REAL)
     try:
-        wait_for(lambda: trainer_steps(run_dir) >= 4, 240, "four trainer steps")
+        wait_for(lambda: trainer_steps(run_dir) >= 2, 240, "two trainer steps")
         sent = time.monotonic()
         os.kill(run.pid, sig)
         time.sleep(0.3)
@@ -447,7 +446,8 @@ def non_finite_training(tmp: Path) -> Outcome:
 
 def serve_limits(tmp: Path) -> Outcome:
     """`rlorch serve` against an oversized body and a slow client: a 413 at once, the slow
-    connection closed, the server answering health checks throughout."""
+    connection timed out (BODY_TIMEOUT_S), the server answering health checks throughout. (Idle
+    connections close after IDLE_TIMEOUT_S = 75 s; the suite checks that with shorter limits.)"""
     import urllib.error
     import urllib.request
 
@@ -469,27 +469,35 @@ def serve_limits(tmp: Path) -> Outcome:
             status = 413
         out.exit_s = round(time.monotonic() - started, 2)
         out.check(status == 413, f"50 MB body answered {status}")
-        slow = socket.create_connection(("127.0.0.1", port))
-        slow.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
-        idle = socket.create_connection(("127.0.0.1", port))
-        out.check(_status(f"{base}/health") == 200, "health does not answer beside slow clients")
-        opened = time.monotonic()
-        for name, connection in (("slow body", slow), ("idle", idle)):
-            connection.settimeout(60)
-            try:
-                while connection.recv(4096):
-                    pass
-                closed = True
-            except (socket.timeout, ConnectionError):
-                closed = False
-            out.check(closed and time.monotonic() - opened < 30, f"the {name} connection was not timed out")
-            connection.close()
+        out.check(slow_and_idle_closed(port, within=30, idle=False) == [], "the slow connection stayed open")
     finally:
         os.kill(run.pid, signal.SIGTERM)
         run.wait(30)
         run.kill_all()
     out.leftovers = leftovers_after(run.tag, 0)
     return out.done()
+
+
+def slow_and_idle_closed(port: int, *, within: float, idle: bool = True) -> list[str]:
+    """Open a connection that stalls mid-body (and one that sends nothing); return the ones the
+    server did not close within ``within`` seconds, and "health" if it stopped answering."""
+    connections = [("slow body", socket.create_connection(("127.0.0.1", port)))]
+    connections[0][1].sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    if idle:
+        connections.append(("idle", socket.create_connection(("127.0.0.1", port))))
+    stuck = [] if _status(f"http://127.0.0.1:{port}/health") == 200 else ["health"]
+    opened = time.monotonic()
+    for name, connection in connections:
+        connection.settimeout(within)
+        try:
+            while connection.recv(4096):
+                pass
+        except (socket.timeout, ConnectionError):
+            pass
+        if time.monotonic() - opened >= within:
+            stuck.append(name)
+        connection.close()
+    return stuck
 
 
 def _free_port() -> int:

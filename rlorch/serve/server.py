@@ -52,10 +52,12 @@ def _error(message: str, status: int = 400) -> web.Response:
 MAX_BODY_BYTES = 16 * 1024 * 1024
 """The largest request body accepted (413 above it, before reading it)."""
 BODY_TIMEOUT_S = 10.0
-"""A request body must arrive within this many seconds (408 otherwise): a slow or stalled
-client cannot hold a connection and its buffer."""
-IDLE_TIMEOUT_S = 15.0
-"""A kept-alive connection with no request for this long is closed."""
+"""By default a request body must arrive within this many seconds (408 otherwise): a slow or
+stalled client cannot hold a connection and its buffer."""
+IDLE_TIMEOUT_S = 75.0
+"""By default a connection with no request for this long is closed (longer than the client's
+own 60 s keep-alive, so the client closes first and never reuses a connection being closed)."""
+_BODY_TIMEOUT = web.AppKey("body_timeout", float)
 
 
 async def _json_body(request: web.Request, *, empty_ok: bool = False) -> dict:
@@ -64,10 +66,11 @@ async def _json_body(request: web.Request, *, empty_ok: bool = False) -> dict:
     event loop."""
     if (request.content_length or 0) > MAX_BODY_BYTES:
         raise web.HTTPRequestEntityTooLarge(MAX_BODY_BYTES, request.content_length)
+    timeout = request.app.get(_BODY_TIMEOUT, BODY_TIMEOUT_S)
     try:
-        raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+        raw = await asyncio.wait_for(request.read(), timeout)
     except asyncio.TimeoutError:
-        raise web.HTTPRequestTimeout(text=f"request body not received within {BODY_TIMEOUT_S:g}s",
+        raise web.HTTPRequestTimeout(text=f"request body not received within {timeout:g}s",
                                      headers={"Connection": "close"}) from None
     if not raw.strip() and empty_ok:
         return {}
@@ -85,10 +88,12 @@ class CpuServer:
 
     def __init__(self, model_path: Path, *, dtype: str = "float32", max_batch: int = 64, seed: int = 0,
                  weight_version: str = "0", min_step_time: float = 0.0, threads: Optional[int] = None,
-                 api_key: Optional[str] = None):
+                 api_key: Optional[str] = None, body_timeout: float = BODY_TIMEOUT_S,
+                 idle_timeout: float = IDLE_TIMEOUT_S):
         """``threads`` sets torch's (process-wide) intra-op threads; ``min_step_time`` throttles
         each decode step (seconds) to emulate a slower engine; ``api_key`` guards every endpoint
-        but the health checks."""
+        but the health checks; ``body_timeout`` and ``idle_timeout`` bound slow and idle
+        connections (seconds)."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -111,6 +116,7 @@ class CpuServer:
         self.min_step_time = min_step_time
         self.initial_version = weight_version
         self.api_key = api_key
+        self.body_timeout, self.idle_timeout = body_timeout, idle_timeout
         self.max_text_chars = self.context_len * max(len(t) for t in self.tokenizer.get_vocab())
         self.address = ""
         self.batcher: Optional[Batcher] = None
@@ -149,6 +155,7 @@ class CpuServer:
             web.post("/flush_cache", self.flush_cache),
         ]
         app.add_routes(routes)
+        app[_BODY_TIMEOUT] = self.body_timeout
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -181,7 +188,7 @@ class CpuServer:
         """Bind and serve in the running loop; return ``host:port`` (the real port when 0)."""
         self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False,
                                      handler_cancellation=True, shutdown_timeout=5.0,
-                                     keepalive_timeout=IDLE_TIMEOUT_S)
+                                     keepalive_timeout=self.idle_timeout, lingering_time=1.0)
         await self._runner.setup()
         await web.TCPSite(self._runner, host, port).start()
         self.address = f"{host}:{self._runner.addresses[0][1]}"
