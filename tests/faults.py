@@ -60,7 +60,7 @@ class Run:
 
     def __init__(self, *args: str, env: Optional[dict] = None, preexec: Optional[Callable] = None):
         self.tag = uuid.uuid4().hex
-        self.env = {**(env or os.environ), TAG: self.tag, "PYTHONUNBUFFERED": "1"}
+        self.env = {**(env or os.environ), TAG: self.tag, "PYTHONUNBUFFERED": "1", "COLUMNS": "400"}
         self.process = subprocess.Popen([sys.executable, "-m", "rlorch.cli", *args], env=self.env,
                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                          start_new_session=True, preexec_fn=preexec)

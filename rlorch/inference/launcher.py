@@ -122,24 +122,33 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
         await asyncio.gather(*(e.close() for e in engines), return_exceptions=True)
         await shutdown()
         raise
+    by_name = {engine.name: server for engine, server in zip(engines, servers)}
     pool = EnginePool(engines, request_timeout=config.rollout.request_timeout,
-                      max_retries=config.rollout.max_retries, name=f"{inference.backend.value}-pool", on_close=shutdown)
-    monitor.append(asyncio.create_task(watch_exits(servers, engines, pool), name="server-exits"))
+                      max_retries=config.rollout.max_retries, name=f"{inference.backend.value}-pool", on_close=shutdown,
+                      diagnose=lambda name: exit_reason(by_name[name]))
+    monitor.append(asyncio.create_task(watch_exits(by_name, pool), name="server-exits"))
     return pool
 
 
-async def watch_exits(servers: list[ServerProcess], engines: list[SGLangEngine], pool: EnginePool,
-                      interval: float = 0.5) -> None:
-    """A launched server that exits is out of the pool within ``interval`` seconds, its exit
-    status and the tail of its log in the reason (a launched process never comes back)."""
-    reported: set[int] = set()
-    while len(reported) < sum(s.process is not None for s in servers):
-        for server, engine in zip(servers, engines):
-            if server.index in reported or server.process is None or server.process.poll() is None:
-                continue
-            reported.add(server.index)
-            pool.mark_dead(engine.name, f"server {server.index} ({server.address}) exited with status "
-                                        f"{server.process.returncode}; log {server.log} ends:\n{server.tail(10)}")
+def exit_reason(server: ServerProcess) -> Optional[str]:
+    """Why a launched server is gone for good (its exit status and the tail of its log), or
+    None while its process runs (or when it was not launched here)."""
+    if server.process is None or server.process.poll() is None:
+        return None
+    return (f"server {server.index} ({server.address}) exited with status {server.process.returncode}; "
+            f"log {server.log} ends:\n{server.tail(10)}")
+
+
+async def watch_exits(servers: dict[str, ServerProcess], pool: EnginePool, interval: float = 0.5) -> None:
+    """A launched server that exits is out of the pool within ``interval`` seconds, even with no
+    request in flight to notice it (a launched process never comes back)."""
+    reported: set[str] = set()
+    while len(reported) < sum(s.process is not None for s in servers.values()):
+        for name, server in servers.items():
+            reason = exit_reason(server) if name not in reported else None
+            if reason is not None:
+                reported.add(name)
+                pool.mark_dead(name, reason)
         await asyncio.sleep(interval)
 
 

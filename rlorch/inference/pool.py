@@ -28,8 +28,11 @@ log = logging.getLogger("rlorch.pool")
 class EnginePool:
     def __init__(self, engines: list[Server], *, request_timeout: float = 300.0, max_retries: int = 3,
                  probe_interval: float = 1.0, name: str = "pool",
-                 on_close: Optional[Callable[[], Awaitable[None]]] = None):
-        """``on_close`` runs last in :meth:`close` (the launcher stops its processes there)."""
+                 on_close: Optional[Callable[[], Awaitable[None]]] = None,
+                 diagnose: Optional[Callable[[str], Optional[str]]] = None):
+        """``on_close`` runs last in :meth:`close` (the launcher stops its processes there);
+        ``diagnose(name)`` says why a server that stopped answering is gone for good (its
+        process exited), else None."""
         if not engines:
             raise ValueError("an EnginePool needs at least one engine")
         self.name = name
@@ -38,6 +41,7 @@ class EnginePool:
         self.max_retries = max_retries
         self.probe_interval = probe_interval
         self._on_close = on_close
+        self._diagnose = diagnose
         self._up = {e.name: True for e in self.engines}
         self._dead: dict[str, str] = {}
         self._down_reason: dict[str, str] = {}
@@ -60,6 +64,9 @@ class EnginePool:
             log.warning("%s: server %s marked down: %s", self.name, engine.name, reason)
         self._up[engine.name] = False
         self._down_reason[engine.name] = reason
+        gone = self._diagnose(engine.name) if self._diagnose is not None else None
+        if gone is not None:
+            self._dead[engine.name] = gone
         self._changed.set()
         self._ensure_probe()
 
@@ -73,6 +80,10 @@ class EnginePool:
 
     def _no_live_server(self, waited: str) -> EngineUnavailable:
         """Names every server and why it is down (a dead one: its exit status and log tail)."""
+        for engine in self.engines:
+            gone = self._diagnose(engine.name) if self._diagnose is not None and not self._up[engine.name] else None
+            if gone is not None:
+                self._dead[engine.name] = gone
         reasons = "; ".join(self._dead.get(e.name) or f"{e.name}: {self._down_reason.get(e.name, 'down')}"
                             for e in self.engines)
         return EngineUnavailable(f"{self.name}: no live server{waited}: {reasons}")
@@ -182,7 +193,7 @@ class EnginePool:
                 raise EngineError(f"{self.name}: version {version} not loaded everywhere: "
                                   + "; ".join(str(err) for _, err in failed))
             if not self._live():
-                raise EngineUnavailable(f"{self.name}: every server went down while loading version {version}")
+                raise self._no_live_server(f" after loading version {version}")
             self._checkpoint = (str(path), version)
 
     async def healthy(self) -> bool:

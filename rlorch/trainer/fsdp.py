@@ -314,9 +314,9 @@ def _check_finite(worker: Worker, step: int, record: dict) -> None:
     if worker.nonfinite >= MAX_NONFINITE_STEPS:
         raise NonFiniteError(f"non-finite gradients at steps {step - worker.nonfinite + 1}..{step} "
                              f"(every update skipped); check trainer.lr and the rewards")
-    bad = sum(float((~torch.isfinite(p.detach().to_local() if hasattr(p, "to_local") else p.detach())).sum())
-              for p in worker.model.parameters())
-    if _all_reduce([bad], worker.device)[0] > 0:
+    shards = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in worker.model.parameters()]
+    finite = bool(torch.stack([torch.isfinite(shard).all() for shard in shards]).all())
+    if _all_reduce([0.0 if finite else 1.0], worker.device, "max")[0] > 0:
         raise NonFiniteError(f"step {step}: the weights hold non-finite values; version {step} is not published")
 
 
