@@ -20,6 +20,8 @@ Layout (steps are 1-based; training step N reads batch N and publishes weights v
     tensorboard/                    TensorBoard scalars (metrics.tensorboard=true)
     logs/                           per-process logs
     STOP                            asks the trainer to checkpoint its last step and exit
+    LOCK                            held (flock) by the one process running in this directory
+    failed-start-*/                 a start-up that failed before any batch, set aside by a retry
     rollouts/superseded-*/,         what a resume at an earlier checkpoint abandoned
     checkpoints/superseded-*/
     config.before-resume-*.yaml     the config a resume with overrides replaced
