@@ -2,8 +2,12 @@
 
 - ``cpu``: ``inference.num_servers`` ``rlorch serve`` subprocesses on free local ports.
 - ``sglang``: ``python -m sglang.launch_server`` subprocesses.
-- With ``inference.addresses`` (either backend): the servers (or a sglang-router) already running
-  there; nothing is launched or stopped.
+- With ``inference.addresses`` (either backend): the servers already running there; nothing is
+  launched or stopped.
+- With ``inference.router``: generation goes through that sglang-router, control to the servers
+  (launched or at ``addresses``) behind it (see :mod:`rlorch.inference.routed`).
+
+Launched servers are placed on GPUs by :mod:`rlorch.placement` (``CUDA_VISIBLE_DEVICES``).
 
 Each launched server logs to ``log_dir/server-<i>.log``. The pool is returned only once every
 server answers ``/health_generate``; a server that exits or misses ``inference.ready_timeout``
@@ -72,7 +76,9 @@ def _cpu_command(config, *, model_path: Path, port: int, host: str) -> list[str]
 
 def _sglang_command(config, *, model_path: Path, port: int, host: str) -> list[str]:
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
-            "--host", host, "--port", str(port), "--weight-version", "0", *config.inference.launch_args]
+            "--host", host, "--port", str(port), "--weight-version", "0", "--dtype", config.model.dtype,
+            "--random-seed", str(config.run.seed), "--tp-size", str(config.inference.tp_size),
+            *config.inference.launch_args]
 
 
 SERVER_COMMANDS = {InferenceBackend.cpu: _cpu_command, InferenceBackend.sglang: _sglang_command}
@@ -96,7 +102,9 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
     if inference.addresses:
         servers = [ServerProcess(i, a, None, None) for i, a in enumerate(inference.addresses)]
     else:
-        servers = [_spawn(config, i, log_dir=log_dir, model_path=model_path)
+        from rlorch.placement import server_env
+
+        servers = [_spawn(config, i, log_dir=log_dir, model_path=model_path, env=server_env(config, i))
                    for i in range(inference.num_servers)]
     engines = [SGLangEngine(s.address, request_timeout=config.rollout.request_timeout) for s in servers]
 
@@ -110,15 +118,20 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
         await asyncio.gather(*(e.close() for e in engines), return_exceptions=True)
         await shutdown()
         raise
+    if inference.router:
+        from rlorch.inference.routed import RoutedServer
+
+        router = SGLangEngine(inference.router, request_timeout=config.rollout.request_timeout)
+        engines = [RoutedServer(router, engines)]
     return EnginePool(engines, request_timeout=config.rollout.request_timeout,
                       max_retries=config.rollout.max_retries, name=f"{inference.backend.value}-pool", on_close=shutdown)
 
 
-def _spawn(config, index: int, *, log_dir: Path, model_path: Path) -> ServerProcess:
+def _spawn(config, index: int, *, log_dir: Path, model_path: Path, env: dict[str, str]) -> ServerProcess:
     port = free_port()
     log = log_dir / f"server-{index}.log"
     command = server_command(config, model_path=model_path, port=port)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
     with open(log, "ab") as handle:
         handle.write(f"$ {' '.join(command)}\n".encode())
         handle.flush()
