@@ -9,7 +9,8 @@ sglang's own weight-version span helpers that build ``meta_info.weight_versions`
 
 What is stubbed (``StandInTokenizerManager``): the ``TokenizerManager`` object the routes call,
 i.e. the part that tokenizes, talks to the scheduler and runs the model. It "generates" token
-``(last input id + 1 + step) % VOCAB`` every ``--token-delay`` seconds with logprob ``-1.0``,
+a token drawn uniformly from ``VOCAB`` ids (seeded by the request id) every ``--token-delay``
+seconds with logprob ``-1.0``,
 and mirrors the tokenizer manager and scheduler behaviour rlorch relies on, as read in the
 0.5.23 sources:
 
@@ -35,10 +36,10 @@ import argparse
 import asyncio
 import importlib.abc
 import importlib.machinery
+import random
 import sys
 import time
 import types
-import uuid
 
 VOCAB = 40
 
@@ -99,6 +100,7 @@ class _Request:
         self.events: list = []
         self.aborted = False
         self.started = False
+        self.rng = random.Random(rid)
 
 
 class StandInTokenizerManager:
@@ -188,8 +190,7 @@ class StandInTokenizerManager:
                 continue
             if self.is_pause:
                 continue
-            last = req.output[-1] if req.output else req.input_ids[-1]
-            req.output.append((last + 1) % VOCAB)
+            req.output.append(req.rng.randrange(VOCAB))
             self.last_receive_tstamp = time.time()
 
     def abort_request(self, rid: str = "", abort_all: bool = False):
