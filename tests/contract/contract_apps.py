@@ -20,7 +20,7 @@ SGLANG_PIN = "0.5.23"
 def require_sglang() -> None:
     if importlib.util.find_spec("sglang") is None:
         message = (f"sglang is not installed: pip install --no-deps sglang=={SGLANG_PIN} plus the light "
-                   "packages listed in .ci/run")
+                   "packages in .ci/sglang-contract.txt (--no-deps)")
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(message + " (CI=true: contract tests must run)")
         pytest.skip(message)
