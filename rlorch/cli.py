@@ -52,11 +52,23 @@ def _preflight_or_exit(config) -> None:
 
 
 @app.command()
-def train(overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP)) -> None:
+def train(overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+          dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch plan, one JSON line per "
+                                                                  "process, and start nothing.")) -> None:
     """Run an RL job: engines, trainer and the orchestrator, into a new run directory."""
     from rlorch.runner import run_training
 
     config = _config_or_exit(overrides or [])
+    if dry_run:
+        from rlorch.config import ConfigError
+        from rlorch.placement import print_plan
+
+        try:
+            print_plan(config)
+        except ConfigError as err:
+            typer.echo(f"invalid config {err.key}: {str(err).split(': ', 1)[-1]}", err=True)
+            raise typer.Exit(2)
+        raise typer.Exit(0)
     raise typer.Exit(run_training(config, overrides=overrides or []))
 
 

@@ -85,9 +85,13 @@ class RunConfig:
     """Seconds a SIGINT/SIGTERM drain may take before the run checkpoints and exits."""
     progress: bool = True
     """Show the live rich progress display (off in tests and when not a terminal)."""
+    gpus: Optional[int] = None
+    """GPUs on this node to place processes on; empty: count the visible ones (set it to plan a
+    GPU run with --dry-run on a machine without them)."""
 
     def __post_init__(self) -> None:
         _require(self.shutdown_timeout > 0, "run.shutdown_timeout", "must be > 0 seconds")
+        _require(self.gpus is None or self.gpus >= 0, "run.gpus", "must be >= 0")
 
 
 @dataclass
@@ -220,7 +224,16 @@ class InferenceConfig:
     num_servers: int = 1
     """Servers to launch (cpu, sglang without addresses)."""
     addresses: list[str] = field(default_factory=list)
-    """Running servers (or a sglang-router) to connect to instead of launching, host:port."""
+    """Running servers to connect to instead of launching, host:port (with `router`: the workers
+    behind it)."""
+    router: Optional[str] = None
+    """A sglang-router's host:port: generation goes through it; pause, continue, weight updates
+    and version checks go to every server of `addresses` (or every launched server)."""
+    tp_size: int = 1
+    """Tensor-parallel size of each launched SGLang server (--tp-size): GPUs per server."""
+    gpus: list[int] = field(default_factory=list)
+    """GPU ids for the launched servers (num_servers x tp_size of them, in order); empty: the
+    first ones visible (see rlorch.placement)."""
     launch_args: list[str] = field(default_factory=list)
     """Extra arguments for each launched server (e.g. ["--mem-fraction-static", "0.8"])."""
     expect_version: Optional[str] = None
@@ -235,6 +248,7 @@ class InferenceConfig:
     def __post_init__(self) -> None:
         _require(self.num_servers >= 1, "inference.num_servers", "must be >= 1")
         _require(self.ready_timeout > 0, "inference.ready_timeout", "must be > 0 seconds")
+        _require(self.tp_size >= 1, "inference.tp_size", "must be >= 1")
 
 
 @dataclass
@@ -260,12 +274,27 @@ class FsdpConfig:
     """auto (cuda when available), cpu or cuda."""
     micro_batch_size: int = 16
     """Sequences per forward/backward pass."""
+    gpus: list[int] = field(default_factory=list)
+    """GPU ids for the trainer processes on this node (nproc of them); empty: the ones after
+    the servers' (see rlorch.placement)."""
+    nnodes: int = 1
+    """Trainer nodes (torchrun --nnodes); every node runs `rlorch train` with its node_rank."""
+    node_rank: int = 0
+    """This node's rank among the trainer nodes (torchrun --node-rank); rank 0 runs the
+    orchestrator and the inference servers."""
+    rdzv_endpoint: Optional[str] = None
+    """host:port of the c10d rendezvous (torchrun --rdzv-endpoint); required when nnodes > 1."""
 
     def __post_init__(self) -> None:
         _require(self.nproc >= 1, "trainer.fsdp.nproc", "must be >= 1")
         _require(self.device in ("auto", "cpu", "cuda"), "trainer.fsdp.device",
                  f"must be one of auto, cpu, cuda (got {self.device!r})")
         _require(self.micro_batch_size >= 1, "trainer.fsdp.micro_batch_size", "must be >= 1")
+        _require(self.nnodes >= 1, "trainer.fsdp.nnodes", "must be >= 1")
+        _require(0 <= self.node_rank < self.nnodes, "trainer.fsdp.node_rank",
+                 f"must be in [0, trainer.fsdp.nnodes={self.nnodes})")
+        _require(self.nnodes == 1 or bool(self.rdzv_endpoint), "trainer.fsdp.rdzv_endpoint",
+                 "must be host:port when trainer.fsdp.nnodes > 1")
 
 
 @dataclass

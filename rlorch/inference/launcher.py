@@ -2,8 +2,12 @@
 
 - ``cpu``: ``inference.num_servers`` ``rlorch serve`` subprocesses on free local ports.
 - ``sglang``: ``python -m sglang.launch_server`` subprocesses.
-- With ``inference.addresses`` (either backend): the servers (or a sglang-router) already running
-  there; nothing is launched or stopped.
+- With ``inference.addresses`` (either backend): the servers already running there; nothing is
+  launched or stopped.
+- With ``inference.router``: generation goes through that sglang-router, control to the servers
+  (launched or at ``addresses``) behind it (see :mod:`rlorch.inference.routed`).
+
+Launched servers are placed on GPUs by :mod:`rlorch.placement` (``CUDA_VISIBLE_DEVICES``).
 
 Each launched server logs to ``log_dir/server-<i>.log``. The pool is returned only once every
 server answers ``/health_generate``; a server that exits or misses ``inference.ready_timeout``
@@ -79,7 +83,9 @@ def _cpu_command(config, *, model_path: Path, port: int, host: str) -> list[str]
 def _sglang_command(config, *, model_path: Path, port: int, host: str) -> list[str]:
     """SGLang takes its API key only as ``--api-key`` (added by :func:`_spawn`)."""
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
-            "--host", host, "--port", str(port), "--weight-version", "0", *config.inference.launch_args]
+            "--host", host, "--port", str(port), "--weight-version", "0", "--dtype", config.model.dtype,
+            "--random-seed", str(config.run.seed), "--tp-size", str(config.inference.tp_size),
+            *config.inference.launch_args]
 
 
 SERVER_COMMANDS = {InferenceBackend.cpu: _cpu_command, InferenceBackend.sglang: _sglang_command}
@@ -104,8 +110,11 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
         api_key = os.environ.get(API_KEY_ENV) or None
         servers = [ServerProcess(i, a, None, None) for i, a in enumerate(inference.addresses)]
     else:
+        from rlorch.placement import server_env
+
         api_key = secrets.token_urlsafe(24)
-        servers = [_spawn(config, i, log_dir=log_dir, model_path=model_path, api_key=api_key)
+        servers = [_spawn(config, i, log_dir=log_dir, model_path=model_path, api_key=api_key,
+                          env=server_env(config, i))
                    for i in range(inference.num_servers)]
     engines = [SGLangEngine(s.address, request_timeout=config.rollout.request_timeout, api_key=api_key)
                for s in servers]
@@ -123,9 +132,15 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
         await shutdown()
         raise
     by_name = {engine.name: server for engine, server in zip(engines, servers)}
+    if inference.router:
+        from rlorch.inference.routed import RoutedServer
+
+        router = SGLangEngine(inference.router, request_timeout=config.rollout.request_timeout, api_key=api_key)
+        engines = [RoutedServer(router, engines)]
+        by_name = {}
     pool = EnginePool(engines, request_timeout=config.rollout.request_timeout,
                       max_retries=config.rollout.max_retries, name=f"{inference.backend.value}-pool", on_close=shutdown,
-                      diagnose=lambda name: exit_reason(by_name[name]))
+                      diagnose=lambda name: exit_reason(by_name[name]) if name in by_name else None)
     monitor.append(asyncio.create_task(watch_exits(by_name, pool), name="server-exits"))
     return pool
 
@@ -152,11 +167,12 @@ async def watch_exits(servers: dict[str, ServerProcess], pool: EnginePool, inter
         await asyncio.sleep(interval)
 
 
-def _spawn(config, index: int, *, log_dir: Path, model_path: Path, api_key: str) -> ServerProcess:
+def _spawn(config, index: int, *, log_dir: Path, model_path: Path, api_key: str,
+           env: dict[str, str]) -> ServerProcess:
     port = free_port()
     log = log_dir / f"server-{index}.log"
     command = server_command(config, model_path=model_path, port=port)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", API_KEY_ENV: api_key}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env, API_KEY_ENV: api_key}
     shown = list(command)
     if config.inference.backend is InferenceBackend.sglang:
         command += ["--api-key", api_key]

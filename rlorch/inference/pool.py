@@ -215,13 +215,23 @@ class EnginePool:
             self._probe = asyncio.get_running_loop().create_task(self._probe_loop(), name=f"{self.name}-probe")
 
     async def _probe_loop(self) -> None:
-        """Bring down servers back once ``/health_generate`` answers and they hold the current
-        checkpoint; exits when every server is up."""
+        """Bring down servers back once they continue, ``/health_generate`` answers and they
+        hold the current checkpoint; exits when every server is up."""
         while not all(self._up[e.name] or e.name in self._dead for e in self.engines):
             await asyncio.sleep(self.probe_interval)
             for engine in [e for e in self.engines if not self._up[e.name] and e.name not in self._dead]:
-                if await engine.healthy():
+                if await self._resumed(engine) and await engine.healthy():
                     await self._rejoin(engine)
+
+    @staticmethod
+    async def _resumed(engine: Server) -> bool:
+        """Continue a server before probing it: one left paused (by a reload that timed out)
+        would hold the probe behind its pause and never come back."""
+        try:
+            await engine.resume()
+        except EngineError:
+            return False
+        return True
 
     async def _rejoin(self, engine: Server) -> None:
         async with self._reload_lock:

@@ -34,6 +34,8 @@ log = logging.getLogger("rlorch.serve")
 _DTYPES = ("float32", "bfloat16", "float16")
 _LOAD_FORMATS = (None, "auto", "safetensors")
 _PAUSE_MODES = ("abort", "in_place", "retract")
+HEALTH_CHECK_TIMEOUT = 20.0
+"""Seconds ``/health_generate`` waits for its one token (SGLang's ``HEALTH_CHECK_TIMEOUT``)."""
 
 
 def rlorch_version() -> str:
@@ -382,16 +384,22 @@ class CpuServer:
         return web.Response(status=200 if alive else 503)
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        """200 once a one-token generation succeeds (or at once while paused: nothing may run)."""
+        """200 once a one-token generation succeeds; 503 after ``HEALTH_CHECK_TIMEOUT`` seconds.
+
+        As in SGLang, the probe is a real request, so while paused it waits behind the pause
+        and fails if the pause outlasts the timeout (a paused server is not ready to generate).
+        """
         if self._scheduler is None or self._scheduler.done():
             return web.Response(status=503)
-        if self.batcher.paused:
-            return web.Response(status=200)
         seq = Sequence(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", prompt=[self._health_token()],
                        params=RequestParams(max_new_tokens=1), done=asyncio.get_running_loop().create_future())
-        await self.batcher.submit([seq])
+
+        async def probe() -> None:
+            await self.batcher.submit([seq])
+            await asyncio.shield(seq.done)
+
         try:
-            await asyncio.wait_for(asyncio.shield(seq.done), timeout=20)
+            await asyncio.wait_for(probe(), timeout=HEALTH_CHECK_TIMEOUT)
         except asyncio.TimeoutError:
             self.batcher.abort(seq.rid)
             return web.Response(status=503)

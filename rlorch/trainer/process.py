@@ -28,13 +28,19 @@ _MULTI_NODE_FLAGS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backe
                      "--rdzv-conf", "--master-addr", "--master-port")
 
 
-def trainer_command(config, run_dir: Path, resume: Optional[Path] = None) -> list[str]:
-    """The torchrun command line the runner launches (``--standalone`` unless the extra
-    torchrun arguments set up their own rendezvous)."""
+def trainer_command(config, run_dir: Path, resume: Optional[Path] = None, *,
+                    node_rank: Optional[int] = None) -> list[str]:
+    """The torchrun command line the runner launches: ``--standalone`` on one node, a c10d
+    rendezvous at ``trainer.fsdp.rdzv_endpoint`` across ``trainer.fsdp.nnodes`` (``node_rank``
+    defaults to ``trainer.fsdp.node_rank``), or whatever the extra torchrun arguments set up."""
     trainer = config.trainer.fsdp
     flags = {arg.split("=", 1)[0].replace("_", "-") for arg in trainer.torchrun_args}
     command = [sys.executable, "-m", "torch.distributed.run"]
-    if not flags & set(_MULTI_NODE_FLAGS):
+    if trainer.nnodes > 1:
+        rank = trainer.node_rank if node_rank is None else node_rank
+        command += ["--nnodes", str(trainer.nnodes), "--node-rank", str(rank), "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", trainer.rdzv_endpoint, "--rdzv-id", config.run.name]
+    elif not flags & set(_MULTI_NODE_FLAGS):
         command.append("--standalone")
     command += ["--nproc-per-node", str(trainer.nproc), *trainer.torchrun_args,
                 "-m", "rlorch.trainer.fsdp", "--run-dir", str(run_dir)]
@@ -66,8 +72,10 @@ class TorchrunTrainer:
         self.run_dir.stop_file.unlink(missing_ok=True)
         shutil.rmtree(self.run_dir.trainer_workers, ignore_errors=True)
         command = trainer_command(self.config, self.run_dir.root, self.resume)
+        from rlorch.placement import trainer_env
+
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-               "PYTHONUNBUFFERED": "1", ORCHESTRATOR_PID_ENV: str(os.getpid())}
+               "PYTHONUNBUFFERED": "1", ORCHESTRATOR_PID_ENV: str(os.getpid()), **trainer_env(self.config)}
         with open(self.log, "ab") as log:
             self.log_start = log.tell()
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
