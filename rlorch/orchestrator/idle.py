@@ -57,7 +57,7 @@ class IdleShares:
     def __init__(self, *, trainer: IdleClock, engines: IdleClock, now: Callable[[], float] = time.monotonic):
         self.trainer, self.engines, self.now = trainer, engines, now
         self.started = self._last_at = now()
-        self._last = (trainer.total(), engines.total())
+        self._start = self._last = (trainer.total(), engines.total())
 
     def interval(self) -> dict:
         """``trainer_idle`` and ``engine_idle`` since the previous call (or the start)."""
@@ -70,8 +70,8 @@ class IdleShares:
     def overall(self) -> dict:
         """The same fractions over the whole loop."""
         span = self.now() - self.started
-        return {"trainer_idle": _share(self.trainer.total(), span),
-                "engine_idle": _share(self.engines.total(), span)}
+        return {"trainer_idle": _share(self.trainer.total() - self._start[0], span),
+                "engine_idle": _share(self.engines.total() - self._start[1], span)}
 
 
 def _share(idle: float, span: float) -> float:

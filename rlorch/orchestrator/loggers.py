@@ -69,13 +69,14 @@ class TensorBoardLogger:
 
 class WandbLogger:
     """A W&B run (``metrics.wandb_project`` / ``metrics.wandb_name``) with the resolved config;
-    its local files go in ``wandb/`` of the run directory. ``WANDB_MODE=offline`` keeps it local."""
+    its local files go in ``wandb/`` of the run directory. ``WANDB_MODE=offline`` keeps it local.
+    W&B does not capture the console (the run's own output stays as it is)."""
 
     def __init__(self, *, project: str, name: str, run_dir: Path, config: dict[str, Any]):
         import wandb
 
         self._run = wandb.init(project=project, name=name, dir=str(run_dir), config=config,
-                               reinit="create_new")
+                               reinit="create_new", settings=wandb.Settings(console="off"))
 
     def log(self, record: dict) -> None:
         step, values = scalars(record)
