@@ -7,8 +7,9 @@ Two figures, per step record and over the whole loop in the summary, both fracti
   batch is live (nothing handed to it is unfinished). Measured from the orchestrator, so the
   reload of a version counts as trainer time.
 - ``engine_idle``: the engines were paused or idle: reloading weights (generation is paused for a
-  reload), or holding no rollout in flight (the gate, the drain budget or backpressure admitted
-  nothing). The two causes overlap in time and count once.
+  reload), or holding no training rollout in flight (the gate, the drain budget or backpressure
+  admitted nothing; evaluation requests are not counted as work). The two causes may overlap in
+  time and count once.
 
 A step's figure covers the interval since the previous step record was written; the summary's
 covers the loop from its start.
