@@ -88,6 +88,18 @@ def _series(records: list[dict], x: str, y: str) -> tuple[list, list]:
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
+def _smooth(values: list[float]) -> list[float]:
+    """A centred rolling mean over about a fiftieth of the run (at least one step)."""
+    import numpy as np
+
+    if not values:
+        return []
+    window = max(1, len(values) // 50)
+    kernel = np.ones(window) / window
+    padded = np.pad(np.asarray(values, dtype=float), (window // 2, window - 1 - window // 2), mode="edge")
+    return np.convolve(padded, kernel, mode="valid").tolist()
+
+
 def _empty(ax, text: str = "no data") -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="grey")
 
@@ -139,7 +151,8 @@ def plot_age_heatmap(records: RunRecords, path: Path) -> None:
 def plot_flow(records: RunRecords, path: Path) -> None:
     fig, axes = _figure(2)
     xs, ys = _series(records.steps, "step", "admitted")
-    axes[0].bar(xs, ys, width=0.8, color="tab:green")
+    axes[0].fill_between(xs, ys, step="mid", color="tab:green", alpha=0.35, linewidth=0)
+    axes[0].plot(xs, _smooth(ys), color="tab:green", linewidth=1.4, label="rolling mean")
     axes[0].set_xlabel("training step")
     axes[0].set_ylabel("rollouts admitted since the previous step")
     axes[0].set_title("Admissions per step", fontsize=10)
@@ -178,7 +191,8 @@ def plot_idle(records: RunRecords, path: Path) -> None:
     for key, label, color in (("trainer_idle", "trainer waiting for a batch", "tab:blue"),
                               ("engine_idle", "engines paused or idle", "tab:red")):
         xs, ys = _series(records.steps, "step", key)
-        ax.plot(xs, ys, linewidth=1.1, color=color, label=label)
+        ax.plot(xs, ys, linewidth=0.6, color=color, alpha=0.3)
+        ax.plot(xs, _smooth(ys), linewidth=1.6, color=color, label=f"{label} (rolling mean)")
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("training step")
     ax.set_ylabel("share of the step's wall time")
