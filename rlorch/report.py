@@ -72,13 +72,15 @@ def _figure(columns: int = 1):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, columns, figsize=FIGSIZE, dpi=DPI, squeeze=False)
+    fig.subplots_adjust(left=0.08, right=0.93, bottom=0.13, top=0.91, wspace=0.42)
     return fig, list(axes[0])
 
 
 def _save(fig, path: Path) -> None:
+    """Fixed margins rather than a layout engine: every image is the same size, and measuring
+    the text to lay it out would double the time a report takes."""
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
 
@@ -154,7 +156,7 @@ def plot_flow(records: RunRecords, path: Path) -> None:
     axes[0].fill_between(xs, ys, step="mid", color="tab:green", alpha=0.35, linewidth=0)
     axes[0].plot(xs, _smooth(ys), color="tab:green", linewidth=1.4, label="rolling mean")
     axes[0].set_xlabel("training step")
-    axes[0].set_ylabel("rollouts admitted since the previous step")
+    axes[0].set_ylabel("rollouts admitted")
     axes[0].set_title("Admissions per step", fontsize=10)
     timeline = sorted(records.periodic + records.steps, key=lambda r: r["time"])
     for key, color, label in (("in_flight", "tab:blue", "in flight"),
