@@ -138,6 +138,7 @@ class LiveProgress:
         self.view.log(record)
 
     def close(self) -> None:
+        """Stop refreshing, leaving the last state on screen (a second call does nothing)."""
         self._live.stop()
 
 

@@ -58,9 +58,11 @@ def run_training(config: Config, overrides: list[str]) -> int:
 
 def resume_training(checkpoint: str, overrides: list[str]) -> int:
     from rlorch import resume
+    from rlorch.config_keys import check_overrides
     from rlorch.resume_forms import finished_run, locate_checkpoint
 
     try:
+        check_overrides(overrides)
         path = locate_checkpoint(Path(checkpoint))
         config, run_dir = resume.resume_target(path, overrides)
     except ConfigError as err:
@@ -86,7 +88,7 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
     phases = Phases(console)
     policy = PolicyVersion(0)
     env = make_environment(config)
-    engines, tokenizer, trainer = None, None, None
+    engines, tokenizer, trainer, view = None, None, None, None
     try:
         inference = config.inference
         count = len(inference.addresses) or inference.num_servers
@@ -122,6 +124,8 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
         console.print(f"[bold red]run failed[/] {err}", highlight=False)
         return 1
     finally:
+        if view is not None:
+            view.close()
         if trainer is not None:
             await trainer.stop(config.run.shutdown_timeout)
         if engines is not None:

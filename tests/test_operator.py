@@ -145,9 +145,12 @@ def test_resume_forms_a_run_dir_an_unpadded_step_and_a_finished_run(tmp_path, ca
     assert locate_checkpoint(run_dir) == run_dir / "checkpoints" / "step_000010"
     assert locate_checkpoint(run_dir / "checkpoints" / "step_5") == run_dir / "checkpoints" / "step_000005"
 
+    capsys.readouterr()
     before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
     assert resume_training(str(run_dir), []) == 0
     assert "is finished" in capsys.readouterr().err
+    assert resume_training(str(run_dir), ["train.stepz=14"]) == 2
+    assert "did you mean train.steps?" in " ".join(capsys.readouterr().err.split())
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
 
     assert resume_training(str(run_dir), ["train.steps=14"]) == 0
@@ -252,3 +255,25 @@ def test_tensorboard_and_wandb_offline_receive_the_step_records(tmp_path, monkey
     offline = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(offline) == 1 and offline[0].stat().st_size > 0
     assert os.environ["WANDB_MODE"] == "offline"
+
+
+def test_in_a_terminal_the_live_display_leaves_its_last_state_on_screen():
+    import io
+
+    from rich.console import Console
+
+    from rlorch.progress import LiveProgress, progress_logger
+
+    screen = io.StringIO()
+    console = Console(file=screen, force_terminal=True, width=160)
+    view = progress_logger(compose(["conf=sim", "train.steps=2"]), console)
+    assert isinstance(view, LiveProgress)
+    view.log({"kind": "start", "time": 0.0, "version": 0})
+    view.log({"kind": "eval", "time": 0.5, "step": 0, "accuracy": 0.25})
+    for step in (1, 2):
+        view.log({"kind": "step", "time": float(step), "step": step, "reward_mean": 0.5 * step, "age_max": 1,
+                  "age_p99": 1.0, "rollouts": 8, "tokens": 24, "in_flight": 4, "out_queue": 3})
+    view.close()
+    last = screen.getvalue().rsplit("step", 1)[-1]
+    for text in ("2/2", "1.000", "25.0%@0", "8.0", "24.0"):
+        assert text in last, text
