@@ -70,7 +70,7 @@ def resume_training(checkpoint: str, overrides: list[str]) -> int:
         return 2
     done = finished_run(path, config, overrides)
     if done:
-        console.print(done, highlight=False)
+        console.print(done, highlight=False, soft_wrap=True)
         return 0
     step = resume.step_of(path)
     resume.prepare(run_dir, step, config, overrides)

@@ -1,6 +1,7 @@
 """The end-of-run figures: how the run went (first → last), how old the trained data was, how
 fast it ran, and where the time went. Fed the step records as they are written; read once into
-``summary.json``.
+``summary.json``. A resumed run's figures cover its own life (the loop since the resume); the
+accounting beside them (admitted, trained, ...) covers the whole run.
 """
 
 from __future__ import annotations
