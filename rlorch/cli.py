@@ -17,6 +17,23 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"rlorch {version('rlorch')}")
+        except PackageNotFoundError:
+            typer.echo("rlorch (not installed: version unknown)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                            help="Print the version and exit.")) -> None:
+    """Asynchronous RL post-training control loop."""
+
+
 OVERRIDES_HELP = ("Hydra overrides, key=value (e.g. rollout.max_staleness=4 inference=sim); "
                   "conf=NAME picks a preset from conf/ or a YAML file.")
 
@@ -74,14 +91,15 @@ def train(overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_H
 
 @app.command()
 def resume(overrides: Optional[List[str]] = typer.Argument(
-        None, help="checkpoint=RUN_DIR/checkpoints/step_N, then overrides as for train.")) -> None:
+        None, help="checkpoint=RUN_DIR (its newest complete checkpoint) or RUN_DIR/checkpoints/step_N, "
+                   "then overrides as for train.")) -> None:
     """Continue a run from a full checkpoint: model, optimizer, data position, version, untrained rollouts."""
     from rlorch.runner import resume_training
 
     checkpoint = [o.split("=", 1)[1] for o in overrides or [] if o.startswith("checkpoint=")]
     rest = [o for o in overrides or [] if not o.startswith("checkpoint=")]
     if not checkpoint:
-        typer.echo("resume needs checkpoint=RUN_DIR/checkpoints/step_N", err=True)
+        typer.echo("resume needs checkpoint=RUN_DIR or checkpoint=RUN_DIR/checkpoints/step_N", err=True)
         raise typer.Exit(2)
     raise typer.Exit(resume_training(checkpoint[-1], rest))
 
@@ -99,7 +117,10 @@ def simulate(
 
 
 @app.command("validate-config")
-def validate_config(overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP)) -> None:
+def validate_config(
+    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    show: bool = typer.Option(False, "--show", help="Print the whole resolved config as YAML."),
+) -> None:
     """Compose and check a config; print the resolved summary, or name the key at fault."""
     from rich.console import Console
 
@@ -109,9 +130,30 @@ def validate_config(overrides: Optional[List[str]] = typer.Argument(None, help=O
     config = _config_or_exit(overrides or [])
     _preflight_or_exit(config)
     console = Console()
-    console.print(config_summary(config))
+    if show:
+        from omegaconf import OmegaConf
+
+        typer.echo(OmegaConf.to_yaml(OmegaConf.structured(config)), nl=False)
+    else:
+        console.print(config_summary(config))
     for warning in warnings_for(config):
         console.print(f"[yellow]warning[/] {warning}", highlight=False)
+
+
+@app.command()
+def report(run_dir: str = typer.Argument(..., help="A run directory (holds metrics.jsonl).")) -> None:
+    """Write a run's pictures (PNGs) and report.md into RUN_DIR/report/."""
+    from pathlib import Path
+
+    from rlorch.report import write_report
+    from rlorch.rundir import RunDir
+
+    try:
+        path = write_report(RunDir(Path(run_dir)))
+    except FileNotFoundError as err:
+        typer.echo(f"cannot report: {err}", err=True)
+        raise typer.Exit(2)
+    typer.echo(str(path))
 
 
 @app.command()

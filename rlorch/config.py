@@ -25,6 +25,12 @@ def _require(condition: bool, key: str, message: str) -> None:
         raise ConfigError(key, message)
 
 
+def _installed(package: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(package) is not None
+
+
 class Enforce(str, enum.Enum):
     """Where the staleness bound is enforced."""
 
@@ -84,13 +90,19 @@ class RunConfig:
     shutdown_timeout: float = 30.0
     """Seconds a SIGINT/SIGTERM drain may take before the run checkpoints and exits."""
     progress: bool = True
-    """Show the live rich progress display (off in tests and when not a terminal)."""
+    """Show progress: a live display in a terminal, a plain line every run.log_every steps
+    otherwise (false: only the start-up phases and the end-of-run report)."""
+    log_every: int = 25
+    """Steps between plain progress lines when stderr is not a terminal."""
+    report: bool = True
+    """Write the run's report (PNGs and report.md in RUN_DIR/report/) when it ends."""
     gpus: Optional[int] = None
     """GPUs on this node to place processes on; empty: count the visible ones (set it to plan a
     GPU run with --dry-run on a machine without them)."""
 
     def __post_init__(self) -> None:
         _require(self.shutdown_timeout > 0, "run.shutdown_timeout", "must be > 0 seconds")
+        _require(self.log_every >= 1, "run.log_every", "must be >= 1")
         _require(self.gpus is None or self.gpus >= 0, "run.gpus", "must be >= 0")
 
 
@@ -329,6 +341,11 @@ class TrainerConfig:
     """Write a full resumable state every N steps (and at the end)."""
     keep: int = 3
     """Weight checkpoints kept; older ones are pruned."""
+    keep_checkpoints: int = 3
+    """Full (resumable) checkpoints kept: the newest K; older ones are deleted once a newer one
+    is complete (0 = keep all)."""
+    keep_checkpoints_every: int = 0
+    """Also keep every full checkpoint whose step is a multiple of M (0 = none beyond the newest K)."""
     start_timeout: float = 300.0
     """Seconds the trainer may take to become ready."""
     sim: SimTrainerConfig = field(default_factory=SimTrainerConfig)
@@ -343,6 +360,8 @@ class TrainerConfig:
         _require(self.publish_every >= 1, "trainer.publish_every", "must be >= 1")
         _require(self.checkpoint_every >= 1, "trainer.checkpoint_every", "must be >= 1")
         _require(self.keep >= 1, "trainer.keep", "must be >= 1")
+        _require(self.keep_checkpoints >= 0, "trainer.keep_checkpoints", "must be >= 0 (0 = keep all)")
+        _require(self.keep_checkpoints_every >= 0, "trainer.keep_checkpoints_every", "must be >= 0")
 
 
 @dataclass
@@ -394,10 +413,20 @@ class MetricsConfig:
     interval: float = 1.0
     """Seconds between periodic metrics records (independent of training steps)."""
     tensorboard: bool = False
-    """Also write TensorBoard scalars (needs the tensorboard package)."""
+    """Also write TensorBoard scalars into RUN_DIR/tensorboard/ (needs the tensorboard package)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs the wandb package; WANDB_MODE=offline keeps it local,
+    files in RUN_DIR/wandb/)."""
+    wandb_project: str = "rlorch"
+    """W&B project."""
+    wandb_name: Optional[str] = None
+    """W&B run name (empty: the run directory's name)."""
 
     def __post_init__(self) -> None:
         _require(self.interval > 0, "metrics.interval", "must be > 0 seconds")
+        for key, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+            _require(not getattr(self, key) or _installed(package), f"metrics.{key}",
+                     f"needs the {package} package: pip install {package}")
 
 
 @dataclass
@@ -405,7 +434,7 @@ class SimConfig:
     ticks: int = 60
     """Ticks to simulate in `rlorch simulate`."""
     latency: list[int] = field(default_factory=lambda: [3, 3])
-    """[lo, hi] rollout latency in ticks, drawn with rng.integers(lo, hi) (lo when hi <= lo)."""
+    """[lo, hi] rollout latency in ticks, drawn with rng.integers(lo, hi) (lo when hi == lo)."""
     seed: int = 0
     """Seed of the latency draws."""
     recover_at: int = 0
@@ -415,8 +444,8 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         _require(self.ticks >= 1, "sim.ticks", "must be >= 1")
-        _require(len(self.latency) == 2 and self.latency[0] >= 1, "sim.latency",
-                 "must be [lo, hi] ticks with lo >= 1")
+        _require(len(self.latency) == 2 and 1 <= self.latency[0] <= self.latency[1], "sim.latency",
+                 "must be [lo, hi] ticks with 1 <= lo <= hi")
         _require(self.recover_at >= 0, "sim.recover_at", "must be >= 0")
 
 

@@ -1,14 +1,14 @@
 """The single-process runner behind ``rlorch train`` and ``rlorch resume``.
 
 It makes the run directory, writes the resolved config, starts the engines and the trainer,
-builds the orchestrator, installs the signal handlers and shows live progress.
+builds the orchestrator, installs the signal handlers; what the operator sees (phases, progress,
+the end-of-run report) is :mod:`rlorch.progress`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
-import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -16,8 +16,8 @@ from typing import Any, Optional
 from rich.console import Console
 
 from rlorch.config import Config, ConfigError
-from rlorch.lifecycle import cancel_and_wait
-from rlorch.rundir import RunDir, parse_step, save_config
+from rlorch.progress import Phases, print_report, progress_logger
+from rlorch.rundir import RunDir, parse_step, save_config, write_json_atomic
 from rlorch.runlock import RunLock, set_aside_failed_start
 from rlorch.signals import SignalRelay, startup_summary
 from rlorch.types import PolicyVersion
@@ -34,7 +34,7 @@ def new_run_dir(config: Config) -> RunDir:
             raise ConfigError("run.dir", f"{root} is in use by process {holder}; one process per run directory")
         if root.exists() and any(root.iterdir()) and not set_aside_failed_start(root):
             raise ConfigError("run.dir", f"{root} already holds a run; continue it with "
-                                         f"`rlorch resume checkpoint={root}/checkpoints/step_N` or pick another run.dir")
+                                         f"`rlorch resume checkpoint={root}` or pick another run.dir")
     else:
         root = Path("outputs") / f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         suffix = 1
@@ -62,20 +62,31 @@ def run_training(config: Config, overrides: list[str]) -> int:
         config.run.dir = str(run_dir.root)
         save_config(config, run_dir.config)
         console.print(f"run directory: [bold]{run_dir.root}[/]", highlight=False)
+        from rlorch.config import warnings_for
+
+        for warning in warnings_for(config):
+            console.print(f"[yellow]warning[/] {warning}", highlight=False)
         return asyncio.run(_run(config, run_dir, checkpoint=None))
 
 
 def resume_training(checkpoint: str, overrides: list[str]) -> int:
     from rlorch import resume
+    from rlorch.config_keys import check_overrides
+    from rlorch.resume_forms import finished_run, locate_checkpoint
 
-    path = Path(checkpoint)
     try:
+        check_overrides(overrides)
+        path = locate_checkpoint(Path(checkpoint))
         config, run_dir = resume.resume_target(path, overrides)
         lock = RunLock(run_dir.root).acquire()
     except ConfigError as err:
         console.print(f"[bold red]cannot resume[/] {err}", highlight=False)
         return 2
     with lock:
+        done = finished_run(path, config, overrides)
+        if done:
+            console.print(done, highlight=False, soft_wrap=True)
+            return 0
         step = resume.step_of(path)
         resume.prepare(run_dir, step, config, overrides)
         console.print(f"resuming {run_dir.root} at step {step + 1}", highlight=False)
@@ -90,11 +101,16 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
     from rlorch.orchestrator.loop import Orchestrator
     from rlorch.tasks import make_environment
 
+    phases = Phases(console)
     policy = PolicyVersion(0)
-    engines, tokenizer, trainer, orchestrator = None, None, None, None
+    engines, tokenizer, trainer, orchestrator, view = None, None, None, None, None
     try:
         env = make_environment(config)
-        engines, tokenizer = await start_inference(config, run_dir, policy)
+        inference = config.inference
+        count = len(inference.addresses) or inference.num_servers
+        with phases.phase("engines", f"starting {count} {inference.backend.value} engine{'s' * (count > 1)}",
+                          "engines ready"):
+            engines, tokenizer = await start_inference(config, run_dir, policy)
         prompts = PromptSource(env, tokenizer=tokenizer, seed=config.run.seed)
         resume = None
         if checkpoint is not None:
@@ -104,7 +120,8 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
             prompts.position = resume.prompt_position
             await engines.reload(str(weights_of(checkpoint, run_dir, resume.step)), resume.step)
         trainer = make_trainer(config, run_dir, checkpoint, resume.step if resume else 0)
-        await trainer.start()
+        with phases.phase("trainer", f"starting the {config.trainer.backend.value} trainer", "trainer ready"):
+            await trainer.start()
         work = make_work(config, engine=engines, tokenizer=tokenizer, env=env,
                          override=reward_override(config, config.run.seed))
         orchestrator = Orchestrator(config, run_dir=run_dir, policy=policy, engines=engines, trainer=trainer,
@@ -115,11 +132,10 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
         # stays flat as the number in flight grows.
         gc.freeze()
         gc.set_threshold(50_000, 20, 20)
-        progress = _progress(config, orchestrator)
-        try:
-            summary = await orchestrator.run()
-        finally:
-            await cancel_and_wait(progress)
+        view = progress_logger(config, console)
+        if view is not None:
+            orchestrator.metrics.add_logger(view)
+        summary = await orchestrator.run()
     except asyncio.CancelledError:
         if signals.received is None:
             raise
@@ -133,62 +149,36 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
                             wall_s=time.monotonic() - started)
         return 1
     finally:
+        if view is not None:
+            view.close()
         if trainer is not None:
             # Interrupted in start-up, the trainer has nothing to checkpoint: no need to wait.
             await trainer.stop(config.run.shutdown_timeout if orchestrator is not None else 2.0)
         if engines is not None:
             await engines.close()
-    return _report(summary, run_dir)
+    return _report(summary, run_dir, config, phases.timings)
 
 
 def _start_step(checkpoint: Optional[Path]) -> int:
     return (parse_step(checkpoint.name) or 0) if checkpoint is not None else 0
 
 
-def _report(summary: dict, run_dir: RunDir) -> int:
+def _report(summary: dict, run_dir: RunDir, config: Config, phases: dict) -> int:
+    summary["startup_phases"] = phases
+    try:
+        write_json_atomic(run_dir.summary, summary)
+    except OSError as err:
+        console.print(f"[bold red]summary not saved[/] {run_dir.summary}: {err}", highlight=False)
+    report = None
+    if config.run.report and summary.get("admitted"):
+        from rlorch.report import write_report
+
+        try:
+            report = write_report(run_dir)
+        except Exception as err:
+            console.print(f"[yellow]report failed[/] {err!r}", highlight=False)
+    print_report(console, summary, summary_path=run_dir.summary, report_path=report, phases=phases)
     status = summary["status"]
-    style = {"completed": "green", "converged": "green", "interrupted": "yellow"}.get(status, "red")
-    first, last = summary.get("eval_accuracy_first"), summary.get("eval_accuracy_last")
-    accuracy = (f"eval_accuracy={first:.1%}(step {summary['eval_step_first']})->{last:.1%}"
-                f"(step {summary['eval_step_last']}) " if first is not None and last is not None else "")
-    reward = summary.get("reward_mean_last")
-    console.print(f"[bold {style}]{status}[/] steps={summary['steps']} {accuracy}"
-                  + (f"reward_last={reward:.3f} " if reward is not None else "")
-                  + f"admitted={summary['admitted']} "
-                  f"trained={summary['trained']} filtered={summary['filtered']} "
-                  f"dropped_stale={summary['dropped_stale']} untrained={summary['persisted_untrained']} "
-                  f"lost={summary['lost']} wall={summary['wall_s']}s -> {run_dir.summary}", highlight=False)
-    if summary.get("error"):
-        console.print(f"[bold red]error[/] {summary['error']}", highlight=False)
     if status == "interrupted":
         return EXIT_INTERRUPTED.get(summary.get("reason") or "", 130)
     return 0 if status in ("completed", "converged") else 1
-
-
-def _progress(config: Config, orchestrator: Any) -> Optional[asyncio.Task]:
-    if not (config.run.progress and sys.stderr.isatty()):
-        return None
-
-    async def show() -> None:
-        from rich.live import Live
-        from rich.table import Table
-
-        with Live(console=console, refresh_per_second=4, transient=True) as live:
-            while True:
-                gauges = orchestrator.metrics.snapshot()
-                last = orchestrator.last_step_record
-                elapsed = max(time.monotonic() - orchestrator.started, 1e-9)
-                trained = gauges["version"] * config.rollout.batch_size
-                table = Table.grid(padding=(0, 2))
-                evaluated = orchestrator.evaluations.sink.last
-                table.add_row(f"step {gauges['version']}/{config.train.steps}",
-                              f"reward {last['reward_mean']:.3f}" if last else "reward -",
-                              f"eval acc {evaluated['accuracy']:.1%} @{evaluated['step']}"
-                              if evaluated and evaluated["accuracy"] is not None else "eval acc -",
-                              f"head age max {last['age_max']}" if last else "head age -",
-                              f"in flight {gauges['in_flight']}", f"out queue {gauges['out_queue']}",
-                              f"buffered {gauges['buffered']}", f"{trained / elapsed:.1f} rollouts/s")
-                live.update(table)
-                await asyncio.sleep(0.5)
-
-    return asyncio.get_running_loop().create_task(show())

@@ -24,11 +24,13 @@ TRAINER_KEYS = ("loss", "grad_norm", "kl", "ratio_mean", "ratio_max", "clip_frac
 
 
 def age_stats(ages: list[int]) -> dict:
+    """Max, p99 and mean head age, and ``age_counts``: rollouts at each age 0, 1, ... max."""
     if not ages:
-        return {"age_max": None, "age_p99": None, "age_mean": None}
+        return {"age_max": None, "age_p99": None, "age_mean": None, "age_counts": []}
     values = np.asarray(ages)
     return {"age_max": int(values.max()), "age_p99": float(np.percentile(values, 99)),
-            "age_mean": round(float(values.mean()), 4)}
+            "age_mean": round(float(values.mean()), 4),
+            "age_counts": np.bincount(np.maximum(values, 0)).tolist()}
 
 
 class StepRecords:

@@ -28,8 +28,11 @@ class WeightWatcher:
                  published: Callable[[], Iterable[tuple[int, Path]]],
                  expecting: Callable[[], bool] = lambda: False,
                  on_version: Callable[[int], None] = lambda version: None,
-                 on_error: Callable[[BaseException], None] = lambda error: None):
+                 on_error: Callable[[BaseException], None] = lambda error: None,
+                 on_idle: Callable[[str, bool], None] = lambda cause, active: None):
         self.config = config
+        self.on_idle = on_idle
+        """Told ``("reload", True)`` while the engines load new weights (generation is paused)."""
         self.policy = policy
         self.engines = engines
         self.published = published
@@ -62,6 +65,7 @@ class WeightWatcher:
             return False
         version, path = newest
         detected = time.monotonic()
+        self.on_idle("reload", True)
         try:
             await self.engines.reload(str(path), version)
         except Exception:
@@ -71,6 +75,8 @@ class WeightWatcher:
                 self.superseded += 1
                 return False
             raise
+        finally:
+            self.on_idle("reload", False)
         self.policy.bump(version)
         now = time.monotonic()
         self.reload_s = now - detected
