@@ -11,7 +11,7 @@ import asyncio
 import gc
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from rich.console import Console
 
