@@ -17,6 +17,23 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"rlorch {version('rlorch')}")
+        except PackageNotFoundError:
+            typer.echo("rlorch (not installed: version unknown)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                            help="Print the version and exit.")) -> None:
+    """Asynchronous RL post-training control loop."""
+
+
 OVERRIDES_HELP = ("Hydra overrides, key=value (e.g. rollout.max_staleness=4 inference=sim); "
                   "conf=NAME picks a preset from conf/ or a YAML file.")
 
@@ -36,25 +53,53 @@ def _config_or_exit(overrides: list[str]):
         raise typer.Exit(2)
 
 
+def _preflight_or_exit(config) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    from rlorch.config import ConfigError
+    from rlorch.preflight import preflight
+
+    try:
+        preflight(config)
+    except ConfigError as err:
+        Console(stderr=True).print(f"[bold red]invalid config[/] [bold]{escape(err.key)}[/]: "
+                                   f"{escape(str(err).split(': ', 1)[-1])}", highlight=False)
+        raise typer.Exit(2)
+
+
 @app.command()
-def train(overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP)) -> None:
+def train(overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+          dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch plan, one JSON line per "
+                                                                  "process, and start nothing.")) -> None:
     """Run an RL job: engines, trainer and the orchestrator, into a new run directory."""
     from rlorch.runner import run_training
 
     config = _config_or_exit(overrides or [])
+    if dry_run:
+        from rlorch.config import ConfigError
+        from rlorch.placement import print_plan
+
+        try:
+            print_plan(config)
+        except ConfigError as err:
+            typer.echo(f"invalid config {err.key}: {str(err).split(': ', 1)[-1]}", err=True)
+            raise typer.Exit(2)
+        raise typer.Exit(0)
     raise typer.Exit(run_training(config, overrides=overrides or []))
 
 
 @app.command()
 def resume(overrides: Optional[List[str]] = typer.Argument(
-        None, help="checkpoint=RUN_DIR/checkpoints/step_N, then overrides as for train.")) -> None:
+        None, help="checkpoint=RUN_DIR (its newest complete checkpoint) or RUN_DIR/checkpoints/step_N, "
+                   "then overrides as for train.")) -> None:
     """Continue a run from a full checkpoint: model, optimizer, data position, version, untrained rollouts."""
     from rlorch.runner import resume_training
 
     checkpoint = [o.split("=", 1)[1] for o in overrides or [] if o.startswith("checkpoint=")]
     rest = [o for o in overrides or [] if not o.startswith("checkpoint=")]
     if not checkpoint:
-        typer.echo("resume needs checkpoint=RUN_DIR/checkpoints/step_N", err=True)
+        typer.echo("resume needs checkpoint=RUN_DIR or checkpoint=RUN_DIR/checkpoints/step_N", err=True)
         raise typer.Exit(2)
     raise typer.Exit(resume_training(checkpoint[-1], rest))
 
@@ -72,7 +117,10 @@ def simulate(
 
 
 @app.command("validate-config")
-def validate_config(overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP)) -> None:
+def validate_config(
+    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    show: bool = typer.Option(False, "--show", help="Print the whole resolved config as YAML."),
+) -> None:
     """Compose and check a config; print the resolved summary, or name the key at fault."""
     from rich.console import Console
 
@@ -80,10 +128,32 @@ def validate_config(overrides: Optional[List[str]] = typer.Argument(None, help=O
     from rlorch.summary import config_summary
 
     config = _config_or_exit(overrides or [])
+    _preflight_or_exit(config)
     console = Console()
-    console.print(config_summary(config))
+    if show:
+        from omegaconf import OmegaConf
+
+        typer.echo(OmegaConf.to_yaml(OmegaConf.structured(config)), nl=False)
+    else:
+        console.print(config_summary(config))
     for warning in warnings_for(config):
         console.print(f"[yellow]warning[/] {warning}", highlight=False)
+
+
+@app.command()
+def report(run_dir: str = typer.Argument(..., help="A run directory (holds metrics.jsonl).")) -> None:
+    """Write a run's pictures (PNGs) and report.md into RUN_DIR/report/."""
+    from pathlib import Path
+
+    from rlorch.report import write_report
+    from rlorch.rundir import RunDir
+
+    try:
+        path = write_report(RunDir(Path(run_dir)))
+    except FileNotFoundError as err:
+        typer.echo(f"cannot report: {err}", err=True)
+        raise typer.Exit(2)
+    typer.echo(str(path))
 
 
 @app.command()
@@ -93,13 +163,15 @@ def serve(
     port: int = typer.Option(30000, "--port", help="Port to bind."),
     weight_version: str = typer.Option("0", "--weight-version", help="Version reported for the initial weights."),
     parent_pid: Optional[int] = typer.Option(None, "--parent-pid", help="Exit when this process is gone."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="RLORCH_API_KEY", show_envvar=True,
+                                          help="Require 'Authorization: Bearer KEY' on every endpoint but /health*."),
 ) -> None:
     """Run the CPU inference engine: a real HTTP server speaking SGLang's native API."""
     from rlorch.serve.server import serve_command
 
     config = _config_or_exit(overrides or [])
     raise typer.Exit(serve_command(config, host=host, port=port, weight_version=weight_version,
-                                   parent=parent_pid))
+                                   parent=parent_pid, api_key=api_key))
 
 
 def main() -> None:

@@ -37,6 +37,11 @@ def presets() -> list[str]:
     return sorted(p.stem for p in conf_dir().glob("*.yaml"))
 
 
+def config_groups() -> list[str]:
+    """Config groups (``inference``, ``trainer``, ``task``): subdirectories of the presets."""
+    return sorted(p.name for p in conf_dir().iterdir() if p.is_dir() and not p.name.startswith("_"))
+
+
 def _register_schema() -> None:
     global _registered
     if not _registered:
@@ -72,6 +77,9 @@ def _user_yaml_dir(path: Path) -> tuple[str, str]:
         raise ConfigError("conf", f"{path} is not valid YAML: {err}") from err
     if not OmegaConf.is_dict(loaded):
         raise ConfigError("conf", f"{path} must hold a mapping of config sections")
+    from rlorch.config_keys import check_preset
+
+    check_preset(OmegaConf.to_container(loaded), str(path))
     workdir = Path(tempfile.mkdtemp(prefix="rlorch-conf-"))
     shutil.copytree(conf_dir(), workdir, dirs_exist_ok=True)
     if "defaults" not in loaded:
@@ -97,8 +105,11 @@ def _explain(err: Exception, preset: str) -> ConfigError:
                                    "or a path to a .yaml file)")
     match = re.search(r"Key '([^']+)' is not in struct", text)
     if match:
+        from rlorch.config_keys import suggest
+
         full = re.search(r"full_key: (\S+)", text)
-        return ConfigError(full.group(1) if full else match.group(1), "unknown key")
+        name = full.group(1) if full else match.group(1)
+        return ConfigError(name, f"unknown key{suggest(name)}")
     match = re.search(r"Could not override '([^']+)'", text)
     if match and not key:
         key = match.group(1)
@@ -123,6 +134,9 @@ def compose(overrides: list[str] | None = None) -> Config:
     for item in rest:
         if "=" not in item:
             raise ConfigError(item, "overrides are key=value (e.g. rollout.max_staleness=2)")
+    from rlorch.config_keys import check_overrides
+
+    check_overrides(rest, groups=config_groups())
     try:
         with initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name="rlorch"):
             raw = hydra_compose(config_name=config_name, overrides=rest)

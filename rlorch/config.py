@@ -25,6 +25,12 @@ def _require(condition: bool, key: str, message: str) -> None:
         raise ConfigError(key, message)
 
 
+def _installed(package: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(package) is not None
+
+
 class Enforce(str, enum.Enum):
     """Where the staleness bound is enforced."""
 
@@ -91,10 +97,20 @@ class RunConfig:
     shutdown_timeout: float = 30.0
     """Seconds a SIGINT/SIGTERM drain may take before the run checkpoints and exits."""
     progress: bool = True
-    """Show the live rich progress display (off in tests and when not a terminal)."""
+    """Show progress: a live display in a terminal, a plain line every run.log_every steps
+    otherwise (false: only the start-up phases and the end-of-run report)."""
+    log_every: int = 25
+    """Steps between plain progress lines when stderr is not a terminal."""
+    report: bool = True
+    """Write the run's report (PNGs and report.md in RUN_DIR/report/) when it ends."""
+    gpus: Optional[int] = None
+    """GPUs on this node to place processes on; empty: count the visible ones (set it to plan a
+    GPU run with --dry-run on a machine without them)."""
 
     def __post_init__(self) -> None:
         _require(self.shutdown_timeout > 0, "run.shutdown_timeout", "must be > 0 seconds")
+        _require(self.log_every >= 1, "run.log_every", "must be >= 1")
+        _require(self.gpus is None or self.gpus >= 0, "run.gpus", "must be >= 0")
 
 
 @dataclass
@@ -227,7 +243,16 @@ class InferenceConfig:
     num_servers: int = 1
     """Servers to launch (cpu, sglang without addresses)."""
     addresses: list[str] = field(default_factory=list)
-    """Running servers (or a sglang-router) to connect to instead of launching, host:port."""
+    """Running servers to connect to instead of launching, host:port (with `router`: the workers
+    behind it)."""
+    router: Optional[str] = None
+    """A sglang-router's host:port: generation goes through it; pause, continue, weight updates
+    and version checks go to every server of `addresses` (or every launched server)."""
+    tp_size: int = 1
+    """Tensor-parallel size of each launched SGLang server (--tp-size): GPUs per server."""
+    gpus: list[int] = field(default_factory=list)
+    """GPU ids for the launched servers (num_servers x tp_size of them, in order); empty: the
+    first ones visible (see rlorch.placement)."""
     launch_args: list[str] = field(default_factory=list)
     """Extra arguments for each launched server (e.g. ["--mem-fraction-static", "0.8"])."""
     expect_version: Optional[str] = None
@@ -253,6 +278,7 @@ class InferenceConfig:
         _require(self.num_servers >= 1, "inference.num_servers", "must be >= 1")
         _require(self.transfer_timeout > 0, "inference.transfer_timeout", "must be > 0 seconds")
         _require(self.ready_timeout > 0, "inference.ready_timeout", "must be > 0 seconds")
+        _require(self.tp_size >= 1, "inference.tp_size", "must be >= 1")
 
 
 @dataclass
@@ -278,12 +304,27 @@ class FsdpConfig:
     """auto (cuda when available), cpu or cuda."""
     micro_batch_size: int = 16
     """Sequences per forward/backward pass."""
+    gpus: list[int] = field(default_factory=list)
+    """GPU ids for the trainer processes on this node (nproc of them); empty: the ones after
+    the servers' (see rlorch.placement)."""
+    nnodes: int = 1
+    """Trainer nodes (torchrun --nnodes); every node runs `rlorch train` with its node_rank."""
+    node_rank: int = 0
+    """This node's rank among the trainer nodes (torchrun --node-rank); rank 0 runs the
+    orchestrator and the inference servers."""
+    rdzv_endpoint: Optional[str] = None
+    """host:port of the c10d rendezvous (torchrun --rdzv-endpoint); required when nnodes > 1."""
 
     def __post_init__(self) -> None:
         _require(self.nproc >= 1, "trainer.fsdp.nproc", "must be >= 1")
         _require(self.device in ("auto", "cpu", "cuda"), "trainer.fsdp.device",
                  f"must be one of auto, cpu, cuda (got {self.device!r})")
         _require(self.micro_batch_size >= 1, "trainer.fsdp.micro_batch_size", "must be >= 1")
+        _require(self.nnodes >= 1, "trainer.fsdp.nnodes", "must be >= 1")
+        _require(0 <= self.node_rank < self.nnodes, "trainer.fsdp.node_rank",
+                 f"must be in [0, trainer.fsdp.nnodes={self.nnodes})")
+        _require(self.nnodes == 1 or bool(self.rdzv_endpoint), "trainer.fsdp.rdzv_endpoint",
+                 "must be host:port when trainer.fsdp.nnodes > 1")
 
 
 @dataclass
@@ -318,6 +359,11 @@ class TrainerConfig:
     """Write a full resumable state every N steps (and at the end)."""
     keep: int = 3
     """Weight checkpoints kept; older ones are pruned."""
+    keep_checkpoints: int = 3
+    """Full (resumable) checkpoints kept: the newest K; older ones are deleted once a newer one
+    is complete (0 = keep all)."""
+    keep_checkpoints_every: int = 0
+    """Also keep every full checkpoint whose step is a multiple of M (0 = none beyond the newest K)."""
     start_timeout: float = 300.0
     """Seconds the trainer may take to become ready."""
     sim: SimTrainerConfig = field(default_factory=SimTrainerConfig)
@@ -332,6 +378,8 @@ class TrainerConfig:
         _require(self.publish_every >= 1, "trainer.publish_every", "must be >= 1")
         _require(self.checkpoint_every >= 1, "trainer.checkpoint_every", "must be >= 1")
         _require(self.keep >= 1, "trainer.keep", "must be >= 1")
+        _require(self.keep_checkpoints >= 0, "trainer.keep_checkpoints", "must be >= 0 (0 = keep all)")
+        _require(self.keep_checkpoints_every >= 0, "trainer.keep_checkpoints_every", "must be >= 0")
 
 
 @dataclass
@@ -383,10 +431,20 @@ class MetricsConfig:
     interval: float = 1.0
     """Seconds between periodic metrics records (independent of training steps)."""
     tensorboard: bool = False
-    """Also write TensorBoard scalars (needs the tensorboard package)."""
+    """Also write TensorBoard scalars into RUN_DIR/tensorboard/ (needs the tensorboard package)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs the wandb package; WANDB_MODE=offline keeps it local,
+    files in RUN_DIR/wandb/)."""
+    wandb_project: str = "rlorch"
+    """W&B project."""
+    wandb_name: Optional[str] = None
+    """W&B run name (empty: the run directory's name)."""
 
     def __post_init__(self) -> None:
         _require(self.interval > 0, "metrics.interval", "must be > 0 seconds")
+        for key, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+            _require(not getattr(self, key) or _installed(package), f"metrics.{key}",
+                     f"needs the {package} package: pip install {package}")
 
 
 @dataclass
@@ -394,7 +452,7 @@ class SimConfig:
     ticks: int = 60
     """Ticks to simulate in `rlorch simulate`."""
     latency: list[int] = field(default_factory=lambda: [3, 3])
-    """[lo, hi] rollout latency in ticks, drawn with rng.integers(lo, hi) (lo when hi <= lo)."""
+    """[lo, hi] rollout latency in ticks, drawn with rng.integers(lo, hi) (lo when hi == lo)."""
     seed: int = 0
     """Seed of the latency draws."""
     recover_at: int = 0
@@ -404,8 +462,8 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         _require(self.ticks >= 1, "sim.ticks", "must be >= 1")
-        _require(len(self.latency) == 2 and self.latency[0] >= 1, "sim.latency",
-                 "must be [lo, hi] ticks with lo >= 1")
+        _require(len(self.latency) == 2 and 1 <= self.latency[0] <= self.latency[1], "sim.latency",
+                 "must be [lo, hi] ticks with 1 <= lo <= hi")
         _require(self.recover_at >= 0, "sim.recover_at", "must be >= 0")
 
 
@@ -425,6 +483,7 @@ class Config:
     sim: SimConfig = field(default_factory=SimConfig)
 
     def __post_init__(self) -> None:
+        _require_finite(self, "")
         uncorrected = self.trainer.correction == Correction.none
         off_policy = self.rollout.max_staleness > 0 or self.rollout.enforce == Enforce.ship
         _require(not (uncorrected and off_policy and not self.trainer.allow_uncorrected),
@@ -440,6 +499,21 @@ class Config:
                  "inference.weight_transfer", "distributed needs trainer=fsdp and inference=cpu or sglang")
         _require(self.rollout.max_concurrent >= self.rollout.group_size, "rollout.max_concurrent",
                  f"must be >= rollout.group_size ({self.rollout.group_size}): a group is admitted whole")
+
+
+def _require_finite(section: Any, prefix: str) -> None:
+    """No setting may be inf or NaN (``trainer.lr=inf`` would train NaN weights)."""
+    import math
+    from dataclasses import fields, is_dataclass
+
+    for item in fields(section):
+        value, key = getattr(section, item.name), f"{prefix}{item.name}"
+        if is_dataclass(value):
+            _require_finite(value, f"{key}.")
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for number in values:
+            _require(not (isinstance(number, float) and not math.isfinite(number)), key,
+                     f"must be a finite number, got {number}")
 
 
 def warnings_for(config: Config) -> list[str]:

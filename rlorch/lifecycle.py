@@ -5,7 +5,10 @@ task is stopped."""
 from __future__ import annotations
 
 import asyncio
-from typing import Optional
+import os
+import threading
+import time
+from typing import Callable, Optional
 
 
 async def cancel_and_wait(*tasks: Optional[asyncio.Task], timeout: Optional[float] = None) -> None:
@@ -19,3 +22,61 @@ async def cancel_and_wait(*tasks: Optional[asyncio.Task], timeout: Optional[floa
         task.cancel()
     if live:
         await asyncio.wait(live, timeout=timeout)
+
+
+ORCHESTRATOR_PID_ENV = "RLORCH_ORCHESTRATOR_PID"
+"""The environment variable that names the orchestrator to the processes it starts."""
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a zombie still counts until it is reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def watch_parents(*, orchestrator: Optional[int], parent: Optional[int] = None,
+                  on_gone: Callable[[str], None], interval: float = 1.0) -> threading.Thread:
+    """A daemon thread that calls ``on_gone(reason)`` once the orchestrator ``orchestrator``
+    is gone or this process's parent is no longer ``parent`` (re-parented to init or a
+    subreaper: the process that launched it died). Nothing of a run may outlive its
+    orchestrator: a process it started calls this first thing."""
+
+    def gone() -> Optional[str]:
+        if orchestrator is not None and not process_alive(orchestrator):
+            return f"orchestrator (pid {orchestrator}) is gone"
+        if parent is not None and os.getppid() != parent:
+            return f"parent process (pid {parent}) is gone"
+        return None
+
+    def watch() -> None:
+        while True:
+            reason = gone()
+            if reason is not None:
+                on_gone(reason)
+                return
+            time.sleep(interval)
+
+    thread = threading.Thread(target=watch, name="rlorch-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def orchestrator_pid() -> Optional[int]:
+    """The orchestrator's pid from the environment, if this process was started by one."""
+    value = os.environ.get(ORCHESTRATOR_PID_ENV)
+    return int(value) if value and value.isdigit() else None
+
+
+def kill_group(pid: int, sig: int) -> bool:
+    """Signal process group ``pid`` (a process started in its own session leads one); False
+    when it is gone."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True

@@ -74,6 +74,9 @@ def ensure_default_model() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".creating-", dir=target.parent))
     try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
         tokenizer = build_tokenizer()
         model = build_model(tokenizer)
         model.save_pretrained(staging, safe_serialization=True)

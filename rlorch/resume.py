@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from rlorch.checkcheckpoint import check_checkpoint
 from rlorch.config import Config, ConfigError
 from rlorch.rundir import CheckpointDir, RunDir, load_config, parse_step, save_config
 
@@ -29,14 +30,16 @@ def resume_target(path: Path, overrides: list[str]) -> tuple[Config, RunDir]:
     checkpoint that is not complete (naming the ones that are)."""
     from omegaconf import OmegaConf
 
-    step_of(path)
+    step = step_of(path)
     run_dir = RunDir(path.parent.parent)
     parts = CheckpointDir(path)
-    if not parts.complete or not parts.state.exists():
-        usable = [str(p) for _, p in run_dir.resumable_checkpoints()]
-        raise ConfigError("checkpoint", f"{path} is not a complete checkpoint (needs trainer/COMPLETE and "
-                                        f"{parts.state.name}); complete ones: {', '.join(usable) or 'none'}")
     config = load_config(run_dir.config)
+    if not parts.complete or not parts.state.exists():
+        raise ConfigError("checkpoint", f"{path} is not a complete checkpoint (needs trainer/COMPLETE and "
+                                        f"{parts.state.name}); {_usable(run_dir, config)}")
+    problem = check_checkpoint(path, run_dir, step, config)
+    if problem is not None:
+        raise ConfigError("checkpoint", f"{problem}; nothing was changed; {_usable(run_dir, config)}")
     if overrides:
         try:
             merged = OmegaConf.merge(OmegaConf.structured(config), OmegaConf.from_dotlist(overrides))
@@ -46,6 +49,12 @@ def resume_target(path: Path, overrides: list[str]) -> tuple[Config, RunDir]:
         except Exception as err:
             raise ConfigError("overrides", str(err).splitlines()[0]) from err
     return config, run_dir
+
+
+def _usable(run_dir: RunDir, config: Config) -> str:
+    usable = [str(p) for step, p in run_dir.resumable_checkpoints()
+              if check_checkpoint(p, run_dir, step, config) is None]
+    return f"resumable checkpoints: {', '.join(usable) or 'none'}"
 
 
 def prepare(run_dir: RunDir, step: int, config: Config, overrides: list[str]) -> None:

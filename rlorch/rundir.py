@@ -15,10 +15,13 @@ Layout (steps are 1-based; training step N reads batch N and publishes weights v
     trainer/metrics.jsonl           one line per trainer step (loss, grad_norm, ...), written
                                     before that step's version is published
     trainer/ready                   written once the trainer has loaded its model
+    trainer/workers/rank-R.json     the pid of each trainer rank (killed with its group on stop)
     servers.json                    the inference servers and the version each reported
     tensorboard/                    TensorBoard scalars (metrics.tensorboard=true)
     logs/                           per-process logs
     STOP                            asks the trainer to checkpoint its last step and exit
+    LOCK                            held (flock) by the one process running in this directory
+    failed-start-*/                 a start-up that failed before any batch, set aside by a retry
     rollouts/superseded-*/,         what a resume at an earlier checkpoint abandoned
     checkpoints/superseded-*/
     config.before-resume-*.yaml     the config a resume with overrides replaced
@@ -94,6 +97,13 @@ class RunDir:
     @property
     def trainer_ready(self) -> Path:
         return self.trainer / "ready"
+
+    @property
+    def trainer_workers(self) -> Path:
+        return self.trainer / "workers"
+
+    def worker_pid(self, rank: int) -> Path:
+        return self.trainer_workers / f"rank-{rank}.json"
 
     @property
     def servers(self) -> Path:

@@ -1,15 +1,14 @@
 """The single-process runner behind ``rlorch train`` and ``rlorch resume``.
 
 It makes the run directory, writes the resolved config, starts the engines and the trainer,
-builds the orchestrator, installs the signal handlers and shows live progress.
+builds the orchestrator, installs the signal handlers; what the operator sees (phases, progress,
+the end-of-run report) is :mod:`rlorch.progress`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
-import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -17,8 +16,10 @@ from typing import Any, Optional
 from rich.console import Console
 
 from rlorch.config import Config, ConfigError
-from rlorch.lifecycle import cancel_and_wait
-from rlorch.rundir import RunDir, save_config
+from rlorch.progress import Phases, print_report, progress_logger
+from rlorch.rundir import RunDir, parse_step, save_config, write_json_atomic
+from rlorch.runlock import RunLock, set_aside_failed_start
+from rlorch.signals import SignalRelay, startup_summary
 from rlorch.startup import StartupClock
 from rlorch.types import PolicyVersion
 
@@ -29,9 +30,12 @@ console = Console(stderr=True)
 def new_run_dir(config: Config) -> RunDir:
     if config.run.dir:
         root = Path(config.run.dir)
-        if root.exists() and any(root.iterdir()):
+        holder = RunLock(root).holder() if root.is_dir() else None
+        if holder is not None:
+            raise ConfigError("run.dir", f"{root} is in use by process {holder}; one process per run directory")
+        if root.exists() and any(root.iterdir()) and not set_aside_failed_start(root):
             raise ConfigError("run.dir", f"{root} already holds a run; continue it with "
-                                         f"`rlorch resume checkpoint={root}/checkpoints/step_N` or pick another run.dir")
+                                         f"`rlorch resume checkpoint={root}` or pick another run.dir")
     else:
         root = Path("outputs") / f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         suffix = 1
@@ -42,32 +46,54 @@ def new_run_dir(config: Config) -> RunDir:
 
 
 def run_training(config: Config, overrides: list[str]) -> int:
-    _warm_up(config)
+    from rlorch.preflight import preflight
+
     try:
+        preflight(config)
         run_dir = new_run_dir(config)
+        lock = RunLock(run_dir.root).acquire()
     except ConfigError as err:
         console.print(f"[bold red]invalid config[/] {err}", highlight=False)
         return 2
-    config.run.dir = str(run_dir.root)
-    save_config(config, run_dir.config)
-    console.print(f"run directory: [bold]{run_dir.root}[/]", highlight=False)
-    return asyncio.run(_run(config, run_dir, checkpoint=None))
+    except OSError as err:
+        console.print(f"[bold red]invalid config[/] run.dir: cannot create {config.run.dir or 'outputs/'}: "
+                      f"{err.strerror or err}", highlight=False)
+        return 2
+    with lock:
+        config.run.dir = str(run_dir.root)
+        save_config(config, run_dir.config)
+        _warm_up(config)
+        console.print(f"run directory: [bold]{run_dir.root}[/]", highlight=False)
+        from rlorch.config import warnings_for
+
+        for warning in warnings_for(config):
+            console.print(f"[yellow]warning[/] {warning}", highlight=False)
+        return asyncio.run(_run(config, run_dir, checkpoint=None))
 
 
 def resume_training(checkpoint: str, overrides: list[str]) -> int:
     from rlorch import resume
+    from rlorch.config_keys import check_overrides
+    from rlorch.resume_forms import finished_run, locate_checkpoint
 
-    path = Path(checkpoint)
     try:
+        check_overrides(overrides)
+        path = locate_checkpoint(Path(checkpoint))
         config, run_dir = resume.resume_target(path, overrides)
+        lock = RunLock(run_dir.root).acquire()
     except ConfigError as err:
         console.print(f"[bold red]cannot resume[/] {err}", highlight=False)
         return 2
-    step = resume.step_of(path)
-    resume.prepare(run_dir, step, config, overrides)
-    _warm_up(config)
-    console.print(f"resuming {run_dir.root} at step {step + 1}", highlight=False)
-    return asyncio.run(_run(config, run_dir, checkpoint=path))
+    with lock:
+        done = finished_run(path, config, overrides)
+        if done:
+            console.print(done, highlight=False, soft_wrap=True)
+            return 0
+        step = resume.step_of(path)
+        resume.prepare(run_dir, step, config, overrides)
+        _warm_up(config)
+        console.print(f"resuming {run_dir.root} at step {step + 1}", highlight=False)
+        return asyncio.run(_run(config, run_dir, checkpoint=path))
 
 
 def _warm_up(config: Config) -> None:
@@ -81,22 +107,23 @@ def _warm_up(config: Config) -> None:
 
 
 async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> int:
+    clock = StartupClock()
+    started = clock.origin
+    signals = SignalRelay()
     from rlorch.backends import make_trainer
     from rlorch.episode import PromptSource, make_work, reward_override
     from rlorch.inference.weight_transfer import join_weight_group
     from rlorch.orchestrator.loop import Orchestrator
+    from rlorch.resume import step_of
     from rlorch.tasks import make_environment
 
-    clock = StartupClock()
-    started = clock.origin
+    phases = Phases(console)
     policy = PolicyVersion(0)
-    env = make_environment(config)
-    engines, tokenizer, trainer = None, None, None
+    engines, tokenizer, trainer, orchestrator, view = None, None, None, None, None
     try:
-        from rlorch.resume import step_of
-
+        env = make_environment(config)
         trainer = make_trainer(config, run_dir, checkpoint, step_of(checkpoint) if checkpoint else 0)
-        launched, trainer_started = await _start_concurrently(config, run_dir, policy, trainer, clock)
+        launched, trainer_started = await _start_concurrently(config, run_dir, policy, trainer, clock, phases)
         if not isinstance(launched, BaseException):
             engines, tokenizer = launched
         for outcome in (launched, trainer_started):
@@ -117,97 +144,84 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
         orchestrator = Orchestrator(config, run_dir=run_dir, policy=policy, engines=engines, trainer=trainer,
                                     work=work, prompts=prompts, resume=resume, started=started)
         orchestrator.startup = clock
-        _install_signals(orchestrator)
+        signals.forward_to(orchestrator.request_shutdown)
         # The loop allocates a few small objects per rollout and may hold 10^5 in flight: freeze
         # what start-up built and collect the young generation less often, so collection cost
         # stays flat as the number in flight grows.
         gc.freeze()
         gc.set_threshold(50_000, 20, 20)
-        progress = _progress(config, orchestrator)
-        try:
-            summary = await orchestrator.run()
-        finally:
-            await cancel_and_wait(progress)
+        view = progress_logger(config, console)
+        if view is not None:
+            orchestrator.metrics.add_logger(view)
+        summary = await orchestrator.run()
+    except asyncio.CancelledError:
+        if signals.received is None:
+            raise
+        asyncio.current_task().uncancel()
+        summary = startup_summary(run_dir, status="interrupted", reason=signals.received, error=None,
+                                  step=_start_step(checkpoint), wall_s=time.monotonic() - started)
     except Exception as err:
         console.print(f"[bold red]run failed[/] {err}", highlight=False)
+        if orchestrator is None:
+            startup_summary(run_dir, status="failed", reason=None, error=str(err), step=_start_step(checkpoint),
+                            wall_s=time.monotonic() - started)
         return 1
     finally:
+        if view is not None:
+            view.close()
         if trainer is not None:
-            await trainer.stop(config.run.shutdown_timeout)
+            # Interrupted in start-up, the trainer has nothing to checkpoint: no need to wait.
+            await trainer.stop(config.run.shutdown_timeout if orchestrator is not None else 2.0)
         if engines is not None:
             await engines.close()
-    return _report(summary, run_dir)
+    return _report(summary, run_dir, config, phases.timings)
 
 
 async def _start_concurrently(config: Config, run_dir: RunDir, policy: PolicyVersion, trainer: Any,
-                              clock: StartupClock) -> tuple[Any, Any]:
+                              clock: StartupClock, phases: Phases) -> tuple[Any, Any]:
     """Start the engines and the trainer at once (each is seconds of imports and model loading,
     independent of the other); return each outcome, an exception for a start that failed, so
     the caller can stop whatever did start."""
     from rlorch.backends import start_inference
 
+    inference = config.inference
+    count = len(inference.addresses) or inference.num_servers
+
     async def engines():
-        async with clock.part("engines"):
-            return await start_inference(config, run_dir, policy)
+        with phases.phase("engines", f"starting {count} {inference.backend.value} engine{'s' * (count > 1)}",
+                          "engines ready"):
+            async with clock.part("engines"):
+                return await start_inference(config, run_dir, policy)
 
     async def trainer_start():
-        async with clock.part("trainer"):
-            await trainer.start()
+        with phases.phase("trainer", f"starting the {config.trainer.backend.value} trainer", "trainer ready"):
+            async with clock.part("trainer"):
+                await trainer.start()
 
     launched, started = await asyncio.gather(engines(), trainer_start(), return_exceptions=True)
     return launched, started
 
 
-def _install_signals(orchestrator: Any) -> None:
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, orchestrator.request_shutdown, sig.name)
+def _start_step(checkpoint: Optional[Path]) -> int:
+    return (parse_step(checkpoint.name) or 0) if checkpoint is not None else 0
 
 
-def _report(summary: dict, run_dir: RunDir) -> int:
+def _report(summary: dict, run_dir: RunDir, config: Config, phases: dict) -> int:
+    summary["startup_phases"] = phases
+    try:
+        write_json_atomic(run_dir.summary, summary)
+    except OSError as err:
+        console.print(f"[bold red]summary not saved[/] {run_dir.summary}: {err}", highlight=False)
+    report = None
+    if config.run.report and summary.get("admitted"):
+        from rlorch.report import write_report
+
+        try:
+            report = write_report(run_dir)
+        except Exception as err:
+            console.print(f"[yellow]report failed[/] {err!r}", highlight=False)
+    print_report(console, summary, summary_path=run_dir.summary, report_path=report, phases=phases)
     status = summary["status"]
-    style = {"completed": "green", "converged": "green", "interrupted": "yellow"}.get(status, "red")
-    first, last = summary.get("eval_accuracy_first"), summary.get("eval_accuracy_last")
-    accuracy = (f"eval_accuracy={first:.1%}(step {summary['eval_step_first']})->{last:.1%}"
-                f"(step {summary['eval_step_last']}) " if first is not None and last is not None else "")
-    reward = summary.get("reward_mean_last")
-    console.print(f"[bold {style}]{status}[/] steps={summary['steps']} {accuracy}"
-                  + (f"reward_last={reward:.3f} " if reward is not None else "")
-                  + f"admitted={summary['admitted']} "
-                  f"trained={summary['trained']} filtered={summary['filtered']} "
-                  f"dropped_stale={summary['dropped_stale']} untrained={summary['persisted_untrained']} "
-                  f"lost={summary['lost']} wall={summary['wall_s']}s -> {run_dir.summary}", highlight=False)
-    if summary.get("error"):
-        console.print(f"[bold red]error[/] {summary['error']}", highlight=False)
     if status == "interrupted":
         return EXIT_INTERRUPTED.get(summary.get("reason") or "", 130)
     return 0 if status in ("completed", "converged") else 1
-
-
-def _progress(config: Config, orchestrator: Any) -> Optional[asyncio.Task]:
-    if not (config.run.progress and sys.stderr.isatty()):
-        return None
-
-    async def show() -> None:
-        from rich.live import Live
-        from rich.table import Table
-
-        with Live(console=console, refresh_per_second=4, transient=True) as live:
-            while True:
-                gauges = orchestrator.metrics.snapshot()
-                last = orchestrator.last_step_record
-                elapsed = max(time.monotonic() - orchestrator.started, 1e-9)
-                trained = gauges["version"] * config.rollout.batch_size
-                table = Table.grid(padding=(0, 2))
-                evaluated = orchestrator.evaluations.sink.last
-                table.add_row(f"step {gauges['version']}/{config.train.steps}",
-                              f"reward {last['reward_mean']:.3f}" if last else "reward -",
-                              f"eval acc {evaluated['accuracy']:.1%} @{evaluated['step']}"
-                              if evaluated and evaluated["accuracy"] is not None else "eval acc -",
-                              f"head age max {last['age_max']}" if last else "head age -",
-                              f"in flight {gauges['in_flight']}", f"out queue {gauges['out_queue']}",
-                              f"buffered {gauges['buffered']}", f"{trained / elapsed:.1f} rollouts/s")
-                live.update(table)
-                await asyncio.sleep(0.5)
-
-    return asyncio.get_running_loop().create_task(show())

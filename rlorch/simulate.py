@@ -21,6 +21,22 @@ from rlorch.orchestrator.gate import CapacityGate
 from rlorch.types import PolicyVersion
 
 SHORT_NAMES = {"rollout.max_staleness": "S", "rollout.batch_size": "B", "rollout.max_concurrent": "C"}
+USED_KEYS = ("conf", "rollout.max_staleness", "rollout.batch_size", "rollout.max_concurrent", "sim")
+"""The keys the model reads (``sim`` and everything below it); any other is refused, not ignored."""
+
+
+def check_used(overrides: list[str]) -> None:
+    """Refuse a key the simulation would ignore (a sweep of it would print identical rows)."""
+    from rlorch.compose import config_groups
+    from rlorch.config_keys import check_overrides, override_key
+
+    check_overrides([item for item in overrides if override_key(item) != "conf"], groups=config_groups())
+    for item in overrides:
+        key = override_key(item)
+        if not any(key == used or key.startswith(f"{used}.") for used in USED_KEYS):
+            raise ConfigError(key, "rlorch simulate ignores this key: the model reads only rollout.max_staleness, "
+                                   "rollout.batch_size, rollout.max_concurrent and sim.* (ticks, latency, seed, "
+                                   "recover_at, fix_recovery)")
 
 
 @dataclass(frozen=True)
@@ -135,6 +151,7 @@ def simulate(overrides: list[str]) -> list[SimResult]:
     """One simulated run per combination of the comma-list sweeps in ``overrides``."""
     from rlorch.compose import compose, expand_sweeps
 
+    check_used(overrides)
     try:
         combos = list(expand_sweeps(overrides))
     except Exception as err:  # hydra's override grammar errors
@@ -243,6 +260,10 @@ def simulate_command(overrides: list[str], *, json_lines: bool, plot: Optional[s
     from rich.markup import escape
 
     try:
+        if plot:
+            from rlorch.preflight import writable_file
+
+            writable_file(plot, "--plot")
         results = simulate(overrides)
     except ConfigError as err:
         Console(stderr=True).print(f"[bold red]invalid config[/] [bold]{escape(err.key)}[/]: "

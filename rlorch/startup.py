@@ -1,4 +1,4 @@
-"""Where the start of a run goes: ``summary.json``'s ``startup_s``.
+"""Where the start of a run goes: ``summary.json``'s ``startup``.
 
 Parts, in seconds: ``process`` (interpreter start to the runner: imports, config, run
 directory), ``engines`` and ``trainer`` (each one's start; they run concurrently, so ``ready``,
@@ -49,7 +49,7 @@ class StartupClock:
         self.parts[name] = round(time.monotonic() - self.origin, 3)
 
     def summary(self, first_step_at: Optional[float]) -> dict:
-        """The ``startup_s`` record; ``first_step_at`` is the monotonic time of step 1's record."""
+        """The ``startup`` record; ``first_step_at`` is the monotonic time of step 1's record."""
         record = {"process": None if self.before is None else round(self.before, 3), **self.parts}
         if first_step_at is not None:
             since_runner = first_step_at - self.origin

@@ -2,7 +2,7 @@
 
 Runs ``rlorch train`` (the default preset, with ``train.steps`` cut short and no progress
 display) ``--runs`` times as a user would, each in a fresh run directory, and prints the median
-of every part of ``summary.json``'s ``startup_s`` (see ``rlorch/startup.py``) plus the wall time
+of every part of ``summary.json``'s ``startup`` (see ``rlorch/startup.py``) plus the wall time
 of the whole command, the time until the first step record appeared in ``metrics.jsonl``
 as seen from outside (``seen_first_step``), and the machine it ran on.
 
@@ -40,7 +40,7 @@ def one_run(root: Path, index: int, steps: int, overrides: list[str]) -> dict:
             errors.seek(0)
             raise SystemExit(f"rlorch train failed ({process.returncode}):\n{errors.read()[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {**(summary.get("startup_s") or {}), "seen_first_step": round(first_step or wall, 3),
+    return {**(summary.get("startup") or {}), "seen_first_step": round(first_step or wall, 3),
             "command_wall": round(wall, 3)}
 
 

@@ -150,3 +150,42 @@ def test_info_health_and_unreachable_server(server):
     info, model, up, down = run(scenario())
     assert info["status"] == "ready" and model["is_generation"] is True
     assert up is True and down is False
+
+
+def test_a_dropped_keep_alive_connection_is_retried_once_on_a_fresh_one():
+    """The first connection is closed by the server without an answer (what a client sees when it
+    reuses a connection the server closed for idleness); the call succeeds on a fresh one. A
+    server that drops every connection is unavailable."""
+    from rlorch.inference import client
+
+    assert client.KEEPALIVE_SECONDS < 5
+
+    async def scenario(drop: int):
+        seen = []
+
+        async def handle(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            seen.append(1)
+            if len(seen) <= drop:
+                writer.close()
+                return
+            body = b'{"status": "ok"}'
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        engine = SGLangEngine(f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        try:
+            await engine.pause()
+            return "paused", len(seen)
+        except client.EngineUnavailable as err:
+            return err, len(seen)
+        finally:
+            await engine.close()
+            server.close()
+
+    assert run(scenario(drop=1)) == ("paused", 2)
+    failure, attempts = run(scenario(drop=10))
+    assert isinstance(failure, client.EngineUnavailable) and attempts == 2

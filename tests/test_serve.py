@@ -229,7 +229,7 @@ def test_abort_request_by_rid(server):
     assert answer["meta_info"]["completion_tokens"] < 100
 
 
-def test_sampler_reports_the_logprob_of_the_distribution_it_drew_from():
+def test_sampler_reports_what_sglang_reports_whatever_the_cut():
     import torch
 
     from rlorch.serve.sampling import RequestParams, sample
@@ -239,11 +239,14 @@ def test_sampler_reports_the_logprob_of_the_distribution_it_drew_from():
               RequestParams(temperature=0.0)]
     tokens, logprobs = sample(logits.clone(), params, [[], [], []], torch.Generator().manual_seed(0))
     assert logprobs[0] == pytest.approx(torch.log_softmax(logits[0] / 2, -1)[tokens[0]].item())
-    assert tokens[1] == 1 and logprobs[1] == pytest.approx(0.0)
+    assert tokens[1] == 1 and logprobs[1] == pytest.approx(torch.log_softmax(logits[1], -1)[1].item())
     assert tokens[2] == 0 and logprobs[2] == pytest.approx(torch.log_softmax(logits[2], -1)[0].item())
     nucleus = [RequestParams(top_p=0.5)]
     tokens, logprobs = sample(logits[1:2].clone(), nucleus, [[1]], torch.Generator().manual_seed(0))
-    assert tokens == [3] and logprobs[0] == pytest.approx(0.0)
+    banned = logits[1].clone()
+    banned[1] = float("-inf")
+    assert tokens == [3] and logprobs[0] == pytest.approx(torch.log_softmax(banned, -1)[3].item())
+    assert logprobs[0] < -0.1
 
 
 def test_top_k_one_matches_greedy_over_http(server):
@@ -252,7 +255,8 @@ def test_top_k_one_matches_greedy_over_http(server):
     top1 = generate(server, input_ids=PROMPT, return_logprob=True,
                     sampling_params={"max_new_tokens": 5, "top_k": 1, "ignore_eos": True})
     assert top1["output_ids"] == greedy["output_ids"]
-    assert all(entry[0] == pytest.approx(0.0) for entry in top1["meta_info"]["output_token_logprobs"])
+    logprobs = [entry[0] for entry in top1["meta_info"]["output_token_logprobs"]]
+    assert all(value < 0 for value in logprobs), "SGLang reports the uncut log_softmax(logits / T), never 0"
 
 
 def test_pause_in_place_keeps_requests_until_continue_or_abort(server):
@@ -304,3 +308,15 @@ def test_arrivals_join_a_running_batch_without_changing_greedy_outputs(server):
     after = stats(server)
     assert after["batches"] - before["batches"] == 1 and after["joined"] - before["joined"] == 2
     assert together == alone
+
+
+def test_health_generate_waits_behind_a_pause_and_fails_when_it_outlasts_the_probe(server, monkeypatch):
+    from rlorch.serve import server as server_module
+
+    monkeypatch.setattr(server_module, "HEALTH_CHECK_TIMEOUT", 0.3)
+    call(server, "/pause_generation", {"mode": "abort"})
+    try:
+        assert call(server, "/health_generate")[0] == 503
+    finally:
+        call(server, "/continue_generation", {})
+    assert call(server, "/health_generate")[0] == 200

@@ -155,6 +155,6 @@ def test_summary_says_where_the_start_went(tmp_path):
 
     config = compose(["conf=sim", f"run.dir={tmp_path / 'run'}", "run.progress=false", "train.steps=3"])
     assert run_training(config, []) == 0
-    startup = json.loads((tmp_path / "run" / "summary.json").read_text())["startup_s"]
+    startup = json.loads((tmp_path / "run" / "summary.json").read_text())["startup"]
     assert {"engines", "trainer", "ready", "eval", "first_step", "total"} <= set(startup)
     assert startup["ready"] <= startup["total"] and startup["first_step"] <= startup["total"]

@@ -6,14 +6,26 @@ Interruptible generation: a weight update pauses the server, which answers in-fl
 with their partial output and finish type ``abort``. :meth:`SGLangEngine.generate` resubmits to
 the same server with the generated tokens appended to ``input_ids`` and ``max_new_tokens``
 reduced, and stamps each segment's tokens with the ``weight_version`` of the response that
-carried them, so one trajectory may span several policy versions and
-``Generation.versions`` shows exactly which.
+carried them (or with its ``weight_versions`` spans when the server reports that a segment itself
+spans versions), so one trajectory may span several policy versions and ``Generation.versions``
+shows exactly which.
+
+Request ids on the wire: each HTTP /generate carries a fresh id, ``f"{rid}.{uuid4 hex}"``. SGLang
+aborts every request whose id *starts with* the given one and refuses an id already in flight
+(HTTP 400 "Duplicate request ID"); fresh, equal-length suffixes mean no id in flight is a prefix
+of another and no resubmission or retry reuses one. :meth:`SGLangEngine.abort` maps the caller's
+``rid`` to the id in flight.
+
+Idle connections: SGLang's server closes idle keep-alive connections after 5 s
+(``SGLANG_TIMEOUT_KEEP_ALIVE``); the client keeps them ``KEEPALIVE_SECONDS`` and retries a call
+once on a fresh connection when the server drops one, before calling the server unavailable.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from typing import Any, Optional
 
 import aiohttp
@@ -22,6 +34,13 @@ from rlorch.types import Generation, SamplingParams, VersionStamps
 
 MAX_SEGMENTS = 1000
 """Resubmissions of one request before the client gives up (a guard against abort loops)."""
+
+KEEPALIVE_SECONDS = 2.0
+"""Idle keep-alive lifetime, shorter than SGLang's 5 s so the client never reuses a connection the
+server has closed."""
+
+DUPLICATE_RID = "Duplicate request ID"
+"""SGLang's message for an id already in flight."""
 
 
 class EngineError(RuntimeError):
@@ -51,6 +70,11 @@ def parse_weight_version(value: Any) -> int:
         raise EngineError(f"weight_version {value!r} is not an integer policy version") from None
 
 
+def wire_rid(rid: str) -> str:
+    """A fresh id for one HTTP /generate of request ``rid`` (see the module doc)."""
+    return f"{rid}.{uuid.uuid4().hex}"
+
+
 def normalize_address(address: str) -> str:
     return address.rstrip("/") if "://" in address else f"http://{address.rstrip('/')}"
 
@@ -59,36 +83,43 @@ class SGLangEngine:
     """One SGLang-compatible server. Keeps one keep-alive ``aiohttp.ClientSession``."""
 
     def __init__(self, address: str, *, request_timeout: float = 300.0, control_timeout: float = 600.0,
-                 extra_params: Optional[dict] = None, name: Optional[str] = None):
+                 extra_params: Optional[dict] = None, name: Optional[str] = None, api_key: Optional[str] = None):
         """``request_timeout`` bounds each /generate call; ``control_timeout`` bounds pause, continue
         and weight updates. ``extra_params`` are added to every request's sampling_params
-        (e.g. ``{"ignore_eos": True}``)."""
+        (e.g. ``{"ignore_eos": True}``). ``api_key`` goes out as ``Authorization: Bearer`` (SGLang's
+        ``--api-key``)."""
         self.url = normalize_address(address)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.name = name or self.url.split("://", 1)[1]
         self.request_timeout = request_timeout
         self.control_timeout = control_timeout
         self.extra_params = dict(extra_params or {})
         self._session: Optional[aiohttp.ClientSession] = None
         self._cancelled: set[str] = set()
+        self._on_wire: dict[str, str] = {}
+        self.version: Optional[int] = None
+        """The policy version this server holds as far as the client knows (set by
+        :meth:`reload` and :meth:`weight_version`); stamps responses that carry none."""
         self.requests = 0
         self.resubmits = 0
         self.server_seconds = 0.0
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_SECONDS)
             self._session = aiohttp.ClientSession(connector=connector)
         return self._session
 
     async def _request(self, method: str, path: str, *, timeout: float, payload: Any = None,
                        partial: Optional[Generation] = None) -> tuple[int, Any]:
-        """One HTTP call; returns (status, parsed JSON or text). Transport failures raise
-        :class:`EngineUnavailable`."""
+        """One HTTP call; returns (status, parsed JSON or text). A connection the server dropped
+        is retried once on a fresh one; other transport failures raise :class:`EngineUnavailable`."""
         try:
-            async with self._client().request(method, self.url + path, json=payload,
-                                              timeout=aiohttp.ClientTimeout(total=timeout)) as response:
-                body = await response.read()
-                status = response.status
+            try:
+                status, body = await self._send(self._client(), method, path, timeout, payload)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as fresh:
+                    status, body = await self._send(fresh, method, path, timeout, payload)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
             reason = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
             raise EngineUnavailable(f"{self.name} {method} {path} failed: {reason}", partial) from err
@@ -98,6 +129,12 @@ class SGLangEngine:
             return status, json.loads(body)
         except ValueError:
             return status, body.decode(errors="replace")
+
+    async def _send(self, session: aiohttp.ClientSession, method: str, path: str, timeout: float,
+                    payload: Any) -> tuple[int, bytes]:
+        async with session.request(method, self.url + path, json=payload, headers=self._headers,
+                                   timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+            return response.status, await response.read()
 
     @staticmethod
     def _message(body: Any) -> str:
@@ -130,13 +167,14 @@ class SGLangEngine:
             answer = await self._generate_once(input_ids + done.output_ids, params, remaining, rid, done)
             meta = answer["meta_info"]
             self.server_seconds += float(meta.get("e2e_latency") or 0.0)
-            ids, logprobs = _segment(answer)
-            done.output_ids += ids
-            done.logprobs += logprobs
-            done.versions.extend(parse_weight_version(meta.get("weight_version")), len(ids))
-            done.text += answer.get("text") or ""
             reason = meta.get("finish_reason") or {}
             done.finish_reason = reason.get("type", "stop") if isinstance(reason, dict) else str(reason)
+            ids, logprobs = _segment(answer, aborted=done.finish_reason == "abort")
+            done.output_ids += ids
+            done.logprobs += logprobs
+            for version, count in await self._stamps(meta, len(ids)):
+                done.versions.extend(version, count)
+            done.text += answer.get("text") or ""
             if done.finish_reason != "abort":
                 return done
             if rid in self._cancelled:
@@ -145,18 +183,46 @@ class SGLangEngine:
             self.resubmits += 1
         raise EngineError(f"{self.name}: request {rid} aborted {MAX_SEGMENTS} times in a row")
 
+    async def _stamps(self, meta: dict, count: int) -> list[tuple[int, int]]:
+        """(version, tokens) runs for a segment of ``count`` tokens: its ``weight_versions`` spans
+        when they cover it, else its ``weight_version``, else (0.5.5 sends none) the version the
+        client knows this server holds, read from the server if unknown — never a guess."""
+        spans = meta.get("weight_versions")
+        if spans and sum(int(s["end"]) - int(s["start"]) for s in spans) == count:
+            return [(parse_weight_version(s["version"]), int(s["end"]) - int(s["start"])) for s in spans]
+        if meta.get("weight_version") is not None:
+            return [(parse_weight_version(meta["weight_version"]), count)]
+        if count == 0:
+            return []
+        if self.version is None:
+            await self.weight_version()
+        return [(self.version, count)]
     async def generate_group(self, input_ids: list[int], params: SamplingParams, n: int,
                              rid: str) -> list[Generation]:
         """``n`` independent samples (request ids ``f"{rid}-{i}"``), sent together so the server
         batches them; each one is interruptible on its own."""
         return list(await asyncio.gather(*(self.generate(input_ids, params, f"{rid}-{i}") for i in range(n))))
 
+    def wire_rid(self, rid: str) -> Optional[str]:
+        """The id request ``rid`` carries on the wire right now (None between segments)."""
+        return self._on_wire.get(rid)
+
     async def _generate_once(self, input_ids: list[int], params: SamplingParams, remaining: int,
                              rid: str, partial: Generation) -> dict:
+        """One /generate under a fresh wire id; an id refused as a duplicate is sent again under
+        another (a duplicate is never the request's fault)."""
         sampling = {**params.to_json(), **self.extra_params, "max_new_tokens": remaining}
-        payload = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True, "rid": rid}
-        status, body = await self._request("POST", "/generate", timeout=self.request_timeout,
-                                           payload=payload, partial=partial)
+        for _ in range(3):
+            sent = wire_rid(rid)
+            self._on_wire[rid] = sent
+            payload = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True, "rid": sent}
+            try:
+                status, body = await self._request("POST", "/generate", timeout=self.request_timeout,
+                                                   payload=payload, partial=partial)
+            finally:
+                self._on_wire.pop(rid, None)
+            if not (status == 400 and DUPLICATE_RID in self._message(body)):
+                break
         if status >= 500 and status != 501:
             raise EngineUnavailable(f"{self.name} /generate answered {status}: {self._message(body)}", partial)
         if status != 200 or not isinstance(body, dict):
@@ -166,7 +232,9 @@ class SGLangEngine:
     async def abort(self, rid: str) -> None:
         """Abort a request; its ``generate`` returns what it has with finish_reason ``abort``."""
         self._cancelled.add(rid)
-        await self._control("POST", "/abort_request", {"rid": rid, "abort_all": False}, expect_json=False)
+        sent = self._on_wire.get(rid)
+        if sent is not None:
+            await self._control("POST", "/abort_request", {"rid": sent, "abort_all": False}, expect_json=False)
 
     # ---- control --------------------------------------------------------------------------
 
@@ -194,6 +262,7 @@ class SGLangEngine:
                                            payload=payload)
         if status != 200 or not isinstance(body, dict) or not body.get("success", False):
             raise EngineError(f"{self.name} could not load {path}: {self._message(body)}")
+        self.version = version
 
     async def init_weights_update_group(self, spec: dict) -> None:
         """Join the trainer's weight-transfer group (SGLang's InitWeightsUpdateGroupReqInput fields)."""
@@ -224,8 +293,18 @@ class SGLangEngine:
         return await self._control("GET", "/get_server_info")
 
     async def weight_version(self) -> int:
-        body = await self._control("GET", "/get_weight_version")
-        return parse_weight_version(body.get("weight_version"))
+        """The version the server holds: ``/model_info`` (0.5.23), else ``/get_model_info``,
+        else ``/get_weight_version`` (older servers); the first that exists and reports one."""
+        for path in ("/model_info", "/get_model_info", "/get_weight_version"):
+            status, body = await self._request("GET", path, timeout=self.control_timeout)
+            if status == 404 or (status == 200 and isinstance(body, dict) and "weight_version" not in body):
+                continue
+            if status != 200 or not isinstance(body, dict):
+                raise EngineError(f"{self.name} {path} answered {status}: {self._message(body)}")
+            self.version = parse_weight_version(body["weight_version"])
+            return self.version
+        raise EngineError(f"{self.name} reports no weight_version (/model_info, /get_model_info, "
+                          "/get_weight_version)")
 
     def gauges(self) -> dict:
         """Requests started, resubmissions after pause-aborts, and the server-side seconds
@@ -244,10 +323,14 @@ def copy_generation(generation: Generation) -> Generation:
                       generation.finish_reason, generation.text)
 
 
-def _segment(answer: dict) -> tuple[list[int], list[float]]:
+def _segment(answer: dict, *, aborted: bool) -> tuple[list[int], list[float]]:
     """Token ids and behaviour logprobs of one response (``output_token_logprobs`` entries are
-    ``[logprob, token_id, text]``)."""
-    entries = answer["meta_info"].get("output_token_logprobs")
+    ``[logprob, token_id, text]``). A request aborted while still queued (SGLang 0.5.3 answers
+    it without logprobs and with ``completion_tokens`` 0) generated nothing."""
+    meta = answer["meta_info"]
+    entries = meta.get("output_token_logprobs")
+    if entries is None and aborted and not meta.get("completion_tokens"):
+        return [], []
     if entries is None:
         raise EngineError("response has no meta_info.output_token_logprobs (return_logprob ignored?)")
     return [int(e[1]) for e in entries], [float(e[0]) for e in entries]

@@ -2,8 +2,12 @@
 
 - ``cpu``: ``inference.num_servers`` ``rlorch serve`` subprocesses on free local ports.
 - ``sglang``: ``python -m sglang.launch_server`` subprocesses.
-- With ``inference.addresses`` (either backend): the servers (or a sglang-router) already running
-  there; nothing is launched or stopped.
+- With ``inference.addresses`` (either backend): the servers already running there; nothing is
+  launched or stopped.
+- With ``inference.router``: generation goes through that sglang-router, control to the servers
+  (launched or at ``addresses``) behind it (see :mod:`rlorch.inference.routed`).
+
+Launched servers are placed on GPUs by :mod:`rlorch.placement` (``CUDA_VISIBLE_DEVICES``).
 
 Each launched server logs to ``log_dir/server-<i>.log``. The pool is returned only once every
 server answers ``/health_generate``; a server that exits or misses ``inference.ready_timeout``
@@ -18,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -37,6 +42,9 @@ from rlorch.rundir import RunDir
 from rlorch.types import PolicyVersion
 
 LOG_TAIL_LINES = 40
+API_KEY_ENV = "RLORCH_API_KEY"
+"""A launched ``rlorch serve`` reads its per-run key here; with ``inference.addresses``, the key
+the client sends to servers started elsewhere (optional)."""
 
 
 class LaunchError(RuntimeError):
@@ -64,6 +72,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _cpu_command(config, *, model_path: Path, port: int, host: str) -> list[str]:
+    """The API key reaches ``rlorch serve`` through its environment (RLORCH_API_KEY), out of ``ps``."""
     inference = config.inference
     return [sys.executable, "-m", "rlorch.cli", "serve", "--host", host, "--port", str(port),
             "--parent-pid", str(os.getpid()),
@@ -73,8 +82,11 @@ def _cpu_command(config, *, model_path: Path, port: int, host: str) -> list[str]
 
 
 def _sglang_command(config, *, model_path: Path, port: int, host: str) -> list[str]:
+    """SGLang takes its API key only as ``--api-key`` (added by :func:`_spawn`)."""
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
-            "--host", host, "--port", str(port), "--weight-version", "0", *config.inference.launch_args]
+            "--host", host, "--port", str(port), "--weight-version", "0", "--dtype", config.model.dtype,
+            "--random-seed", str(config.run.seed), "--tp-size", str(config.inference.tp_size),
+            *config.inference.launch_args]
 
 
 SERVER_COMMANDS = {InferenceBackend.cpu: _cpu_command, InferenceBackend.sglang: _sglang_command}
@@ -96,13 +108,21 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
     if inference.backend not in SERVER_COMMANDS:
         raise ValueError(f"inference.backend={inference.backend.value!r} is not launched by rlorch.inference.launcher")
     if inference.addresses:
+        api_key = os.environ.get(API_KEY_ENV) or None
         servers = [ServerProcess(i, a, None, None) for i, a in enumerate(inference.addresses)]
     else:
-        servers = [_spawn(config, i, log_dir=log_dir, model_path=model_path)
+        from rlorch.placement import server_env
+
+        api_key = secrets.token_urlsafe(24)
+        servers = [_spawn(config, i, log_dir=log_dir, model_path=model_path, api_key=api_key,
+                          env=server_env(config, i))
                    for i in range(inference.num_servers)]
-    engines = [SGLangEngine(s.address, request_timeout=config.rollout.request_timeout) for s in servers]
+    engines = [SGLangEngine(s.address, request_timeout=config.rollout.request_timeout, api_key=api_key)
+               for s in servers]
+    monitor: list[asyncio.Task] = []
 
     async def shutdown() -> None:
+        await cancel_and_wait(*monitor)
         await stop_servers(servers, timeout=inference.shutdown_timeout)
 
     try:
@@ -112,17 +132,54 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
         await asyncio.gather(*(e.close() for e in engines), return_exceptions=True)
         await shutdown()
         raise
-    return EnginePool(engines, request_timeout=config.rollout.request_timeout,
-                      max_retries=config.rollout.max_retries, name=f"{inference.backend.value}-pool", on_close=shutdown)
+    by_name = {engine.name: server for engine, server in zip(engines, servers)}
+    if inference.router:
+        from rlorch.inference.routed import RoutedServer
+
+        router = SGLangEngine(inference.router, request_timeout=config.rollout.request_timeout, api_key=api_key)
+        engines = [RoutedServer(router, engines)]
+        by_name = {}
+    pool = EnginePool(engines, request_timeout=config.rollout.request_timeout,
+                      max_retries=config.rollout.max_retries, name=f"{inference.backend.value}-pool", on_close=shutdown,
+                      diagnose=lambda name: exit_reason(by_name[name]) if name in by_name else None)
+    monitor.append(asyncio.create_task(watch_exits(by_name, pool), name="server-exits"))
+    return pool
 
 
-def _spawn(config, index: int, *, log_dir: Path, model_path: Path) -> ServerProcess:
+def exit_reason(server: ServerProcess) -> Optional[str]:
+    """Why a launched server is gone for good (its exit status and the tail of its log), or
+    None while its process runs (or when it was not launched here)."""
+    if server.process is None or server.process.poll() is None:
+        return None
+    return (f"server {server.index} ({server.address}) exited with status {server.process.returncode}; "
+            f"log {server.log} ends:\n{server.tail(10)}")
+
+
+async def watch_exits(servers: dict[str, ServerProcess], pool: EnginePool, interval: float = 0.5) -> None:
+    """A launched server that exits is out of the pool within ``interval`` seconds, even with no
+    request in flight to notice it (a launched process never comes back)."""
+    reported: set[str] = set()
+    while len(reported) < sum(s.process is not None for s in servers.values()):
+        for name, server in servers.items():
+            reason = exit_reason(server) if name not in reported else None
+            if reason is not None:
+                reported.add(name)
+                pool.mark_dead(name, reason)
+        await asyncio.sleep(interval)
+
+
+def _spawn(config, index: int, *, log_dir: Path, model_path: Path, api_key: str,
+           env: dict[str, str]) -> ServerProcess:
     port = free_port()
     log = log_dir / f"server-{index}.log"
     command = server_command(config, model_path=model_path, port=port)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env, API_KEY_ENV: api_key}
+    shown = list(command)
+    if config.inference.backend is InferenceBackend.sglang:
+        command += ["--api-key", api_key]
+        shown += ["--api-key", "***"]
     with open(log, "ab") as handle:
-        handle.write(f"$ {' '.join(command)}\n".encode())
+        handle.write(f"$ {' '.join(shown)}\n".encode())
     process = forkserver.spawn(command, log_path=str(log), env=env)
     return ServerProcess(index, f"127.0.0.1:{port}", process, log)
 

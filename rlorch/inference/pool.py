@@ -28,8 +28,11 @@ log = logging.getLogger("rlorch.pool")
 class EnginePool:
     def __init__(self, engines: list[Server], *, request_timeout: float = 300.0, max_retries: int = 3,
                  probe_interval: float = 1.0, name: str = "pool",
-                 on_close: Optional[Callable[[], Awaitable[None]]] = None):
-        """``on_close`` runs last in :meth:`close` (the launcher stops its processes there)."""
+                 on_close: Optional[Callable[[], Awaitable[None]]] = None,
+                 diagnose: Optional[Callable[[str], Optional[str]]] = None):
+        """``on_close`` runs last in :meth:`close` (the launcher stops its processes there);
+        ``diagnose(name)`` says why a server that stopped answering is gone for good (its
+        process exited), else None."""
         if not engines:
             raise ValueError("an EnginePool needs at least one engine")
         self.name = name
@@ -38,7 +41,10 @@ class EnginePool:
         self.max_retries = max_retries
         self.probe_interval = probe_interval
         self._on_close = on_close
+        self._diagnose = diagnose
         self._up = {e.name: True for e in self.engines}
+        self._dead: dict[str, str] = {}
+        self._down_reason: dict[str, str] = {}
         self._in_flight = {e.name: 0 for e in self.engines}
         self._changed = asyncio.Event()
         self._reload_lock = asyncio.Lock()
@@ -57,8 +63,30 @@ class EnginePool:
         if self._up[engine.name]:
             log.warning("%s: server %s marked down: %s", self.name, engine.name, reason)
         self._up[engine.name] = False
+        self._down_reason[engine.name] = reason
+        gone = self._diagnose(engine.name) if self._diagnose is not None else None
+        if gone is not None:
+            self._dead[engine.name] = gone
         self._changed.set()
         self._ensure_probe()
+
+    def mark_dead(self, name: str, reason: str) -> None:
+        """Server ``name`` is gone for good (its process exited): out of rotation now, and once
+        every server is dead a request fails at once with ``reason`` instead of waiting."""
+        self._dead[name] = reason
+        for engine in self.engines:
+            if engine.name == name:
+                self._mark_down(engine, reason)
+
+    def _no_live_server(self, waited: str) -> EngineUnavailable:
+        """Names every server and why it is down (a dead one: its exit status and log tail)."""
+        for engine in self.engines:
+            gone = self._diagnose(engine.name) if self._diagnose is not None and not self._up[engine.name] else None
+            if gone is not None:
+                self._dead[engine.name] = gone
+        reasons = "; ".join(self._dead.get(e.name) or f"{e.name}: {self._down_reason.get(e.name, 'down')}"
+                            for e in self.engines)
+        return EngineUnavailable(f"{self.name}: no live server{waited}: {reasons}")
 
     async def _pick(self) -> Server:
         """The live server with the fewest requests in flight (ties rotate); waits for one to
@@ -70,10 +98,12 @@ class EnginePool:
                 self._turn += 1
                 order = live[self._turn % len(live):] + live[:self._turn % len(live)]
                 return min(order, key=lambda e: self._in_flight[e.name])
+            if len(self._dead) == len(self.engines):
+                raise self._no_live_server("")
             self._changed.clear()
             left = deadline - time.monotonic()
             if left <= 0:
-                raise EngineUnavailable(f"{self.name}: no live server for {self.request_timeout:.0f}s")
+                raise self._no_live_server(f" for {self.request_timeout:.0f}s")
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout=left)
             except asyncio.TimeoutError:
@@ -168,7 +198,7 @@ class EnginePool:
         async with self._reload_lock:
             live = self._live()
             if not live:
-                raise EngineUnavailable(f"{self.name}: no live server to load version {version}")
+                raise self._no_live_server(f" to load version {version}")
             failed = await self._each(live, lambda e: e.pause())
             try:
                 refused = {e.name for e, _ in failed}
@@ -180,7 +210,7 @@ class EnginePool:
                 raise EngineError(f"{self.name}: version {version} not loaded everywhere: "
                                   + "; ".join(str(err) for _, err in failed))
             if not self._live():
-                raise EngineUnavailable(f"{self.name}: every server went down while loading version {version}")
+                raise self._no_live_server(f" after loading version {version}")
 
     async def healthy(self) -> bool:
         live = self._live()
@@ -201,13 +231,23 @@ class EnginePool:
             self._probe = asyncio.get_running_loop().create_task(self._probe_loop(), name=f"{self.name}-probe")
 
     async def _probe_loop(self) -> None:
-        """Bring down servers back once ``/health_generate`` answers and they hold the current
-        checkpoint; exits when every server is up."""
-        while not all(self._up.values()):
+        """Bring down servers back once they continue, ``/health_generate`` answers and they
+        hold the current checkpoint; exits when every server is up."""
+        while not all(self._up[e.name] or e.name in self._dead for e in self.engines):
             await asyncio.sleep(self.probe_interval)
-            for engine in [e for e in self.engines if not self._up[e.name]]:
-                if await engine.healthy():
+            for engine in [e for e in self.engines if not self._up[e.name] and e.name not in self._dead]:
+                if await self._resumed(engine) and await engine.healthy():
                     await self._rejoin(engine)
+
+    @staticmethod
+    async def _resumed(engine: Server) -> bool:
+        """Continue a server before probing it: one left paused (by a reload that timed out)
+        would hold the probe behind its pause and never come back."""
+        try:
+            await engine.resume()
+        except EngineError:
+            return False
+        return True
 
     async def _rejoin(self, engine: Server) -> None:
         async with self._reload_lock:

@@ -8,6 +8,7 @@ failed, queued), so a resume neither skips nor repeats data.
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -37,12 +38,15 @@ class Snapshots:
     """Which checkpoints have their orchestrator state, and writing it.
 
     ``unfinished()`` reads the components' state at the moment of a snapshot; ``empty_batches()``
-    is the train sink's count of this life.
+    is the train sink's count of this life. After each snapshot the resumable checkpoints beyond
+    the newest ``keep`` are deleted, except every ``keep_every``-th step (0: none kept that way).
     """
 
     def __init__(self, run_dir: RunDir, *, ledger: Ledger, group_size: int, unfinished: Callable[[], Unfinished],
-                 prompt_position: Callable[[], int], empty_batches: Callable[[], int]):
+                 prompt_position: Callable[[], int], empty_batches: Callable[[], int], keep: int = 0,
+                 keep_every: int = 0):
         self.run_dir, self.ledger, self.group_size = run_dir, ledger, group_size
+        self.keep, self.keep_every = keep, keep_every
         self.unfinished, self.prompt_position, self.empty_batches = unfinished, prompt_position, empty_batches
         self.done: set[int] = set()
         self.first_step = 1
@@ -84,6 +88,8 @@ class Snapshots:
         write_json_atomic(CheckpointDir(self.run_dir.checkpoint(step)).state, resume.to_json())
         self.ledger.snapshotted(step)
         self.done.add(step)
+        if self.keep:
+            prune_checkpoints(self.run_dir, keep=self.keep, every=self.keep_every)
         return resume
 
     def account(self, version: int) -> dict:
@@ -95,3 +101,18 @@ class Snapshots:
             step=step, untrained=untrained, failed_prompts=len(unfinished.dispatcher.failed),
             empty_batches=self.empty_batches(), saved=self.final is not None),
             "checkpoint": str(self.run_dir.checkpoint(self.final)) if self.final is not None else None}
+
+
+def prune_checkpoints(run_dir: RunDir, *, keep: int, every: int = 0) -> list[int]:
+    """Delete resumable checkpoints (complete, with ``orchestrator.json``) older than the newest
+    ``keep``, sparing each step that is a multiple of ``every``; returns the steps deleted.
+
+    Only resumable ones are counted and deleted: a checkpoint still being written (no
+    ``COMPLETE`` or no ``orchestrator.json`` yet) is neither, so the newest usable resume point
+    always survives.
+    """
+    resumable = [(step, path) for step, path in run_dir.resumable_checkpoints()]
+    doomed = [(step, path) for step, path in resumable[:-keep] if not (every and step % every == 0)]
+    for _, path in doomed:
+        shutil.rmtree(path)
+    return [step for step, _ in doomed]

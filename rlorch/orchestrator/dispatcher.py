@@ -38,8 +38,12 @@ class DispatcherState:
 
 class Dispatcher:
     def __init__(self, *, gate: Admission, work: Work, prompts: Iterator[Prompt], group_size: int,
-                 queue_size: int, max_buffered: int, request_timeout: float, max_retries: int):
+                 queue_size: int, max_buffered: int, request_timeout: float, max_retries: int,
+                 on_idle: Callable[[str, bool], None] = lambda cause, active: None):
         self.gate = gate
+        self.on_idle = on_idle
+        """Told ``("no_work", True)`` when the last group in flight finishes and ``("no_work",
+        False)`` when one is admitted into an empty engine: the engines' idle stretches."""
         self.work = work
         self.prompts = prompts
         self.group_size = group_size
@@ -166,6 +170,8 @@ class Dispatcher:
                 return
             prompt = self.in_queue.popleft()
             task = asyncio.create_task(self._run_group(prompt))
+            if not self._in_flight:
+                self.on_idle("no_work", False)
             self._in_flight[task] = [prompt, now]
             self._idle.clear()
             task.add_done_callback(self._finished)
@@ -220,6 +226,7 @@ class Dispatcher:
         self._timed_out.discard(task)
         if not self._in_flight:
             self._idle.set()
+            self.on_idle("no_work", True)
         if task.cancelled():
             self.gate.on_rejected(self.group_size)
         elif task.exception() is not None:

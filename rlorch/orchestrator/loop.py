@@ -22,8 +22,11 @@ from rlorch.orchestrator.checkpoints import Snapshots, Unfinished
 from rlorch.orchestrator.dispatcher import Dispatcher, Work
 from rlorch.orchestrator.evaluation import Evaluations
 from rlorch.orchestrator.gate import CapacityGate
+from rlorch.orchestrator.idle import IdleClock, IdleShares
 from rlorch.orchestrator.ledger import Fate, Ledger, ResumeState
+from rlorch.orchestrator.loggers import make_loggers
 from rlorch.orchestrator.metrics import MetricsLoop
+from rlorch.orchestrator.runstats import RunStats
 from rlorch.orchestrator.sinks import TrainSink, Verdict
 from rlorch.orchestrator.steps import StepRecords
 from rlorch.orchestrator.stops import Converged, RunFailed, StopKind, StopReason
@@ -45,12 +48,18 @@ class Orchestrator:
         # rollouts wait unshipped, and parking keeps shipping within S versions of the trainer,
         # so generation never waits on the trainer at admission and age stays bounded by 2S+2.
         self.shipped_handle = PolicyVersion(0)
+        self.trainer_clock, self.engine_clock = IdleClock(), IdleClock()
+        self.trainer_clock.set("waiting", True)
+        self.engine_clock.set("no_work", True)
+        self.idle: Optional[IdleShares] = None
+        self.stats = RunStats()
         self.gate = CapacityGate(max_staleness=r.max_staleness, batch_size=r.batch_size,
                                  max_concurrent=r.max_concurrent,
                                  policy=self.shipped_handle if self.ship_side else policy)
         self.dispatcher = Dispatcher(gate=self.gate, work=work, prompts=iter(prompts), group_size=r.group_size,
                                      queue_size=r.queue_size, max_buffered=r.max_buffered,
-                                     request_timeout=r.request_timeout, max_retries=r.max_retries)
+                                     request_timeout=r.request_timeout, max_retries=r.max_retries,
+                                     on_idle=self.engine_clock.set)
         env = getattr(prompts, "env", None)
         self.sink = TrainSink(batch_size=r.batch_size, max_staleness=r.max_staleness,
                               strict=r.enforce is Enforce.strict, max_reward=max_reward(env) if env else 1.0,
@@ -60,14 +69,13 @@ class Orchestrator:
                                      published=run_dir.published_weights,
                                      offers=run_dir.broadcast_offers,
                                      expecting=lambda: self.shipped > self.policy.value,
-                                     on_version=self._on_version, on_error=self._on_watcher_error)
-        self.metrics = MetricsLoop(path=run_dir.metrics, interval=config.metrics.interval, gauges={
+                                     on_version=self._on_version, on_error=self._on_watcher_error,
+                                     on_idle=self.engine_clock.set)
+        self.metrics = MetricsLoop(loggers=make_loggers(config, run_dir), interval=config.metrics.interval, gauges={
             "dispatcher": self.dispatcher.gauges, "watcher": self.watcher.gauges, "gate": self.gate.gauges,
             "sink": self.sink.gauges, "loop": lambda: {"step": self.shipped, "parked_s_total": round(self.parked_s, 4),
                                                        "admitted_total": self.dispatcher.admitted},
             "engines": lambda: {f"engines_{key}": value for key, value in engines.gauges().items()}})
-        if config.metrics.tensorboard:
-            self.metrics.enable_tensorboard(run_dir.tensorboard)
         self.evaluations = Evaluations(config.eval, work=work, prompts=prompts, write=self.metrics.write,
                                        request_timeout=r.request_timeout)
         self.ledger = Ledger(group_size=r.group_size, admissions=lambda: self.gate.submitted,
@@ -77,7 +85,8 @@ class Orchestrator:
                                    unfinished=lambda: Unfinished(self.dispatcher.state(), self.sink.pending_groups(),
                                                                  self.parked),
                                    prompt_position=lambda: prompts.position,
-                                   empty_batches=lambda: self.sink.totals.empty_batches)
+                                   empty_batches=lambda: self.sink.totals.empty_batches,
+                                   keep=config.trainer.keep_checkpoints, keep_every=config.trainer.keep_checkpoints_every)
         self.shipped, self.parked_s, self._park_last = 0, 0.0, 0.0
         self.admitted_at_last_step = 0
         self.parked: Optional[Batch] = None
@@ -96,6 +105,7 @@ class Orchestrator:
             self._raise_alarm(StopReason(StopKind.resume_alarm, (
                 f"resume alarm: {overshoot} rollouts admitted before the first step after resume, more than "
                 f"(S+1)*B = {self.gate.pending_limit}: the staleness bound is lost")))
+        self.trainer_clock.set("waiting", self.policy.value >= self.shipped)
         self.dispatcher.notify()
         self.version_changed.set()
 
@@ -163,12 +173,14 @@ class Orchestrator:
 
     async def run(self) -> dict:
         self.loop_started = time.monotonic()
+        self.idle = IdleShares(trainer=self.trainer_clock, engines=self.engine_clock)
         self.dispatcher.admission_open = self._admission_open
         self._restore()
         self.metrics.write({"kind": "start", "version": self.policy.value, "resumed": self.resume is not None,
                             "pending_limit": self.gate.pending_limit})
         alarm_task = asyncio.create_task(self.alarm.wait())
         helpers = [asyncio.create_task(self._health_loop()), asyncio.create_task(self._bookkeeping_loop())]
+        helpers[1].add_done_callback(self._on_bookkeeping_done)
         await self.metrics.start()
         if self.config.eval.enabled:
             evaluated = time.monotonic()
@@ -206,6 +218,8 @@ class Orchestrator:
             problem = self.trainer.error()
             if problem:
                 self._raise_alarm(StopReason(StopKind.trainer, problem))
+            if self.metrics.failure:
+                self._raise_alarm(StopReason(StopKind.bookkeeping, self.metrics.failure))
 
     async def _bookkeeping_loop(self) -> None:
         """After each version bump: the resume check, step records, evaluations, snapshots."""
@@ -214,10 +228,18 @@ class Orchestrator:
             self.version_changed.clear()
             self._after_version()
 
-    def _after_version(self, evaluate: bool = True) -> None:
+    def _on_bookkeeping_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            error = task.exception()
+            self._raise_alarm(StopReason(StopKind.bookkeeping, f"bookkeeping failed: {type(error).__name__}: {error}"))
+
+    def _after_version(self, evaluate: bool = True, final: bool = False) -> None:
         extra = {"version": self.policy.value, **self.dispatcher.gauges(), "reload_s": self.watcher.reload_s}
-        for record in self.steps.ready(self.policy.value, extra):
-            record["wall_s"] = round(time.monotonic() - self.started, 3)
+        records = self.steps.ready(self.policy.value, extra, final=final)
+        idle = self.idle.interval() if records and self.idle is not None else {}
+        for record in records:
+            record.update(idle, wall_s=round(time.monotonic() - self.started, 3))
+            self.stats.add(record)
             if self.first_step_at is None:
                 self.first_step_at = time.monotonic()
                 if self.startup is not None:
@@ -289,6 +311,7 @@ class Orchestrator:
     def _ship(self, batch: Batch) -> None:
         write_atomic(self.run_dir.batch(batch.step), batch.to_jsonl())
         self.shipped = batch.step
+        self.trainer_clock.set("waiting", False)
         self.shipped_handle.bump(batch.step)
         self.ledger.ship(batch)
         admitted = self.dispatcher.admitted
@@ -311,7 +334,7 @@ class Orchestrator:
             self._check_alarm()
         await self._wait_version(self.shipped)
         await self.trainer.stop(self.config.run.shutdown_timeout)
-        self._after_version()
+        self._after_version(final=True)
         self.evaluations.start(self.policy.value)
         pending = set(self.evaluations.tasks)
         while pending:
@@ -333,15 +356,20 @@ class Orchestrator:
             await asyncio.wait_for(self.watcher.poll_once(), max(0.5, deadline - time.monotonic()))
         except (asyncio.TimeoutError, OSError, RuntimeError):
             pass
-        self._after_version(evaluate=False)
-        self.snapshots.finish(self.policy.value, abandoned=abandoned)
+        self._after_version(evaluate=False, final=True)
+        # The trainer may be ahead of the engines (a reload failed): its checkpoints up to the
+        # last shipped batch are complete states of this run and get theirs too.
+        self.snapshots.finish(max(self.policy.value, self.shipped), abandoned=abandoned)
 
     def _summary(self, status: str, error: Optional[str]) -> dict:
         reason = self.stop_reason
+        loop_s = time.monotonic() - self.loop_started
+        report = self.stats.summary(loop_s=loop_s, startup_s=self.loop_started - self.started,
+                                    idle=self.idle.overall() if self.idle else {})
         return {"status": status, "error": error, "reason": str(reason) if reason else None,
                 "stop": reason.kind.value if reason else None, "version": self.policy.value,
                 **self.snapshots.account(self.policy.value), "short_batches": self.sink.totals.short_batches,
-                "parked_s": round(self.parked_s, 4), "reward_mean_last": self.steps.last.get("reward_mean"),
+                "parked_s": round(self.parked_s, 4),
                 **self.evaluations.summary(), "wall_s": round(time.monotonic() - self.started, 3),
-                "loop_s": round(time.monotonic() - self.loop_started, 3),
-                "startup_s": self.startup.summary(self.first_step_at) if self.startup is not None else None}
+                "loop_s": round(loop_s, 3), **report,
+                "startup": self.startup.summary(self.first_step_at) if self.startup is not None else None}

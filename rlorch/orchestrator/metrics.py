@@ -1,17 +1,16 @@
-"""The metrics loop: the only writer of ``metrics.jsonl``.
+"""The metrics loop: the only writer of ``metrics.jsonl`` and of every other metrics view.
 
 Components expose ``gauges()``; this loop polls them on a fixed interval, independent of the
-training path, and also writes the per-step and eval records the orchestrator hands it. One
-JSON object per line; ages are in policy versions, times in seconds.
+training path, and also writes the per-step and eval records the orchestrator hands it. Each
+record goes to the loggers behind it (``metrics.jsonl`` always; TensorBoard, W&B, the console
+progress when on). Ages are in policy versions, times in seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from rlorch.lifecycle import cancel_and_wait
 
@@ -19,24 +18,18 @@ Gauges = Callable[[], dict]
 
 
 class MetricsLoop:
-    def __init__(self, *, path: Path, interval: float, gauges: dict[str, Gauges]):
-        self.path = path
+    def __init__(self, *, loggers: Any, interval: float, gauges: dict[str, Gauges]):
+        self.loggers = loggers
+        """A fan-out with ``log(record)``, ``add(logger)``, ``flush()`` and ``close()``."""
         self.interval = interval
         self.gauges = gauges
         self.started = time.monotonic()
-        self._file = open(path, "a", buffering=1)
+        self.failure: Optional[str] = None
         self._task: Optional[asyncio.Task] = None
-        self._tensorboard = None
 
-    def enable_tensorboard(self, log_dir: Path) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as err:
-            from rlorch.config import ConfigError
-
-            raise ConfigError("metrics.tensorboard", "needs the tensorboard package "
-                                                     "(pip install tensorboard)") from err
-        self._tensorboard = SummaryWriter(str(log_dir))
+    def add_logger(self, logger: Any) -> None:
+        """One more view of the records (the console progress), from the next record on."""
+        self.loggers.add(logger)
 
     def snapshot(self) -> dict:
         merged: dict = {}
@@ -45,12 +38,15 @@ class MetricsLoop:
         return merged
 
     def write(self, record: dict) -> None:
-        record = {"time": round(time.monotonic() - self.started, 4), **record}
-        self._file.write(json.dumps(record) + "\n")
-        if self._tensorboard is not None and record.get("kind") == "step":
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key not in ("step", "time"):
-                    self._tensorboard.add_scalar(key, value, record["step"])
+        """Hand one record to the loggers. Metrics are observations: a failed write of
+        ``metrics.jsonl`` (a full disk) does not raise into the loop; it is kept in ``failure``,
+        which the orchestrator turns into its stop reason, and later records are dropped."""
+        if self.failure is not None:
+            return
+        try:
+            self.loggers.log({"time": round(time.monotonic() - self.started, 4), **record})
+        except OSError as err:
+            self.failure = str(err)
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="metrics")
@@ -63,9 +59,11 @@ class MetricsLoop:
     async def stop(self, timeout: Optional[float] = None) -> None:
         await cancel_and_wait(self._task, timeout=timeout)
         self._task = None
-        self._file.flush()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        if self.failure is None:
+            self.loggers.flush()
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self.loggers.close()
+        except OSError:
+            pass

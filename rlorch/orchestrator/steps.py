@@ -1,9 +1,11 @@
 """Step records: one ``{"kind": "step"}`` line per trained batch, joined with the trainer's own.
 
 A batch's record is started when it ships (admissions, ages, reward) and written once its version
-is live, with the trainer's figures for that step (loss, grad_norm, kl, mismatch, ...). The trainer
-writes its line before it publishes the version, so the figures are there when the version is;
-lines read early wait in a backlog keyed by step.
+is live and the trainer's line for that step (loss, grad_norm, kl, mismatch, ...) has been read,
+joined by step number: lines read early wait in a backlog keyed by step, and a record whose line
+is late waits for it (records still go out in step order). A line never comes only when the
+trainer wrote a later step without it, or at the end of the run (``final``): then the record
+goes out with null figures.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ TRAINER_KEYS = ("loss", "grad_norm", "kl", "ratio_mean", "ratio_max", "clip_frac
 
 
 def age_stats(ages: list[int]) -> dict:
+    """Max, p99 and mean head age, and ``age_counts``: rollouts at each age 0, 1, ... max."""
     if not ages:
-        return {"age_max": None, "age_p99": None, "age_mean": None}
+        return {"age_max": None, "age_p99": None, "age_mean": None, "age_counts": []}
     values = np.asarray(ages)
     return {"age_max": int(values.max()), "age_p99": float(np.percentile(values, 99)),
-            "age_mean": round(float(values.mean()), 4)}
+            "age_mean": round(float(values.mean()), 4),
+            "age_counts": np.bincount(np.maximum(values, 0)).tolist()}
 
 
 class StepRecords:
@@ -48,12 +52,14 @@ class StepRecords:
             "reward_mean": round(sum(rewards) / len(rewards), 6), "parked_s": round(parked_s, 4),
             "tokens": sum(r.generated_tokens for r in batch.rollouts), "rollouts": len(batch.rollouts)}
 
-    def ready(self, trained: int, extra: Optional[dict] = None) -> list[dict]:
-        """The records of steps up to ``trained`` (the live version), oldest first."""
+    def ready(self, trained: int, extra: Optional[dict] = None, *, final: bool = False) -> list[dict]:
+        """The records of steps up to ``trained`` (the live version) whose trainer line has been
+        read, oldest first; with ``final`` (the run ends) every one up to ``trained``."""
         self._read_trainer_lines()
         done = []
+        newest_line = max(self.backlog, default=0)
         for step in sorted(self.pending):
-            if step > trained:
+            if step > trained or not (final or step in self.backlog or step < newest_line):
                 break
             record = self.pending.pop(step)
             line = self.backlog.pop(step, {})

@@ -16,6 +16,7 @@ class StopKind(str, enum.Enum):
     resume_alarm = "resume_alarm"
     empty_batches = "empty_batches"
     converged = "converged"
+    bookkeeping = "bookkeeping"
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,11 @@ class WeightWatcher:
                  offers: Callable[[], Iterable[tuple[int, Path]]] = lambda: (),
                  expecting: Callable[[], bool] = lambda: False,
                  on_version: Callable[[int], None] = lambda version: None,
-                 on_error: Callable[[BaseException], None] = lambda error: None):
+                 on_error: Callable[[BaseException], None] = lambda error: None,
+                 on_idle: Callable[[str, bool], None] = lambda cause, active: None):
         self.config = config
+        self.on_idle = on_idle
+        """Told ``("reload", True)`` while the engines load new weights (generation is paused)."""
         self.policy = policy
         self.engines = engines
         self.published = published
@@ -73,6 +76,7 @@ class WeightWatcher:
             return False
         version, path = newest
         detected = time.monotonic()
+        self.on_idle("reload", True)
         try:
             await self.engines.reload(str(path), version)
         except Exception:
@@ -82,6 +86,8 @@ class WeightWatcher:
                 self.superseded += 1
                 return False
             raise
+        finally:
+            self.on_idle("reload", False)
         self._advance(version, detected, path / "PUBLISHED")
         return True
 
@@ -93,6 +99,7 @@ class WeightWatcher:
         except FileNotFoundError:
             return False
         detected = time.monotonic()
+        self.on_idle("reload", True)
         try:
             await self.engines.update_weights_from_distributed(offer, version)
         except Exception as err:  # the disk is the fallback: a failed transfer must not end the run
@@ -100,6 +107,8 @@ class WeightWatcher:
             log.warning("version %d did not arrive over the weight group (%s); loading it from disk "
                         "once the trainer publishes it there", version, err)
             return False
+        finally:
+            self.on_idle("reload", False)
         self._advance(version, detected, offer_path)
         return True
 

@@ -38,6 +38,11 @@ class LoadError(RuntimeError):
     """A checkpoint could not be loaded; the live model is left unchanged."""
 
 
+class GenerationFailed(RuntimeError):
+    """The scheduler stopped on an error: every sequence it held, and any submitted after, fails
+    with it (the server answers 5xx and its health check fails)."""
+
+
 @dataclass(eq=False)
 class Sequence:
     """One sample of one request; ``done`` resolves when ``finish`` is set."""
@@ -95,11 +100,14 @@ class Batcher:
             "weight_updates")})
         self._cache_kw = _cache_keyword(model)
         self._can_join = True
+        self.failure: Optional[str] = None
 
     # ---- requests -------------------------------------------------------------------------
 
     async def submit(self, seqs: list[Sequence]) -> None:
         """Queue sequences for the next batch; while paused, wait for resume first."""
+        if self.failure is not None:
+            raise GenerationFailed(self.failure)
         if not self._resumed.is_set():
             self._held += len(seqs)
             try:
@@ -190,9 +198,19 @@ class Batcher:
                 try:
                     async with self._lock:
                         await self._decode(batch)
+                except Exception as err:
+                    self._fail(batch + self._running + list(self._waiting), err)
+                    raise
                 finally:
                     self._running = []
                     self._idle.set()
+
+    def _fail(self, seqs: list[Sequence], err: Exception) -> None:
+        self.failure = f"generation loop failed: {type(err).__name__}: {err}"
+        self._waiting.clear()
+        for seq in seqs:
+            if not seq.done.done():
+                seq.done.set_exception(GenerationFailed(self.failure))
 
     async def _decode(self, batch: list[Sequence]) -> None:
         self._running = batch

@@ -1,11 +1,10 @@
 """Sampling parameters as SGLang's native API takes them, and the sampler of the CPU engine.
 
-Behaviour logprobs: each reported logprob is the log-probability of the sampled token under the
-distribution it was actually drawn from — ``logits / temperature``, restricted to the top-k /
-top-p / min-p set and renormalised. With ``top_p=1, top_k=-1, min_p=0`` that is exactly
-``log_softmax(logits / temperature)``, which is what a trainer recomputes. Greedy decoding
-(``temperature == 0``) draws from a point mass, so it reports ``log_softmax(logits)`` (the unscaled
-model distribution) instead, as SGLang does.
+Behaviour logprobs are what SGLang reports: the sampled token's ``log_softmax(logits / temperature)``
+over the whole vocabulary, whatever top-k / top-p / min-p cut the token was drawn from, and the
+unscaled ``log_softmax(logits)`` when greedy (``temperature == 0``). The CPU engine reports the
+same so that importance ratios computed against it mean what they mean against SGLang. Tokens are
+drawn from the cut, renormalised distribution; only the reported logprob ignores the cut.
 """
 
 from __future__ import annotations
@@ -130,9 +129,10 @@ def sample(logits: torch.Tensor, params: list[RequestParams], banned: list[list[
     greedy = temps == 0
     scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
     logp = torch.log_softmax(scaled, dim=-1)
+    draw_from = logp
     if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
-        logp = _filtered(logp, params)
-    drawn = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+        draw_from = _filtered(logp, params)
+    drawn = torch.multinomial(draw_from.exp(), 1, generator=generator).squeeze(1)
     tokens = torch.where(greedy, logits.argmax(-1), drawn)
     greedy_logp = torch.log_softmax(logits, dim=-1)
     chosen = torch.where(greedy[:, None], greedy_logp, logp).gather(1, tokens[:, None]).squeeze(1)

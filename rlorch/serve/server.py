@@ -12,6 +12,7 @@ false, "message": ...}``) and never stop the server.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -25,7 +26,7 @@ from typing import Any, Optional
 from aiohttp import web
 
 from rlorch.lifecycle import cancel_and_wait
-from rlorch.serve.batcher import Batcher, LoadError, Sequence
+from rlorch.serve.batcher import Batcher, GenerationFailed, LoadError, Sequence
 from rlorch.serve.sampling import RequestError, RequestParams, is_int
 
 log = logging.getLogger("rlorch.serve")
@@ -33,6 +34,8 @@ log = logging.getLogger("rlorch.serve")
 _DTYPES = ("float32", "bfloat16", "float16")
 _LOAD_FORMATS = (None, "auto", "safetensors")
 _PAUSE_MODES = ("abort", "in_place", "retract")
+HEALTH_CHECK_TIMEOUT = 20.0
+"""Seconds ``/health_generate`` waits for its one token (SGLang's ``HEALTH_CHECK_TIMEOUT``)."""
 
 
 def rlorch_version() -> str:
@@ -48,12 +51,33 @@ def _error(message: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
 
+MAX_BODY_BYTES = 16 * 1024 * 1024
+"""The largest request body accepted (413 above it, before reading it)."""
+BODY_TIMEOUT_S = 10.0
+"""By default a request body must arrive within this many seconds (408 otherwise): a slow or
+stalled client cannot hold a connection and its buffer."""
+IDLE_TIMEOUT_S = 75.0
+"""By default a connection with no request for this long is closed (longer than the client's
+own 60 s keep-alive, so the client closes first and never reuses a connection being closed)."""
+_BODY_TIMEOUT = web.AppKey("body_timeout", float)
+
+
 async def _json_body(request: web.Request, *, empty_ok: bool = False) -> dict:
-    raw = await request.read()
+    """The request's JSON object; a body over MAX_BODY_BYTES or slower than BODY_TIMEOUT_S
+    raises the aiohttp error that answers it (413, 408), and a large one is parsed off the
+    event loop."""
+    if (request.content_length or 0) > MAX_BODY_BYTES:
+        raise web.HTTPRequestEntityTooLarge(MAX_BODY_BYTES, request.content_length)
+    timeout = request.app.get(_BODY_TIMEOUT, BODY_TIMEOUT_S)
+    try:
+        raw = await asyncio.wait_for(request.read(), timeout)
+    except asyncio.TimeoutError:
+        raise web.HTTPRequestTimeout(text=f"request body not received within {timeout:g}s",
+                                     headers={"Connection": "close"}) from None
     if not raw.strip() and empty_ok:
         return {}
     try:
-        body = json.loads(raw)
+        body = json.loads(raw) if len(raw) < 1 << 20 else await asyncio.to_thread(json.loads, raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise RequestError(f"invalid JSON body: {err}") from err
     if not isinstance(body, dict):
@@ -65,9 +89,13 @@ class CpuServer:
     """A causal LM behind SGLang's native HTTP API; one instance serves one model."""
 
     def __init__(self, model_path: Path, *, dtype: str = "float32", max_batch: int = 64, seed: int = 0,
-                 weight_version: str = "0", min_step_time: float = 0.0, threads: Optional[int] = None):
+                 weight_version: str = "0", min_step_time: float = 0.0, threads: Optional[int] = None,
+                 api_key: Optional[str] = None, body_timeout: float = BODY_TIMEOUT_S,
+                 idle_timeout: float = IDLE_TIMEOUT_S):
         """``threads`` sets torch's (process-wide) intra-op threads; ``min_step_time`` throttles
-        each decode step (seconds) to emulate a slower engine."""
+        each decode step (seconds) to emulate a slower engine; ``api_key`` guards every endpoint
+        but the health checks; ``body_timeout`` and ``idle_timeout`` bound slow and idle
+        connections (seconds)."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -89,6 +117,9 @@ class CpuServer:
         self.seed = seed
         self.min_step_time = min_step_time
         self.initial_version = weight_version
+        self.api_key = api_key
+        self.body_timeout, self.idle_timeout = body_timeout, idle_timeout
+        self.max_text_chars = self.context_len * max(len(t) for t in self.tokenizer.get_vocab())
         self.address = ""
         self.batcher: Optional[Batcher] = None
         self._scheduler: Optional[asyncio.Task] = None
@@ -111,7 +142,7 @@ class CpuServer:
     # ---- lifecycle ------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._authorize])
         routes = [
             web.post("/generate", self.generate),
             web.post("/update_weights_from_disk", self.update_weights_from_disk),
@@ -129,9 +160,20 @@ class CpuServer:
             web.post("/flush_cache", self.flush_cache),
         ]
         app.add_routes(routes + self.weight_sync.routes())
+        app[_BODY_TIMEOUT] = self.body_timeout
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
+
+    @web.middleware
+    async def _authorize(self, request: web.Request, handler) -> web.StreamResponse:
+        """With an API key (SGLang's ``--api-key``), every endpoint but the health checks needs
+        ``Authorization: Bearer <key>``."""
+        if self.api_key is None or request.path.startswith("/health") or request.method == "OPTIONS":
+            return await handler(request)
+        if not hmac.compare_digest(request.headers.get("Authorization", ""), f"Bearer {self.api_key}"):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     async def _on_startup(self, app: web.Application) -> None:
         pad = self.tokenizer.pad_token_id
@@ -140,6 +182,7 @@ class CpuServer:
                                weight_version=self.initial_version, min_step_time=self.min_step_time,
                                decode=self._decode)
         self._scheduler = asyncio.create_task(self.batcher.run(), name="rlorch-batcher")
+        self._scheduler.add_done_callback(_log_scheduler_failure)
 
     async def _on_cleanup(self, app: web.Application) -> None:
         await cancel_and_wait(self._scheduler)
@@ -149,7 +192,8 @@ class CpuServer:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Bind and serve in the running loop; return ``host:port`` (the real port when 0)."""
         self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False,
-                                     handler_cancellation=True, shutdown_timeout=5.0)
+                                     handler_cancellation=True, shutdown_timeout=5.0,
+                                     keepalive_timeout=self.idle_timeout, lingering_time=1.0)
         await self._runner.setup()
         await web.TCPSite(self._runner, host, port).start()
         self.address = f"{host}:{self._runner.addresses[0][1]}"
@@ -165,7 +209,7 @@ class CpuServer:
     async def generate(self, request: web.Request) -> web.Response:
         try:
             body = await _json_body(request)
-            prompts, params, rids, batched = self._parse_generate(body)
+            prompts, params, rids, batched = await asyncio.to_thread(self._parse_generate, body)
         except RequestError as err:
             return _error(str(err))
         loop = asyncio.get_running_loop()
@@ -180,6 +224,8 @@ class CpuServer:
         except asyncio.CancelledError:
             self.batcher.abort_sequences(seqs, "Abort: client disconnected.")
             raise
+        except GenerationFailed as err:
+            return _error(str(err), status=500)
         logprobs = body.get("return_logprob", False)
         answers = [self._answer(seq, bool(logprobs)) for seq in seqs]
         return web.json_response(answers if batched or len(seqs) > 1 else answers[0])
@@ -207,6 +253,9 @@ class CpuServer:
         texts = text if batched else [text]
         if not texts or not all(isinstance(t, str) for t in texts):
             raise RequestError("text must be a string or a non-empty list of strings")
+        if any(len(t) > self.max_text_chars for t in texts):
+            raise RequestError(f"text longer than {self.max_text_chars} characters cannot fit the model's "
+                               f"context length ({self.context_len} tokens)")
         prompts = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
         return self._check_prompts(prompts, "text"), batched
 
@@ -338,16 +387,22 @@ class CpuServer:
         return web.Response(status=200 if alive else 503)
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        """200 once a one-token generation succeeds (or at once while paused: nothing may run)."""
+        """200 once a one-token generation succeeds; 503 after ``HEALTH_CHECK_TIMEOUT`` seconds.
+
+        As in SGLang, the probe is a real request, so while paused it waits behind the pause
+        and fails if the pause outlasts the timeout (a paused server is not ready to generate).
+        """
         if self._scheduler is None or self._scheduler.done():
             return web.Response(status=503)
-        if self.batcher.paused:
-            return web.Response(status=200)
         seq = Sequence(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", prompt=[self._health_token()],
                        params=RequestParams(max_new_tokens=1), done=asyncio.get_running_loop().create_future())
-        await self.batcher.submit([seq])
+
+        async def probe() -> None:
+            await self.batcher.submit([seq])
+            await asyncio.shield(seq.done)
+
         try:
-            await asyncio.wait_for(asyncio.shield(seq.done), timeout=20)
+            await asyncio.wait_for(probe(), timeout=HEALTH_CHECK_TIMEOUT)
         except asyncio.TimeoutError:
             self.batcher.abort(seq.rid)
             return web.Response(status=503)
@@ -395,6 +450,12 @@ class CpuServer:
         message = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
                    "or waiting requests, the operation will not be performed.)\n")
         return web.Response(text=message, status=400 if busy else 200)
+
+
+def _log_scheduler_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("generation loop failed; answering 500 and failing health checks from now on",
+                  exc_info=task.exception())
 
 
 class ServerThread:
@@ -446,7 +507,7 @@ async def _serve_until_signal(server: CpuServer, host: str, port: int, parent: O
 
 
 def serve_command(config, *, host: str, port: int, weight_version: str = "0",
-                  parent: Optional[int] = None) -> int:
+                  parent: Optional[int] = None, api_key: Optional[str] = None) -> int:
     """Run the CPU engine until SIGINT/SIGTERM (or until process ``parent`` is gone); the exit
     status (2 for a bad model path)."""
     from rlorch.config import ConfigError
@@ -459,6 +520,11 @@ def serve_command(config, *, host: str, port: int, weight_version: str = "0",
         log.error("cannot serve: %s", err)
         return 2
     server = CpuServer(path, dtype=config.model.dtype, max_batch=config.inference.cpu.max_batch,
-                       seed=config.run.seed, weight_version=weight_version, threads=config.inference.cpu.threads)
-    asyncio.run(_serve_until_signal(server, host, port, parent))
+                       seed=config.run.seed, weight_version=weight_version, threads=config.inference.cpu.threads,
+                       api_key=api_key or None)
+    try:
+        asyncio.run(_serve_until_signal(server, host, port, parent))
+    except OSError as err:
+        log.error("cannot serve on %s:%d: %s", host, port, err.strerror or err)
+        return 2
     return 0

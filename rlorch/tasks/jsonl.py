@@ -6,6 +6,7 @@ not hours later when the prompt stream reaches it.
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +26,15 @@ class DataError(ValueError):
 def load_rows(path: Path, prompt_key: str, answer_key: str) -> list[tuple[str, Any]]:
     if not path.is_file():
         raise DataError(f"{path}: no such data file")
+    if not os.access(path, os.R_OK):
+        raise DataError(f"{path}: not readable")
     rows = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path}:{number}: not UTF-8 ({err.reason} at byte {err.start})") from None
             if not line.strip():
                 continue
             item = parse_record(line, f"{path}:{number}", (prompt_key, answer_key), DataError)

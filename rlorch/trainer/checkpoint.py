@@ -120,7 +120,14 @@ def load(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
         raise CheckpointError(f"{trainer_dir / STATE_FILE}: unreadable ({err})") from err
     model_state, optim_state = get_state_dict(model, optimizer)
     loaded = {"model": model_state, "optim": optim_state}
-    dcp.load(loaded, checkpoint_id=str(trainer_dir / "dcp"))
+    try:
+        dcp.load(loaded, checkpoint_id=str(trainer_dir / "dcp"))
+    except Exception as err:
+        raise CheckpointError(f"{trainer_dir / 'dcp'}: unreadable ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else ''})") from err
     set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
-    set_rng_state(state["rng"])
+    try:
+        set_rng_state(state["rng"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"{trainer_dir / STATE_FILE}: bad rng state ({type(err).__name__}: {err})") from err
     return step

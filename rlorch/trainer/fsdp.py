@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlorch.lifecycle import orchestrator_pid, watch_parents
 from rlorch.model import resolve_model_path
 from rlorch.rundir import RunDir, load_config, write_json_atomic
 from rlorch.trainer import checkpoint
@@ -37,6 +38,12 @@ from rlorch.trainer.loss import LossStats, MismatchStats, policy_loss, token_ent
 from rlorch.trainer.publish import clear_staging, discard_newer, prune, publish, write_hf
 
 POLL_SECONDS = 0.01
+MAX_NONFINITE_STEPS = 3
+"""Consecutive steps whose every update had a non-finite gradient before the trainer gives up."""
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced non-finite numbers it cannot skip; the message names the step."""
 
 
 @dataclass
@@ -60,6 +67,8 @@ class Worker:
     """Rank 0: the hand-off of the last version (broadcast or disk), running beside the next step."""
     hand_off_thread: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlorch-publish"))
+    nonfinite: int = 0
+    """Consecutive steps that skipped every update for a non-finite gradient."""
 
 
 def _setup_distributed(device_setting: str):
@@ -317,6 +326,7 @@ def run_loop(worker: Worker) -> None:
             _log(worker, f"STOP after step {worker.step}")
             return
         record = train_step(worker, step)
+        _check_finite(worker, step, record)
         worker.step = step
         # The metrics line goes out before the version is published: whoever sees version N
         # can read step N's figures.
@@ -331,9 +341,37 @@ def run_loop(worker: Worker) -> None:
             save_checkpoint(worker, step)
 
 
+def _check_finite(worker: Worker, step: int, record: dict) -> None:
+    """A step whose gradients were all non-finite changed nothing (its updates were skipped and
+    counted in ``skipped_updates``); three in a row fail the run. Weights that are not finite
+    anyway are never published: the run fails naming the step."""
+    worker.nonfinite = worker.nonfinite + 1 if record["skipped_updates"] == record["minibatches"] else 0
+    if worker.nonfinite >= MAX_NONFINITE_STEPS:
+        raise NonFiniteError(f"non-finite gradients at steps {step - worker.nonfinite + 1}..{step} "
+                             f"(every update skipped); check trainer.lr and the rewards")
+    shards = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in worker.model.parameters()]
+    finite = bool(torch.stack([torch.isfinite(shard).all() for shard in shards]).all())
+    if _all_reduce([0.0 if finite else 1.0], worker.device, "max")[0] > 0:
+        raise NonFiniteError(f"step {step}: the weights hold non-finite values; version {step} is not published")
+
+
 def _log(worker: Worker, message: str) -> None:
     if worker.rank == 0:
         print(f"[trainer] {message}", flush=True)
+
+
+def _watch_orchestrator(run: RunDir) -> None:
+    """Record this rank's pid (the orchestrator kills its process group on stop, even when
+    torchrun is already dead) and exit at once when the orchestrator or torchrun is gone:
+    a trainer without its orchestrator would keep training and publishing into the run."""
+    run.trainer_workers.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(run.worker_pid(int(os.environ.get("RANK", "0"))), {"pid": os.getpid()})
+
+    def gone(reason: str) -> None:
+        print(f"rlorch trainer: {reason}; exiting", file=sys.stderr, flush=True)
+        os._exit(3)
+
+    watch_parents(orchestrator=orchestrator_pid(), parent=os.getppid(), on_gone=gone)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -343,6 +381,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
 
     run = RunDir(args.run_dir)
+    _watch_orchestrator(run)
     config = load_config(run.config)
     device = _setup_distributed(config.trainer.fsdp.device)
     try:
@@ -357,9 +396,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             if worker.broadcaster is not None:
                 worker.broadcaster.join()
         run_loop(worker)
-    except (BatchError, CheckpointError) as err:
+    except (BatchError, CheckpointError, NonFiniteError) as err:
         print(f"rlorch trainer: {err}", file=sys.stderr, flush=True)
         return 2
+    except Exception as err:
+        print(f"rlorch trainer: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        raise
     finally:
         dist.destroy_process_group()
     return 0

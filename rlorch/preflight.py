@@ -1,0 +1,35 @@
+"""What can be checked before a run starts anything: the task exists, its data file is readable
+and parses, the model directory exists, the plot's directory exists.
+
+``rlorch validate-config`` and ``rlorch train`` run these checks up front, so bad input fails in
+a second with one line naming the key or the file and line, and leaves no run directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlorch.config import Config, ConfigError
+
+
+def preflight(config: Config) -> None:
+    """Raise :class:`ConfigError` naming the key (and file and line) of the first problem."""
+    from rlorch.tasks import make_environment
+    from rlorch.tasks.jsonl import DataError
+
+    if config.model.path and config.inference.backend.generates_model_tokens:
+        from rlorch.model import resolve_model_path
+
+        resolve_model_path(config.model.path)
+    try:
+        make_environment(config)
+    except DataError as err:
+        raise ConfigError("data.path", str(err)) from err
+
+
+def writable_file(path: str, key: str) -> Path:
+    """``path``'s directory exists (an output file such as ``--plot`` can be written there)."""
+    target = Path(path).expanduser()
+    if not target.parent.is_dir():
+        raise ConfigError(key, f"{target.parent} is not a directory (cannot write {target})")
+    return target

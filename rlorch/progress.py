@@ -1,0 +1,193 @@
+"""What an operator sees while a run runs and when it ends, on stderr.
+
+- Start-up phases are announced as they begin and timed as they end ("starting 2 cpu engines…",
+  "engines ready in 6.1 s"); the timings go into ``summary.json`` as ``startup_phases``.
+- During the loop, a view of the metrics records (it is one of the metrics loop's loggers): in a
+  terminal a live display that stays on screen when the run ends; elsewhere (nohup, a batch job,
+  CI) one plain line every ``run.log_every`` steps with the same fields.
+- At the end, the report: reward and eval accuracy first -> last, head age, throughput and
+  where the time went.
+
+Child processes (engines, trainer) write their own output, progress bars included, to ``logs/``.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+from rich.console import Console
+
+
+class Phases:
+    """Start-up phases: announced, timed, kept for the summary."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.timings: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str, starting: str, ready: str) -> Iterator[None]:
+        self.console.print(f"{starting}…", highlight=False)
+        started = time.monotonic()
+        yield
+        self.timings[name] = round(time.monotonic() - started, 2)
+        self.console.print(f"{ready} in {self.timings[name]:.1f} s", highlight=False)
+
+
+class RunView:
+    """The fields shown during a run, folded from the metrics records as they are written."""
+
+    def __init__(self, total_steps: int):
+        self.total_steps = total_steps
+        self.step: Optional[dict] = None
+        self.eval: Optional[dict] = None
+        self.gauges: dict = {}
+        self.start_time: Optional[float] = None
+        self.first_step = 0
+        self.rollouts = 0
+        self.tokens = 0
+
+    def log(self, record: dict) -> None:
+        kind = record.get("kind")
+        if kind == "start":
+            self.start_time = record["time"]
+            self.first_step = record.get("version") or 0
+        elif kind == "step":
+            self.step = record
+            self.rollouts += record.get("rollouts") or 0
+            self.tokens += record.get("tokens") or 0
+            self.gauges.update({k: record[k] for k in ("in_flight", "out_queue") if k in record})
+        elif kind == "eval" and record.get("accuracy") is not None:
+            self.eval = record
+        elif kind == "periodic":
+            self.gauges.update({k: record[k] for k in ("in_flight", "out_queue") if k in record})
+
+    def fields(self, now: Optional[float] = None) -> dict[str, str]:
+        """Name -> text, the same for the live display and the plain lines."""
+        step, evaluated = self.step or {}, self.eval
+        elapsed = (now if now is not None else step.get("time", 0.0)) - (self.start_time or 0.0)
+        rate = (lambda count: f"{count / elapsed:.1f}") if elapsed > 0 else (lambda count: "-")
+        return {
+            "step": f"{step.get('step', self.first_step)}/{self.total_steps}",
+            "reward": _num(step.get("reward_mean"), ".3f"),
+            "eval_acc": f"{evaluated['accuracy']:.1%}@{evaluated['step']}" if evaluated else "-",
+            "age_max": _num(step.get("age_max"), "d"),
+            "age_p99": _num(step.get("age_p99"), ".1f"),
+            "rollouts/s": rate(self.rollouts),
+            "tokens/s": rate(self.tokens),
+            "in_flight": _num(self.gauges.get("in_flight"), "d"),
+            "queue": _num(self.gauges.get("out_queue"), "d"),
+        }
+
+
+def _num(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def line(fields: dict[str, str]) -> str:
+    return " ".join(f"{key}={value}" for key, value in fields.items())
+
+
+class PlainProgress:
+    """One line every ``every`` steps (and at the last step) for logs that are not a terminal."""
+
+    def __init__(self, console: Console, *, total_steps: int, every: int):
+        self.console, self.every = console, every
+        self.view = RunView(total_steps)
+
+    def log(self, record: dict) -> None:
+        self.view.log(record)
+        if record.get("kind") == "step" and (record["step"] % self.every == 0
+                                             or record["step"] == self.view.total_steps):
+            self.console.print(line(self.view.fields()), highlight=False, markup=False, soft_wrap=True)
+
+    def close(self) -> None:
+        pass
+
+
+class LiveProgress:
+    """A rich live display in a terminal; its last state stays on screen when the run ends."""
+
+    def __init__(self, console: Console, *, total_steps: int):
+        from rich.live import Live
+
+        self.view = RunView(total_steps)
+        self._started = time.monotonic()
+        self._live = Live(console=console, refresh_per_second=4, transient=False,
+                          get_renderable=self._render)
+        self._live.start()
+
+    def _render(self):
+        from rich.table import Table
+
+        now = None
+        if self.view.start_time is not None and self.view.step is None:
+            now = self.view.start_time + time.monotonic() - self._started
+        fields = self.view.fields(now)
+        table = Table(box=None, padding=(0, 2), show_edge=False)
+        for key in fields:
+            table.add_column(key, justify="right", style="bold" if key == "step" else None)
+        table.add_row(*fields.values())
+        return table
+
+    def log(self, record: dict) -> None:
+        if record.get("kind") == "start":
+            self._started = time.monotonic()
+        self.view.log(record)
+
+    def close(self) -> None:
+        """Stop refreshing, leaving the last state on screen (a second call does nothing)."""
+        self._live.stop()
+
+
+def progress_logger(config: Any, console: Console) -> Optional[Any]:
+    """The view for this console: live in a terminal, plain lines elsewhere, none when
+    ``run.progress`` is off."""
+    if not config.run.progress:
+        return None
+    if console.is_terminal:
+        return LiveProgress(console, total_steps=config.train.steps)
+    return PlainProgress(console, total_steps=config.train.steps, every=config.run.log_every)
+
+
+def _pct(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def report_lines(summary: dict, phases: Optional[dict] = None) -> list[str]:
+    """The end-of-run report, one fact per line (``summary.json`` holds every figure)."""
+    s = summary
+    startup = f"start-up {s['startup_s']:.1f} s" if s.get("startup_s") is not None else "start-up -"
+    if phases:
+        startup += " (" + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()) + ")"
+    lines = [
+        f"reward      {_num(s.get('reward_mean_first'), '.3f')} -> {_num(s.get('reward_mean_last'), '.3f')}"
+        " (batch mean, first -> last step)",
+        f"eval acc    {_pct(s.get('eval_accuracy_first'))} (step {_num(s.get('eval_step_first'), 'd')}) -> "
+        f"{_pct(s.get('eval_accuracy_last'))} (step {_num(s.get('eval_step_last'), 'd')})",
+        f"head age    max {_num(s.get('age_max'), 'd')}  p99 {_num(s.get('age_p99'), '.1f')}  "
+        f"mean {_num(s.get('age_mean'), '.2f')} (policy versions, trained rollouts)",
+        f"throughput  {_num(s.get('rollouts_per_s'), '.1f')} rollouts/s  {_num(s.get('tokens_per_s'), '.1f')} "
+        "tokens/s (trained, over the loop)",
+        f"time        {startup}; loop {_num(s.get('loop_s'), '.1f')} s: trainer waited for a batch "
+        f"{_pct(s.get('trainer_idle'))}, engines paused or idle {_pct(s.get('engine_idle'))}",
+        f"rollouts    admitted {s['admitted']} trained {s['trained']} filtered {s['filtered']} "
+        f"dropped_stale {s['dropped_stale']} untrained {s['persisted_untrained']} lost {s['lost']}",
+    ]
+    return lines
+
+
+def print_report(console: Console, summary: dict, *, summary_path: Any, report_path: Any = None,
+                 phases: Optional[dict] = None) -> None:
+    status = summary["status"]
+    style = {"completed": "green", "converged": "green", "interrupted": "yellow"}.get(status, "red")
+    console.print(f"[bold {style}]{status}[/] steps={summary['steps']} wall={summary['wall_s']}s "
+                  f"-> {summary_path}", highlight=False)
+    for text in report_lines(summary, phases):
+        console.print(f"  {text}", highlight=False, markup=False, soft_wrap=True)
+    if report_path is not None:
+        console.print(f"  report      {report_path}", highlight=False, markup=False, soft_wrap=True)
+    if summary.get("error"):
+        console.print(f"[bold red]error[/] {summary['error']}", highlight=False)

@@ -1,0 +1,64 @@
+"""Starting the stand-in SGLang app (``sglang_stand_in.py``) for the contract tests."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+STAND_IN = Path(__file__).with_name("sglang_stand_in.py")
+SGLANG_PIN = "0.5.23"
+
+
+def require_sglang() -> None:
+    if importlib.util.find_spec("sglang") is None:
+        message = (f"sglang is not installed: pip install --no-deps sglang=={SGLANG_PIN} plus the light "
+                   "packages in .ci/sglang-contract.txt (--no-deps)")
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(message + " (CI=true: contract tests must run)")
+        pytest.skip(message)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class StandIn:
+    """One running stand-in app (``sglang_stand_in.py``) on a free port."""
+
+    def __init__(self, model_dir: Path, *args: str):
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang-stand-in-{self.port}.log"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path.cwd()),
+                                                                          os.environ.get("PYTHONPATH")]))}
+        with open(self.log, "wb") as handle:
+            self.process = subprocess.Popen([sys.executable, str(STAND_IN), "--port", str(self.port),
+                                             "--model-path", str(model_dir), *args],
+                                            stdout=handle, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.process.poll() is None, self.log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "stand-in app did not start:\n" + self.log.read_text()[-3000:]
+            try:
+                urllib.request.urlopen(f"http://{self.address}/model_info", timeout=2).read()
+                return
+            except OSError:
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()

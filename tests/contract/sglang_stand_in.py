@@ -1,0 +1,268 @@
+"""SGLang's real HTTP application with a stand-in behind it, for contract tests on a CPU.
+
+Run as ``python tests/contract/sglang_stand_in.py --port P [--shape 0.5.3] [--token-delay S]``.
+
+What is real: ``sglang.srt.entrypoints.http_server.app`` (every route, request parsing into
+``GenerateReqInput``/``AbortReq``/``PauseGenerationReqInput``/``UpdateWeightFromDiskReqInput``,
+its validation and error responses, its ``/health_generate`` probe loop with its timeout) and
+sglang's own weight-version span helpers that build ``meta_info.weight_versions``.
+
+What is stubbed (``StandInTokenizerManager``): the ``TokenizerManager`` object the routes call,
+i.e. the part that tokenizes, talks to the scheduler and runs the model. It "generates" token
+a token drawn uniformly from ``VOCAB`` ids (seeded by the request id) every ``--token-delay``
+seconds with logprob ``-1.0``,
+and mirrors the tokenizer manager and scheduler behaviour rlorch relies on, as read in the
+0.5.23 sources:
+
+- a rid already in flight is refused with ``ValueError("Duplicate request ID detected: ...")``
+  (the route turns it into HTTP 400);
+- ``abort_request(rid)`` only acts when ``rid`` itself is in flight, then aborts every request
+  whose rid *starts with* ``rid`` (the scheduler's prefix match);
+- ``pause_generation`` (mode ``abort``) aborts everything in flight and holds new requests
+  until ``continue_generation``; modes ``retract``/``in_place`` keep them and resume them;
+- an update while paused in place changes the version mid-request, reported as
+  ``meta_info.weight_versions`` spans (sglang's ``compute_weight_version_spans``);
+- ``/health_generate`` is answered only by a request that produces a token, so while paused
+  it waits and fails with 503 after ``HEALTH_CHECK_TIMEOUT`` (20 s; ``--health-timeout`` sets it).
+
+``--shape 0.5.3`` answers a request aborted while queued the way 0.5.3 did (no
+``output_token_logprobs``, no ``weight_version``); ``--shape 0.5.5`` omits ``weight_version``
+from ``meta_info``. No lifespan runs (it only builds the OpenAI adapters, which are not used).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.abc
+import importlib.machinery
+import random
+import sys
+import time
+import types
+
+VOCAB = 40
+
+
+class _Placeholder:
+    """Stands for any torchvision attribute; using one raises."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError("torchvision is a placeholder in the contract-test environment")
+
+    def __getattr__(self, name):
+        return _Placeholder()
+
+
+class _PlaceholderModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Placeholder()
+
+
+class _TorchvisionPlaceholder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """sglang's model configs import torchvision at module level; the PyPI torchvision wheel is
+    built against CUDA torch and cannot load on the CPU torch here. Only image processors use
+    it and none runs, so an inert module stands in (version ``0.0`` keeps transformers off its
+    torchvision paths)."""
+
+    def find_spec(self, name, path, target=None):
+        if name == "torchvision" or name.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return _PlaceholderModule(spec.name)
+
+    def exec_module(self, module):
+        module.__path__ = []
+        module.__version__ = "0.0"
+
+
+def install_torchvision_placeholder() -> None:
+    try:
+        import torchvision  # noqa: F401
+    except Exception:
+        sys.modules.pop("torchvision", None)
+        sys.meta_path.insert(0, _TorchvisionPlaceholder())
+
+
+class _Request:
+    def __init__(self, rid: str, input_ids: list[int], max_new_tokens: int):
+        self.rid = rid
+        self.input_ids = input_ids
+        self.max_new_tokens = max_new_tokens
+        self.output: list[int] = []
+        self.events: list = []
+        self.aborted = False
+        self.started = False
+        self.rng = random.Random(rid)
+
+
+class StandInTokenizerManager:
+    """The attributes and coroutines of sglang's ``TokenizerManager`` that the native routes use."""
+
+    def __init__(self, *, model_path: str, shape: str, token_delay: float):
+        from sglang.srt.managers.tokenizer_manager import ServerStatus
+
+        self.model_path = model_path
+        self.served_model_name = model_path
+        self.shape = shape
+        self.token_delay = token_delay
+        self.server_status = ServerStatus.Up
+        self.gracefully_exit = False
+        self.is_generation = True
+        self.last_receive_tstamp = 0.0
+        self.rid_to_state: dict[str, _Request] = {}
+        self.startup_time = time.time()
+        self.is_pause = False
+        self.pause_mode = "abort"
+        self.weight_version = "0"
+        self.model_config = types.SimpleNamespace(is_image_understandable_model=False,
+                                                  is_audio_understandable_model=False,
+                                                  hf_config=types.SimpleNamespace(model_type="stand-in",
+                                                                                  architectures=["StandIn"]))
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self.updates = 0
+
+    def is_ready(self) -> bool:
+        return not self.is_pause
+
+    def config_value(self, name: str):
+        return {"weight_version": self.weight_version}.get(name)
+
+    def create_abort_task(self, obj):
+        return None
+
+    async def get_internal_state(self):
+        return [{}]
+
+    async def generate_request(self, obj, request=None):
+        from sglang.srt.utils.weight_versions import (WeightVersionEvent, add_weight_versions_to_meta_info,
+                                                      compute_weight_version_spans)
+
+        obj.normalize_batch_and_arguments()
+        rid = obj.rid if isinstance(obj.rid, str) else obj.rid[0]
+        if rid in self.rid_to_state:
+            raise ValueError(f"Duplicate request ID detected: {rid}")
+        params = obj.sampling_params or {}
+        req = _Request(rid, list(obj.input_ids), int(params.get("max_new_tokens", 16)))
+        self.rid_to_state[rid] = req
+        try:
+            await self._run(req)
+        finally:
+            self.rid_to_state.pop(rid, None)
+        queued_abort = req.aborted and not req.started
+        meta = {"id": rid, "prompt_tokens": len(req.input_ids), "completion_tokens": len(req.output),
+                "cached_tokens": 0, "e2e_latency": 0.0,
+                "finish_reason": ({"type": "abort", "message": "Abort before prefill"} if req.aborted
+                                  else {"type": "length", "length": len(req.output)})}
+        if queued_abort and self.shape == "0.5.3":
+            meta["prompt_tokens"] = 0
+            yield {"text": "", "meta_info": meta}
+            return
+        if self.shape != "0.5.5":
+            meta["weight_version"] = self.weight_version
+            if req.events:
+                spans = compute_weight_version_spans(
+                    [WeightVersionEvent(old_version=v, num_output_tokens=n) for v, n in req.events],
+                    self.weight_version, len(req.output))
+                add_weight_versions_to_meta_info(meta, spans, len(req.output))
+        if obj.return_logprob:
+            meta["input_token_logprobs"] = [[None, t, None] for t in req.input_ids]
+            meta["output_token_logprobs"] = [[-1.0, t, None] for t in req.output]
+        yield {"text": "".join(chr(97 + t % 26) for t in req.output), "output_ids": list(req.output),
+               "meta_info": meta}
+
+    async def _run(self, req: _Request) -> None:
+        while not req.aborted and len(req.output) < req.max_new_tokens:
+            if self.is_pause:
+                await self._resumed.wait()
+                continue
+            req.started = True
+            await asyncio.sleep(self.token_delay)
+            if req.aborted or (self.is_pause and self.pause_mode == "abort"):
+                continue
+            if self.is_pause:
+                continue
+            req.output.append(req.rng.randrange(VOCAB))
+            self.last_receive_tstamp = time.time()
+
+    def abort_request(self, rid: str = "", abort_all: bool = False):
+        if abort_all:
+            targets = list(self.rid_to_state.values())
+        elif rid and rid in self.rid_to_state:
+            targets = [r for key, r in self.rid_to_state.items() if key.startswith(rid)]
+        else:
+            return
+        for req in targets:
+            req.aborted = True
+
+    async def pause_generation(self, obj):
+        self.is_pause = True
+        self.pause_mode = obj.mode
+        self._resumed.clear()
+        if obj.mode == "abort":
+            self.abort_request(abort_all=True)
+
+    async def continue_generation(self, obj):
+        self.is_pause = False
+        self._resumed.set()
+
+    async def update_weights_from_disk(self, obj, request=None):
+        if obj.model_path.endswith("missing"):
+            return False, f"cannot load {obj.model_path}", 0
+        if obj.abort_all_requests:
+            self.abort_request(abort_all=True)
+        old = self.weight_version
+        for req in self.rid_to_state.values():
+            if req.output:
+                req.events.append((old, len(req.output)))
+        self.weight_version = obj.weight_version if obj.weight_version is not None else old
+        self.model_path = obj.model_path
+        self.updates += 1
+        return True, "Succeeded to update model weights.", 0
+
+
+def build_app(*, model_path: str, shape: str, token_delay: float, health_timeout: float):
+    """sglang's FastAPI app with the stand-in installed as its global tokenizer manager."""
+    install_torchvision_placeholder()
+    from sglang.srt.entrypoints import http_server
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import prepare_server_args
+
+    server_args = prepare_server_args(["--model-path", model_path, "--device", "cpu", "--weight-version", "0"])
+    publish(server_args, role="tokenizer")
+    http_server.HEALTH_CHECK_TIMEOUT = health_timeout
+    manager = StandInTokenizerManager(model_path=model_path, shape=shape, token_delay=token_delay)
+    manager.server_args = server_args
+    http_server.set_global_state(http_server._GlobalState(tokenizer_manager=manager, template_manager=None,
+                                                          scheduler_info={}))
+    return http_server.app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model-path", required=True, help="an HF model directory (its config is read)")
+    parser.add_argument("--shape", default="0.5.23", choices=["0.5.23", "0.5.5", "0.5.3"])
+    parser.add_argument("--token-delay", type=float, default=0.01)
+    parser.add_argument("--health-timeout", type=float, default=20.0)
+    args = parser.parse_args()
+    import uvicorn
+
+    app = build_app(model_path=args.model_path, shape=args.shape, token_delay=args.token_delay,
+                    health_timeout=args.health_timeout)
+    from sglang.srt.environ import envs
+
+    uvicorn.run(app, host="127.0.0.1", port=args.port, lifespan="off", log_level="warning",
+                timeout_keep_alive=envs.SGLANG_TIMEOUT_KEEP_ALIVE.get())
+
+
+if __name__ == "__main__":
+    main()

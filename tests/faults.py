@@ -1,0 +1,546 @@
+"""Fault cases on real processes (CPU): each one starts a run (or an engine), does to it what an
+operator or a failure would, and returns an :class:`Outcome` with the figures the reliability
+claims rest on. ``tests/test_faults.py`` asserts them; ``scripts/fault_report.py`` prints them.
+
+Every process a case starts carries a tag in its environment (inherited by the trainer, torchrun's
+ranks and the engines), so what survives a case is found by the tag, not by a name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+TAG = "RLORCH_FAULT_TAG"
+LEFTOVER_BOUND_S = 10.0
+"""Nothing of a run may outlive it (or its orchestrator) by more than this."""
+
+REAL = ["rollout.batch_size=16", "rollout.group_size=4", "rollout.max_concurrent=32", "run.progress=false",
+        "inference.num_servers=1", "eval.enabled=false", "trainer.checkpoint_every=3", "run.shutdown_timeout=20"]
+"""A small CPU default: `rlorch serve` engines, the FSDP2 trainer under torchrun, the tiny model."""
+
+SIM = ["conf=sim", "run.progress=false", "trainer.sim.step_time=0.02", "inference.sim.latency=[0.01,0.05]",
+       "trainer.checkpoint_every=5", "run.shutdown_timeout=5"]
+
+
+@dataclass
+class Outcome:
+    case: str
+    ok: bool = False
+    exit_s: Optional[float] = None
+    """Seconds from the fault to the end of the run (or the refusal)."""
+    lost: Optional[int] = None
+    duplicates: Optional[int] = None
+    leftovers: int = 0
+    """Processes of the run still alive LEFTOVER_BOUND_S after it ended."""
+    notes: list[str] = field(default_factory=list)
+
+    def check(self, condition: bool, note: str) -> None:
+        if not condition:
+            self.notes.append(note)
+
+    def done(self) -> "Outcome":
+        self.ok = not self.notes
+        return self
+
+
+class Run:
+    """One ``rlorch`` command as a tagged process group of its own."""
+
+    def __init__(self, *args: str, env: Optional[dict] = None, preexec: Optional[Callable] = None):
+        self.tag = uuid.uuid4().hex
+        self.env = {**(env or os.environ), TAG: self.tag, "PYTHONUNBUFFERED": "1", "COLUMNS": "400"}
+        self.process = subprocess.Popen([sys.executable, "-m", "rlorch.cli", *args], env=self.env,
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                         start_new_session=True, preexec_fn=preexec)
+        self.output = ""
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def wait(self, timeout: float) -> Optional[int]:
+        try:
+            self.output, _ = self.process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        return self.process.returncode
+
+    def kill_all(self) -> None:
+        for pid in tagged(self.tag):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.process.poll() is None:
+            self.process.kill()
+        self.wait(30)
+
+
+def tagged(tag: str) -> list[int]:
+    """Live (not zombie) processes whose environment carries ``tag``."""
+    needle = f"{TAG}={tag}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if needle not in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                continue
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            found.append(int(entry))
+    return found
+
+
+def leftovers_after(tag: str, bound: float = LEFTOVER_BOUND_S) -> int:
+    """How many tagged processes are still alive once ``bound`` seconds have passed."""
+    deadline = time.monotonic() + bound
+    while tagged(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return len(tagged(tag))
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout:g}s for {what}")
+        time.sleep(0.1)
+
+
+def summary(run_dir: Path) -> dict:
+    """The run's summary.json ({} with status "none" when there is none)."""
+    path = run_dir / "summary.json"
+    if not path.exists():
+        return {"status": "none", "lost": None, "error": None, "checkpoint": None, "steps": 0}
+    return json.loads(path.read_text())
+
+
+def duplicate_groups(run_dir: Path) -> int:
+    """Group ids that appear in more than one trained batch (``rollouts/step_*.jsonl``)."""
+    seen: dict[int, str] = {}
+    duplicates = 0
+    for path in sorted((run_dir / "rollouts").glob("step_*.jsonl")):
+        groups = {json.loads(line)["group_id"] for line in path.read_text().splitlines() if line.strip()}
+        for group in groups:
+            duplicates += group in seen
+            seen[group] = path.name
+    return duplicates
+
+
+def tree_digest(root: Path, skip: tuple[str, ...] = ()) -> dict[str, str]:
+    """Path -> content hash of every file under ``root`` (to show a refusal changed nothing)."""
+    digest = {}
+    for path in sorted(root.rglob("*")):
+        relative = str(path.relative_to(root))
+        if path.is_file() and not relative.startswith(skip):
+            digest[relative] = hashlib.sha256(path.read_bytes()).hexdigest()
+        elif path.is_dir():
+            digest[relative + "/"] = ""
+    return digest
+
+
+def step_files(run_dir: Path, upto: int) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted((run_dir / "rollouts").glob("step_*.jsonl")) if int(p.stem[5:]) <= upto}
+
+
+def checkpoint_state(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:06d}" / "orchestrator.json"
+
+
+def trainer_steps(run_dir: Path) -> int:
+    path = run_dir / "trainer" / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def trainer_pid(run_dir: Path, tag: str, module: str) -> int:
+    """The tagged process running ``module`` (torch.distributed.run or rlorch.trainer.fsdp)."""
+    for pid in tagged(tag):
+        try:
+            if module.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+        except OSError:
+            continue
+    raise LookupError(f"no {module} process")
+
+
+# ---- the cases ------------------------------------------------------------------------------
+
+def kill_orchestrator_then_resume(tmp: Path) -> Outcome:
+    """kill -9 the orchestrator once checkpoint 3 has its state; its trainer and engine must
+    follow within the bound; a resume then trains alone (one trainer line per step)."""
+    out, run_dir = Outcome("kill -9 orchestrator, resume"), tmp / "kill-orch"
+    run = Run("train", f"run.dir={run_dir}", "train.steps=40", *REAL)
+    try:
+        wait_for(lambda: checkpoint_state(run_dir, 3).exists(), 240, "checkpoint 3")
+        before = step_files(run_dir, 3)
+        killed = time.monotonic()
+        os.kill(run.pid, signal.SIGKILL)
+        run.wait(10)
+        out.leftovers = leftovers_after(run.tag)
+        out.exit_s = round(time.monotonic() - killed, 2)
+    finally:
+        run.kill_all()
+    resumed = Run("resume", f"checkpoint={run_dir}/checkpoints/step_000003", "train.steps=6")
+    code = resumed.wait(240)
+    out.leftovers += leftovers_after(resumed.tag, 0)
+    out.check(code == 0, f"resume exited {code}: {resumed.output[-800:]}")
+    result = summary(run_dir)
+    out.lost, out.duplicates = result["lost"], duplicate_groups(run_dir)
+    lines = [json.loads(x)["step"] for x in (run_dir / "trainer" / "metrics.jsonl").read_text().splitlines()]
+    after = lines[len(lines) - lines[::-1].index(4) - 1:] if 4 in lines else []
+    out.check(after == [4, 5, 6], f"trainer lines after the resume: {after} (two trainers?)")
+    out.check(step_files(run_dir, 3) == before, "batches 1..3 changed")
+    out.check(out.lost == 0 and out.duplicates == 0 and out.leftovers == 0, "lost/duplicates/leftovers")
+    return out.done()
+
+
+def kill_trainer_process(tmp: Path, module: str, case: str) -> Outcome:
+    """kill -9 torchrun (or its rank) mid-run: the run fails clearly and nothing survives it."""
+    out, run_dir = Outcome(case), tmp / f"kill-{module.rsplit('.', 1)[-1]}"
+    run = Run("train", f"run.dir={run_dir}", "train.steps=60", *REAL)
+    try:
+        wait_for(lambda: trainer_steps(run_dir) >= 2, 240, "two trainer steps")
+        killed = time.monotonic()
+        os.kill(trainer_pid(run_dir, run.tag, module), signal.SIGKILL)
+        code = run.wait(60)
+        out.exit_s = round(time.monotonic() - killed, 2)
+        out.leftovers = leftovers_after(run.tag)
+    finally:
+        run.kill_all()
+    out.check(code == 1, f"exit {code}: {run.output[-800:]}")
+    result = summary(run_dir)
+    out.lost, out.duplicates = result["lost"], duplicate_groups(run_dir)
+    out.check(result["status"] == "failed" and "trainer" in (result["error"] or ""), f"summary {result}")
+    out.check(out.lost == 0 and out.leftovers == 0 and out.duplicates == 0, "lost/leftovers/duplicates")
+    return out.done()
+
+
+def kill_engine(tmp: Path) -> Outcome:
+    """kill -9 the only engine once the trainer is ready: noticed at once, the run fails within
+    30 s naming the engine and its log."""
+    out, run_dir = Outcome("kill -9 only engine"), tmp / "kill-engine"
+    run = Run("train", "conf=sync", f"run.dir={run_dir}", "train.steps=200", "rollout.max_new_tokens=100",
+              "rollout.request_timeout=60", *REAL)
+    try:
+        wait_for(lambda: trainer_steps(run_dir) >= 1, 240, "a trainer step")
+        engine = json.loads((run_dir / "servers.json").read_text())[0]["pid"]
+        killed = time.monotonic()
+        os.kill(engine, signal.SIGKILL)
+        code = run.wait(60)
+        out.exit_s = round(time.monotonic() - killed, 2)
+        out.leftovers = leftovers_after(run.tag)
+    finally:
+        run.kill_all()
+    out.check(code == 1, f"exit {code}: {run.output[-800:]}")
+    out.check(out.exit_s is not None and out.exit_s < 30, f"took {out.exit_s}s")
+    result = summary(run_dir)
+    out.lost, out.duplicates = result["lost"], duplicate_groups(run_dir)
+    out.check("server-0.log" in (result["error"] or ""), f"error does not name the engine's log: {result['error']}")
+    complete = sorted(p.parent.parent for p in (run_dir / "checkpoints").glob("step_*/trainer/COMPLETE"))
+    out.check(all((p / "orchestrator.json").exists() for p in complete)
+              and result["checkpoint"] == (str(complete[-1]) if complete else None),
+              f"complete checkpoints {complete}, summary names {result['checkpoint']}")
+    out.check(out.lost == 0 and out.leftovers == 0, "lost/leftovers")
+    return out.done()
+
+
+def signal_during_startup(tmp: Path, sig: signal.Signals = signal.SIGTERM) -> Outcome:
+    """A signal while the trainer is still starting: clean exit, a summary, no orphan."""
+    out, run_dir = Outcome(f"{sig.name} during start-up"), tmp / f"startup-{sig.name}"
+    run = Run("train", f"run.dir={run_dir}", "train.steps=5", *REAL)
+    try:
+        wait_for(lambda: (run_dir / "logs" / "trainer.log").exists(), 240, "the trainer to start")
+        sent = time.monotonic()
+        os.kill(run.pid, sig)
+        code = run.wait(60)
+        out.exit_s = round(time.monotonic() - sent, 2)
+        out.leftovers = leftovers_after(run.tag)
+    finally:
+        run.kill_all()
+    out.check(code == 128 + sig.value, f"exit {code}: {run.output[-800:]}")
+    result = summary(run_dir)
+    out.lost = result["lost"]
+    out.check(result["status"] == "interrupted", f"summary {result}")
+    out.check(out.lost == 0 and out.leftovers == 0, "lost/leftovers")
+    return out.done()
+
+
+def signal_twice_midrun_then_resume(tmp: Path, sig: signal.Signals = signal.SIGINT) -> Outcome:
+    """Two signals mid-run: one bounded shutdown, a checkpoint with its state; the resume trains
+    the rest without repeating or changing a batch."""
+    out, run_dir = Outcome(f"{sig.name} twice mid-run, resume"), tmp / f"twice-{sig.name}"
+    run = Run("train", f"run.dir={run_dir}", "train.steps=40", *REAL)
+    try:
+        wait_for(lambda: trainer_steps(run_dir) >= 2, 240, "two trainer steps")
+        sent = time.monotonic()
+        os.kill(run.pid, sig)
+        time.sleep(0.3)
+        os.kill(run.pid, sig)
+        code = run.wait(60)
+        out.exit_s = round(time.monotonic() - sent, 2)
+        out.leftovers = leftovers_after(run.tag)
+    finally:
+        run.kill_all()
+    out.check(code == 128 + sig.value, f"exit {code}: {run.output[-800:]}")
+    first = summary(run_dir)
+    out.check(first["status"] == "interrupted" and first["checkpoint"], f"summary {first}")
+    stopped = first["steps"]
+    before = step_files(run_dir, stopped)
+    resumed = Run("resume", f"checkpoint={first['checkpoint']}", f"train.steps={stopped + 2}")
+    code = resumed.wait(240)
+    out.check(code == 0, f"resume exited {code}: {resumed.output[-800:]}")
+    out.leftovers += leftovers_after(resumed.tag, 0)
+    result = summary(run_dir)
+    out.lost, out.duplicates = max(first["lost"], result["lost"]), duplicate_groups(run_dir)
+    out.check(step_files(run_dir, stopped) == before, "earlier batches changed")
+    out.check(out.lost == 0 and out.duplicates == 0 and out.leftovers == 0, "lost/duplicates/leftovers")
+    return out.done()
+
+
+def sim_run(run_dir: Path, *extra: str, steps: int = 20) -> dict:
+    run = Run("train", f"run.dir={run_dir}", f"train.steps={steps}", *SIM, *extra)
+    code = run.wait(120)
+    if code != 0:
+        raise RuntimeError(f"sim run exited {code}: {run.output[-800:]}")
+    return summary(run_dir)
+
+
+def corrupt_checkpoint(tmp: Path, which: str) -> Outcome:
+    """Truncate a checkpoint's orchestrator state: a resume from it is refused and the run
+    directory stays byte-identical; the other checkpoint still resumes."""
+    out, run_dir = Outcome(f"corrupt {which} checkpoint"), tmp / f"corrupt-{which}"
+    sim_run(run_dir, steps=20)
+    bad, good = (20, 10) if which == "newest" else (10, 20)
+    os.truncate(checkpoint_state(run_dir, bad), 100)
+    digest = tree_digest(run_dir)
+    started = time.monotonic()
+    refused = Run("resume", f"checkpoint={run_dir}/checkpoints/step_{bad:06d}", "train.steps=25")
+    code = refused.wait(60)
+    out.exit_s = round(time.monotonic() - started, 2)
+    out.check(code == 2 and "orchestrator.json" in refused.output, f"exit {code}: {refused.output[-600:]}")
+    out.check(f"step_{good:06d}" in refused.output, "the refusal does not offer the good checkpoint")
+    out.check(tree_digest(run_dir) == digest, "the refused resume changed the run directory")
+    before = step_files(run_dir, good)
+    resumed = Run("resume", f"checkpoint={run_dir}/checkpoints/step_{good:06d}", "train.steps=25", *SIM[1:])
+    code = resumed.wait(120)
+    out.check(code == 0, f"resume from {good} exited {code}: {resumed.output[-600:]}")
+    result = summary(run_dir)
+    out.lost, out.duplicates = result["lost"], duplicate_groups(run_dir)
+    out.leftovers = leftovers_after(refused.tag, 0) + leftovers_after(resumed.tag, 0)
+    out.check(step_files(run_dir, good) == before, "earlier batches changed")
+    out.check(out.lost == 0 and out.duplicates == 0, "lost/duplicates")
+    return out.done()
+
+
+def two_processes_one_run_dir(tmp: Path) -> Outcome:
+    """A train and a resume into a run directory another process is running in are refused,
+    naming its pid; once it is gone (kill -9) the lock is taken over."""
+    out, run_dir = Outcome("two processes, one run dir"), tmp / "locked"
+    sim_run(run_dir, steps=10)
+    first = Run("resume", f"checkpoint={run_dir}/checkpoints/step_000010", "train.steps=100000", *SIM[1:],
+                "trainer.sim.step_time=0.05")
+    try:
+        wait_for(lambda: (run_dir / "LOCK").exists() and str(first.pid) in (run_dir / "LOCK").read_text(),
+                 60, "the first resume's lock")
+        started = time.monotonic()
+        second = Run("resume", f"checkpoint={run_dir}/checkpoints/step_000010", "train.steps=30")
+        code = second.wait(60)
+        third = Run("train", f"run.dir={run_dir}", *SIM)
+        third_code = third.wait(60)
+        out.exit_s = round(time.monotonic() - started, 2)
+        out.check(code == 2 and f"process {first.pid}" in second.output, f"resume: {code} {second.output[-400:]}")
+        out.check(third_code == 2 and f"process {first.pid}" in third.output, f"train: {third_code} {third.output[-400:]}")
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(30)
+    finally:
+        first.kill_all()
+    taken = Run("resume", f"checkpoint={run_dir}/checkpoints/step_000010", "train.steps=15", *SIM[1:])
+    code = taken.wait(120)
+    out.check(code == 0, f"resume after the holder died exited {code}: {taken.output[-400:]}")
+    result = summary(run_dir)
+    out.lost, out.duplicates = result["lost"], duplicate_groups(run_dir)
+    out.leftovers = leftovers_after(first.tag, 0)
+    out.check(out.lost == 0 and out.duplicates == 0 and not (run_dir / "LOCK").exists(), "lost/duplicates/LOCK")
+    return out.done()
+
+
+def disk_full(tmp: Path) -> Outcome:
+    """A file-size limit (RLIMIT_FSIZE) stands in for a full disk: the run stops with the file
+    and the error named, checkpoints what it has (lost = 0), and resumes once there is room."""
+    out, run_dir = Outcome("disk full (RLIMIT_FSIZE)"), tmp / "full"
+    limit = 64 * 1024
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    started = time.monotonic()
+    run = Run("train", f"run.dir={run_dir}", "train.steps=400", *SIM, "metrics.interval=0.05", preexec=small_files)
+    code = run.wait(120)
+    out.exit_s = round(time.monotonic() - started, 2)
+    out.leftovers = leftovers_after(run.tag, 0)
+    out.check(code == 1, f"exit {code}: {run.output[-600:]}")
+    out.check("File too large" in run.output and "metrics.jsonl" in run.output, f"no cause named: {run.output[-600:]}")
+    out.check("Traceback" not in run.output, "a traceback instead of a message")
+    first = summary(run_dir)
+    out.check(bool(first.get("checkpoint")), f"no checkpoint: {first}")
+    if first.get("checkpoint"):
+        stopped = first["steps"]
+        before = step_files(run_dir, stopped)
+        resumed = Run("resume", f"checkpoint={first['checkpoint']}", f"train.steps={stopped + 5}", *SIM[1:])
+        code = resumed.wait(120)
+        out.check(code == 0, f"resume exited {code}: {resumed.output[-600:]}")
+        out.check(step_files(run_dir, stopped) == before, "earlier batches changed")
+    result = summary(run_dir)
+    out.lost, out.duplicates = max(first["lost"] or 0, result["lost"] or 0), duplicate_groups(run_dir)
+    out.check(out.lost == 0 and out.duplicates == 0, "lost/duplicates")
+    return out.done()
+
+
+def non_finite_config(tmp: Path) -> Outcome:
+    """``trainer.lr=inf`` is refused before anything starts."""
+    out = Outcome("non-finite trainer.lr")
+    started = time.monotonic()
+    run = Run("train", f"run.dir={tmp / 'inf'}", "trainer.lr=inf", *REAL)
+    code = run.wait(60)
+    out.exit_s = round(time.monotonic() - started, 2)
+    out.leftovers = leftovers_after(run.tag, 0)
+    out.check(code == 2 and "trainer.lr" in run.output and not (tmp / "inf").exists(), f"{code}: {run.output[-400:]}")
+    return out.done()
+
+
+def non_finite_training(tmp: Path) -> Outcome:
+    """An lr so large that version 1's weights overflow the engine's logits: the engine answers
+    500 and fails its health check, the pool marks it down, and the run fails naming the cause
+    instead of hanging."""
+    out, run_dir = Outcome("non-finite training"), tmp / "nan"
+    started = time.monotonic()
+    run = Run("train", f"run.dir={run_dir}", "train.steps=30", "trainer.lr=1e30", "trainer.max_grad_norm=1e30",
+              *REAL)
+    code = run.wait(240)
+    out.exit_s = round(time.monotonic() - started, 2)
+    out.leftovers = leftovers_after(run.tag)
+    run.kill_all()
+    flat = " ".join(run.output.split())
+    out.check(code == 1 and ("generation loop failed" in flat or "non-finite" in flat), f"exit {code}: {flat[-800:]}")
+    result = summary(run_dir)
+    out.lost = result["lost"]
+    out.check(out.lost == 0 and out.leftovers == 0, "lost/leftovers")
+    return out.done()
+
+
+def serve_limits(tmp: Path) -> Outcome:
+    """`rlorch serve` against an oversized body and a slow client: a 413 at once, the slow
+    connection timed out (BODY_TIMEOUT_S), the server answering health checks throughout. (Idle
+    connections close after IDLE_TIMEOUT_S = 75 s; the suite checks that with shorter limits.)"""
+    import urllib.error
+    import urllib.request
+
+    out = Outcome("serve: 50 MB body, slow client")
+    port = _free_port()
+    run = Run("serve", "--port", str(port))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _status(f"{base}/health") == 200, 120, "rlorch serve")
+        started = time.monotonic()
+        body = json.dumps({"text": "a" * 50_000_000}).encode()
+        request = urllib.request.Request(f"{base}/generate", data=body, headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(request, timeout=60)
+            status = 200
+        except urllib.error.HTTPError as err:
+            status = err.code
+        except (ConnectionError, urllib.error.URLError):
+            status = 413
+        out.exit_s = round(time.monotonic() - started, 2)
+        out.check(status == 413, f"50 MB body answered {status}")
+        out.check(slow_and_idle_closed(port, within=30, idle=False) == [], "the slow connection stayed open")
+    finally:
+        os.kill(run.pid, signal.SIGTERM)
+        run.wait(30)
+        run.kill_all()
+    out.leftovers = leftovers_after(run.tag, 0)
+    return out.done()
+
+
+def slow_and_idle_closed(port: int, *, within: float, idle: bool = True) -> list[str]:
+    """Open a connection that stalls mid-body (and one that sends nothing); return the ones the
+    server did not close within ``within`` seconds, and "health" if it stopped answering."""
+    connections = [("slow body", socket.create_connection(("127.0.0.1", port)))]
+    connections[0][1].sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    if idle:
+        connections.append(("idle", socket.create_connection(("127.0.0.1", port))))
+    stuck = [] if _status(f"http://127.0.0.1:{port}/health") == 200 else ["health"]
+    opened = time.monotonic()
+    for name, connection in connections:
+        connection.settimeout(within)
+        try:
+            while connection.recv(4096):
+                pass
+        except (socket.timeout, ConnectionError):
+            pass
+        if time.monotonic() - opened >= within:
+            stuck.append(name)
+        connection.close()
+    return stuck
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _status(url: str) -> int:
+    import urllib.error
+    import urllib.request
+
+    try:
+        return urllib.request.urlopen(url, timeout=10).status
+    except urllib.error.HTTPError as err:
+        return err.code
+    except (OSError, urllib.error.URLError):
+        return 0
+
+
+def run_case(name: str, tmp: Path) -> Outcome:
+    """Run case ``name``; a case that raises (it timed out waiting, a file is missing) fails with
+    the exception as its note."""
+    try:
+        return CASES[name](tmp)
+    except Exception as err:
+        return Outcome(name, notes=[f"{type(err).__name__}: {err}"]).done()
+
+
+CASES: dict[str, Callable[[Path], Outcome]] = {
+    "kill_orchestrator": kill_orchestrator_then_resume,
+    "kill_torchrun": lambda tmp: kill_trainer_process(tmp, "torch.distributed.run", "kill -9 torchrun"),
+    "kill_worker": lambda tmp: kill_trainer_process(tmp, "rlorch.trainer.fsdp", "kill -9 trainer rank"),
+    "kill_engine": kill_engine,
+    "sigterm_startup": signal_during_startup,
+    "sigint_startup": lambda tmp: signal_during_startup(tmp, signal.SIGINT),
+    "sigint_twice": signal_twice_midrun_then_resume,
+    "sigterm_twice": lambda tmp: signal_twice_midrun_then_resume(tmp, signal.SIGTERM),
+    "corrupt_newest": lambda tmp: corrupt_checkpoint(tmp, "newest"),
+    "corrupt_older": lambda tmp: corrupt_checkpoint(tmp, "older"),
+    "two_processes": two_processes_one_run_dir,
+    "disk_full": disk_full,
+    "nonfinite_config": non_finite_config,
+    "nonfinite_training": non_finite_training,
+    "serve_limits": serve_limits,
+}

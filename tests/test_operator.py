@@ -1,0 +1,279 @@
+"""What an operator sees and does: progress outside a terminal, the end-of-run report, the run
+report's pictures, resume forms, checkpoint pruning, config refusals with suggestions, loggers.
+All runs use the sim backends (``conf=sim``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from rlorch.cli import app
+from rlorch.compose import compose
+from rlorch.config import ConfigError
+from rlorch.orchestrator.idle import IdleClock, IdleShares
+from rlorch.report import HEIGHT, IMAGES, WIDTH
+from rlorch.resume_forms import locate_checkpoint
+from rlorch.runner import resume_training, run_training
+
+FAST = ["inference.sim.latency=[0.005,0.005]", "trainer.sim.step_time=0.01"]
+
+
+def train(run_dir: Path, *overrides: str) -> tuple[int, dict, list[dict]]:
+    config = compose(["conf=sim", f"run.dir={run_dir}", *FAST, *overrides])
+    code = run_training(config, [])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return code, summary, records
+
+
+def steps_of(records: list[dict]) -> list[dict]:
+    return [r for r in records if r["kind"] == "step"]
+
+
+# progress and the end-of-run report --------------------------------------------------------------
+def test_outside_a_terminal_phases_plain_lines_and_the_report_are_printed(tmp_path, capsys):
+    code, summary, _ = train(tmp_path / "run", "train.steps=12", "run.log_every=5", "run.report=false")
+    err = capsys.readouterr().err
+    assert code == 0
+    assert "starting 1 sim engine…" in err and "engines ready in" in err and "trainer ready in" in err
+    lines = [line for line in err.splitlines() if line.startswith("step=")]
+    assert [line.split()[0] for line in lines] == ["step=5/12", "step=10/12", "step=12/12"]
+    for field in ("reward=", "eval_acc=", "age_max=", "age_p99=", "rollouts/s=", "tokens/s=", "in_flight=", "queue="):
+        assert all(field in line for line in lines), field
+    for heading in ("reward ", "eval acc ", "head age ", "throughput ", "trainer waited for a batch",
+                    "engines paused or idle", "lost 0"):
+        assert heading in err, heading
+    assert "\x1b[" not in err
+
+
+def test_progress_off_prints_no_step_lines(tmp_path, capsys):
+    train(tmp_path / "run", "train.steps=6", "run.log_every=1", "run.progress=false", "run.report=false")
+    err = capsys.readouterr().err
+    assert not [line for line in err.splitlines() if line.startswith("step=")]
+    assert "engines ready in" in err and "head age " in err
+
+
+def test_summary_holds_the_report_figures_and_every_step_its_idle_shares(tmp_path):
+    code, summary, records = train(tmp_path / "run", "train.steps=10", "run.report=false")
+    assert code == 0
+    steps = steps_of(records)
+    assert summary["reward_mean_first"] == steps[0]["reward_mean"]
+    assert summary["reward_mean_last"] == steps[-1]["reward_mean"]
+    assert summary["age_max"] == max(r["age_max"] for r in steps)
+    assert summary["rollouts_per_s"] > 0 and summary["tokens_per_s"] > 0
+    assert set(summary["startup_phases"]) == {"engines", "trainer"} and summary["startup_s"] >= 0
+    for record in steps:
+        assert 0 <= record["trainer_idle"] <= 1 and 0 <= record["engine_idle"] <= 1
+        assert sum(record["age_counts"]) == record["rollouts"]
+    assert 0 <= summary["trainer_idle"] <= 1 and 0 <= summary["engine_idle"] <= 1
+
+
+def test_idle_shares_follow_the_bottleneck(tmp_path):
+    """A slow trainer leaves the engines waiting on the gate; slow engines leave the trainer waiting."""
+    _, slow_trainer, _ = train(tmp_path / "trainer", "train.steps=8", "run.report=false", "eval.enabled=false",
+                               "trainer.sim.step_time=0.15", "inference.sim.latency=[0.002,0.002]")
+    _, slow_engines, _ = train(tmp_path / "engines", "train.steps=8", "run.report=false", "eval.enabled=false",
+                               "trainer.sim.step_time=0.002", "inference.sim.latency=[0.1,0.1]")
+    assert slow_trainer["engine_idle"] > 0.5 > slow_trainer["trainer_idle"]
+    assert slow_engines["trainer_idle"] > 0.5 > slow_engines["engine_idle"]
+
+
+def test_idle_clock_counts_overlapping_causes_once():
+    now = [0.0]
+    clock = IdleClock(now=lambda: now[0])
+    shares = IdleShares(trainer=clock, engines=IdleClock(now=lambda: now[0]), now=lambda: now[0])
+    clock.set("no_work", True)
+    now[0] = 1.0
+    clock.set("reload", True)
+    now[0] = 2.0
+    clock.set("no_work", False)
+    now[0] = 3.0
+    clock.set("reload", False)
+    now[0] = 4.0
+    assert clock.total() == 3.0
+    assert shares.interval() == {"trainer_idle": 0.75, "engine_idle": 0.0}
+
+
+# the run report ----------------------------------------------------------------------------------
+def test_train_writes_the_report_and_rlorch_report_rewrites_it(tmp_path):
+    from PIL import Image
+
+    run_dir = tmp_path / "run"
+    code, _, _ = train(run_dir, "train.steps=8")
+    assert code == 0
+    report = run_dir / "report"
+    for name in IMAGES:
+        with Image.open(report / name) as image:
+            image.load()
+            assert image.format == "PNG" and image.size == (WIDTH, HEIGHT), name
+        (report / name).unlink()
+    text = (report / "report.md").read_text()
+    assert all(f"]({name})" in text for name in IMAGES) and "| status | completed |" in text
+    result = CliRunner().invoke(app, ["report", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    assert all((report / name).stat().st_size > 1000 for name in IMAGES)
+
+
+def test_report_of_a_directory_without_metrics_is_refused(tmp_path):
+    result = CliRunner().invoke(app, ["report", str(tmp_path)])
+    assert result.exit_code == 2 and "metrics.jsonl" in result.output
+
+
+# resume forms and pruning ------------------------------------------------------------------------
+def checkpoints(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+
+
+def test_full_checkpoints_are_pruned_to_the_newest_k_and_every_m(tmp_path):
+    keep = ["train.steps=25", "trainer.checkpoint_every=5", "run.report=false", "eval.enabled=false"]
+    train(tmp_path / "k", *keep, "trainer.keep_checkpoints=2")
+    assert checkpoints(tmp_path / "k") == ["step_000020", "step_000025"]
+    train(tmp_path / "m", *keep, "trainer.keep_checkpoints=1", "trainer.keep_checkpoints_every=10")
+    assert checkpoints(tmp_path / "m") == ["step_000010", "step_000020", "step_000025"]
+    train(tmp_path / "all", *keep, "trainer.keep_checkpoints=0")
+    assert len(checkpoints(tmp_path / "all")) == 5
+
+
+def test_resume_forms_a_run_dir_an_unpadded_step_and_a_finished_run(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    train(run_dir, "train.steps=10", "trainer.checkpoint_every=5", "run.report=false", "eval.enabled=false")
+    assert locate_checkpoint(run_dir) == run_dir / "checkpoints" / "step_000010"
+    assert locate_checkpoint(run_dir / "checkpoints" / "step_5") == run_dir / "checkpoints" / "step_000005"
+
+    capsys.readouterr()
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    assert resume_training(str(run_dir), []) == 0
+    assert "is finished" in capsys.readouterr().err
+    assert resume_training(str(run_dir), ["train.stepz=14"]) == 2
+    assert "did you mean train.steps?" in " ".join(capsys.readouterr().err.split())
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+
+    assert resume_training(str(run_dir), ["train.steps=14"]) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 14 and summary["lost"] == 0
+
+
+def test_resume_of_a_run_without_a_checkpoint_names_the_problem(tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "config.yaml").write_text("{}\n")
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
+        locate_checkpoint(tmp_path)
+
+
+# config ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("override, key, hint", [
+    ("+rollout.max_stalenes=7", "rollout.max_stalenes", "did you mean rollout.max_staleness?"),
+    ("rollout.max_stalenes=7", "rollout.max_stalenes", "did you mean rollout.max_staleness?"),
+    ("+foo.bar=1", "foo.bar", "unknown key"),
+    ("++trainer.fsdp.nprocs=2", "trainer.fsdp.nprocs", "did you mean trainer.fsdp.nproc?"),
+    ("staleness=3", "staleness", "did you mean rollout.max_staleness?"),
+])
+def test_unknown_keys_are_named_with_the_closest_valid_one(override, key, hint):
+    with pytest.raises(ConfigError) as caught:
+        compose(["conf=sim", override])
+    assert caught.value.key == key and hint in str(caught.value)
+
+
+def test_free_form_task_params_and_config_groups_still_compose():
+    config = compose(["task=custom", "task.name=rlorch.tasks.digits:Reverse", "+task.params.turns=2",
+                      "inference=sim", "trainer=sim"])
+    assert config.task.params == {"turns": 2}
+
+
+def test_a_typo_in_a_user_preset_names_the_key_and_the_file(tmp_path):
+    preset = tmp_path / "mine.yaml"
+    preset.write_text("rollout:\n  batch_size: 32\n  max_stalenes: 3\n")
+    with pytest.raises(ConfigError) as caught:
+        compose([f"conf={preset}"])
+    assert caught.value.key == "rollout.max_stalenes"
+    assert "mine.yaml" in str(caught.value) and "rollout.max_staleness" in str(caught.value)
+
+
+def test_validate_config_show_prints_the_whole_resolved_config_as_yaml():
+    import yaml
+
+    result = CliRunner().invoke(app, ["validate-config", "--show", "conf=sim", "rollout.max_staleness=3"])
+    assert result.exit_code == 0
+    shown = yaml.safe_load(result.stdout)
+    assert shown["rollout"]["max_staleness"] == 3 and shown["inference"]["backend"] == "sim"
+    assert set(shown) == {"run", "rollout", "train", "eval", "inference", "trainer", "model", "task", "data",
+                          "watcher", "metrics", "sim"}
+
+
+def test_version_flag():
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.stdout.startswith("rlorch ")
+
+
+def test_train_prints_the_warnings_validate_config_gives(tmp_path, capsys):
+    train(tmp_path / "run", "train.steps=2", "rollout.max_concurrent=100", "run.report=false", "eval.enabled=false")
+    assert "rollout.max_concurrent (100) > (S+1)*B = 24" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, key", [
+    ("rollout.enforce=admission,ship,strict", "rollout.enforce"),
+    ("inference=sim", "inference"),
+    ("sim.latency=[6,1]", "sim.latency"),
+    ("sim.latncy=[1,2]", "sim.latncy"),
+])
+def test_simulate_refuses_keys_it_ignores_and_checks_its_ranges(override, key):
+    result = CliRunner().invoke(app, ["simulate", override])
+    assert result.exit_code == 2
+    assert f"invalid config {key}:" in " ".join(result.output.split())
+
+
+# loggers --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("key", ["tensorboard", "wandb"])
+def test_a_missing_logger_package_is_a_config_error_naming_key_and_package(monkeypatch, key):
+    monkeypatch.setitem(sys.modules, key, None)
+    with pytest.raises(ConfigError) as caught:
+        compose(["conf=sim", f"metrics.{key}=true"])
+    assert caught.value.key == f"metrics.{key}" and f"pip install {key}" in str(caught.value)
+
+
+@pytest.mark.slow
+def test_tensorboard_and_wandb_offline_receive_the_step_records(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    code, _, _ = train(run_dir, "train.steps=6", "run.report=false", "metrics.tensorboard=true",
+                       "metrics.wandb=true", "metrics.wandb_project=rlorch-test")
+    assert code == 0
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward_mean")] == [1, 2, 3, 4, 5, 6]
+    assert "eval/accuracy" in events.Tags()["scalars"]
+    offline = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(offline) == 1 and offline[0].stat().st_size > 0
+    assert os.environ["WANDB_MODE"] == "offline"
+
+
+def test_in_a_terminal_the_live_display_leaves_its_last_state_on_screen():
+    import io
+
+    from rich.console import Console
+
+    from rlorch.progress import LiveProgress, progress_logger
+
+    screen = io.StringIO()
+    console = Console(file=screen, force_terminal=True, width=160)
+    view = progress_logger(compose(["conf=sim", "train.steps=2"]), console)
+    assert isinstance(view, LiveProgress)
+    view.log({"kind": "start", "time": 0.0, "version": 0})
+    view.log({"kind": "eval", "time": 0.5, "step": 0, "accuracy": 0.25})
+    for step in (1, 2):
+        view.log({"kind": "step", "time": float(step), "step": step, "reward_mean": 0.5 * step, "age_max": 1,
+                  "age_p99": 1.0, "rollouts": 8, "tokens": 24, "in_flight": 4, "out_queue": 3})
+    view.close()
+    last = screen.getvalue().rsplit("step", 1)[-1]
+    for text in ("2/2", "1.000", "25.0%@0", "8.0", "24.0"):
+        assert text in last, text
