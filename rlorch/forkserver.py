@@ -46,6 +46,14 @@ class Forked:
         return self._server.exits.get(self.pid)
 
     def poll(self) -> Optional[int]:
+        """The exit status once the fork server has reaped the process. One that has already
+        died (a zombie awaiting the server's next reap, at most one 50 ms tick away) is waited
+        for, so a caller that just saw it fail also sees why, as with ``Popen.poll``."""
+        if self.returncode is None and _defunct(self.pid):
+            try:
+                self.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
         return self.returncode
 
     def wait(self, timeout: Optional[float] = None) -> int:
@@ -59,6 +67,14 @@ class Forked:
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
             os.kill(self.pid, sig)
+
+
+def _defunct(pid: int) -> bool:
+    try:
+        stat = open(f"/proc/{pid}/stat", "rb").read()
+    except OSError:
+        return True
+    return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] in (b"Z", b"X")
 
 
 class ForkServer:
@@ -141,6 +157,7 @@ def _child(request: dict, ready: int) -> None:
 
     os.setsid()
     os.close(ready)
+    _set_name(request["module"])
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -171,6 +188,18 @@ def _child(request: dict, ready: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _set_name(module: str) -> None:
+    """Name the child after its role (``top`` and ``ps -o comm`` show it): its command line is
+    still the fork server's."""
+    import ctypes
+
+    name = b"rlorch-trainer" if module == "rlorch.trainer.fsdp" else b"rlorch-serve"
+    try:
+        ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 def _serve() -> None:

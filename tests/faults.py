@@ -169,7 +169,13 @@ def trainer_steps(run_dir: Path) -> int:
 
 
 def trainer_pid(run_dir: Path, tag: str, module: str) -> int:
-    """The tagged process running ``module`` (torch.distributed.run or rlorch.trainer.fsdp)."""
+    """The tagged process running ``module`` (torch.distributed.run or rlorch.trainer.fsdp). A
+    rank forked by the fork server keeps the server's command line: it is found by the pid it
+    records in the run directory."""
+    if module == "rlorch.trainer.fsdp":
+        rank = run_dir / "trainer" / "workers" / "rank-0.json"
+        if rank.exists() and json.loads(rank.read_text())["pid"] in tagged(tag):
+            return json.loads(rank.read_text())["pid"]
     for pid in tagged(tag):
         try:
             if module.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
@@ -213,7 +219,9 @@ def kill_orchestrator_then_resume(tmp: Path) -> Outcome:
 def kill_trainer_process(tmp: Path, module: str, case: str) -> Outcome:
     """kill -9 torchrun (or its rank) mid-run: the run fails clearly and nothing survives it."""
     out, run_dir = Outcome(case), tmp / f"kill-{module.rsplit('.', 1)[-1]}"
-    run = Run("train", f"run.dir={run_dir}", "train.steps=60", *REAL)
+    # One process runs without torchrun's agent unless torchrun has arguments to take.
+    agent = ["trainer.fsdp.torchrun_args=['--max-restarts=0']"] if module == "torch.distributed.run" else []
+    run = Run("train", f"run.dir={run_dir}", "train.steps=60", *REAL, *agent)
     try:
         wait_for(lambda: trainer_steps(run_dir) >= 2, 240, "two trainer steps")
         killed = time.monotonic()
