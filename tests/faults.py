@@ -122,6 +122,11 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
+def newest_checkpoint(run_dir: Path) -> int:
+    steps = [int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*")]
+    return max(steps, default=0)
+
+
 def summary(run_dir: Path) -> dict:
     """The run's summary.json ({} with status "none" when there is none)."""
     path = run_dir / "summary.json"
@@ -378,7 +383,8 @@ def two_processes_one_run_dir(tmp: Path) -> Outcome:
         first.wait(30)
     finally:
         first.kill_all()
-    taken = Run("resume", f"checkpoint={run_dir}/checkpoints/step_000010", "train.steps=15", *SIM[1:])
+    # The holder ran on (and pruned old checkpoints): the lock's new owner resumes the newest.
+    taken = Run("resume", f"checkpoint={run_dir}", f"train.steps={newest_checkpoint(run_dir) + 5}", *SIM[1:])
     code = taken.wait(120)
     out.check(code == 0, f"resume after the holder died exited {code}: {taken.output[-400:]}")
     result = summary(run_dir)

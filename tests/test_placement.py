@@ -34,7 +34,8 @@ def test_two_gpus_split_server_then_trainer():
     records = {r["role"]: r for r in plan("run.gpus=2")}
     assert records["server-0"]["env"]["CUDA_VISIBLE_DEVICES"] == "0"
     assert records["trainer"]["env"]["CUDA_VISIBLE_DEVICES"] == "1"
-    assert "--tp-size 1" in records["server-0"]["command"] and "--standalone" in records["trainer"]["command"]
+    assert "--tp-size 1" in records["server-0"]["command"]
+    assert "-m rlorch.trainer.fsdp" in records["trainer"]["command"]  # one process: no torchrun agent
 
 
 def test_eight_gpus_two_tp2_servers_and_four_trainers():
@@ -87,7 +88,7 @@ def test_multi_node_keys_are_checked():
 
 
 def test_single_node_command_keeps_standalone_or_the_users_rendezvous():
-    assert "--standalone" in trainer_command(compose([]), "RUN")
+    assert "--standalone" in trainer_command(compose(["trainer.fsdp.nproc=2"]), "RUN")
     custom = trainer_command(compose(["trainer.fsdp.torchrun_args=['--nnodes=1','--rdzv-endpoint=h:1']"]), "RUN")
     assert "--standalone" not in custom
 
