@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 import urllib.error
 import urllib.request
@@ -299,6 +300,32 @@ def test_launched_engines_get_a_fresh_key_kept_out_of_logs_and_ps(model_dir, tmp
     key, cmdline, version = asyncio.run(scenario())
     assert version == 0 and len(key) >= 24
     assert key.encode() not in cmdline and key not in (tmp_path / "logs" / "server-0.log").read_text()
+
+
+def test_the_guard_takes_a_launched_server_down_with_its_orchestrator(tmp_path):
+    """SGLang does not watch its orchestrator: the guard it is launched under kills it once the
+    orchestrator is gone, and otherwise passes the server's own exit status through."""
+    from rlorch.lifecycle import ORCHESTRATOR_PID_ENV, process_alive
+
+    marker = tmp_path / "server.pid"
+    server = [sys.executable, "-c", f"import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); "
+                                    "time.sleep(120)"]
+    orchestrator = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    guard = subprocess.Popen([sys.executable, "-m", "rlorch.inference.guard", *server], start_new_session=True,
+                             env={**os.environ, ORCHESTRATOR_PID_ENV: str(orchestrator.pid)})
+    faults.wait_for(lambda: marker.exists() and marker.read_text(), 30, "the guarded server")
+    server_pid = int(marker.read_text())
+    orchestrator.kill()
+    orchestrator.wait()
+    assert guard.wait(10) == -signal.SIGKILL
+    faults.wait_for(lambda: not process_alive(server_pid), 10, "the server to die with its orchestrator")
+
+    marker.unlink()
+    guard = subprocess.Popen([sys.executable, "-m", "rlorch.inference.guard", *server], start_new_session=True,
+                             env={**os.environ, ORCHESTRATOR_PID_ENV: str(os.getpid())})
+    faults.wait_for(lambda: marker.exists() and marker.read_text(), 30, "the guarded server")
+    os.killpg(guard.pid, signal.SIGTERM)
+    assert guard.wait(10) == 128 + signal.SIGTERM
 
 
 def _status(request) -> int:

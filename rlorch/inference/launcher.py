@@ -37,7 +37,7 @@ from rlorch.backends import inference_backend
 from rlorch.config import Config, InferenceBackend
 from rlorch.inference.client import SGLangEngine
 from rlorch.inference.pool import EnginePool
-from rlorch.lifecycle import cancel_and_wait
+from rlorch.lifecycle import ORCHESTRATOR_PID_ENV, cancel_and_wait
 from rlorch.rundir import RunDir
 from rlorch.types import PolicyVersion
 
@@ -176,7 +176,9 @@ def _spawn(config, index: int, *, log_dir: Path, model_path: Path, api_key: str,
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **env, API_KEY_ENV: api_key}
     shown = list(command)
     if config.inference.backend is InferenceBackend.sglang:
-        command += ["--api-key", api_key]
+        # SGLang does not watch its orchestrator: the guard takes it down with it.
+        env[ORCHESTRATOR_PID_ENV] = str(os.getpid())
+        command = [sys.executable, "-m", "rlorch.inference.guard", *command, "--api-key", api_key]
         shown += ["--api-key", "***"]
     with open(log, "ab") as handle:
         handle.write(f"$ {' '.join(shown)}\n".encode())
