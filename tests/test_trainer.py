@@ -200,3 +200,14 @@ def test_minibatches_make_the_corrections_differ_and_the_clip_engage(tmp_path):
     # The hand-written behaviour logprobs (-2.5 everywhere) are not the model's: the mismatch
     # over the tokens stamped with the trainer's version says so.
     assert lines["tis"]["mismatch_tokens"] == 19 and lines["tis"]["mismatch_kl"] > 0.1
+
+
+def test_mismatch_and_entropy_are_measured_on_the_weights_before_the_first_update(tmp_path):
+    """With two minibatches, the first one's figures come from its training forward and the
+    second one's from a forward before the first update: together they equal one minibatch's."""
+    one, _ = _one_step_weights(tmp_path / "m1", "trainer.correction=decoupled")
+    two, _ = _one_step_weights(tmp_path / "m2", "trainer.correction=decoupled", "trainer.minibatches=2")
+    assert one["mismatch_tokens"] == two["mismatch_tokens"] == 19
+    assert two["mismatch_kl"] == pytest.approx(one["mismatch_kl"], rel=1e-5)
+    assert two["mismatch_max"] == pytest.approx(one["mismatch_max"], rel=1e-5)
+    assert two["entropy"] == pytest.approx(one["entropy"], rel=1e-5)

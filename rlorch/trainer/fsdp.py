@@ -99,10 +99,14 @@ def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
     path = resolve_model_path(config.model.path) if rank == 0 else None
     path = _broadcast(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, config.model.dtype))
-    mesh = init_device_mesh(device.type, (world,))
-    for layer in _decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if world > 1:
+        # One rank has nothing to shard: FSDP2's per-parameter DTensor dispatch would cost about
+        # a quarter of a tiny model's CPU step for nothing. DCP checkpoints reshard on load, so a
+        # run may resume under another world size either way.
+        mesh = init_device_mesh(device.type, (world,))
+        for layer in _decoder_layers(model):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.trainer.lr,
                                   weight_decay=config.trainer.weight_decay)
     tokenizer = AutoTokenizer.from_pretrained(path) if rank == 0 else None
@@ -151,8 +155,10 @@ def train_step(worker: Worker, step: int) -> dict:
     """Train on batch ``step``: ``trainer.minibatches`` optimizer steps; returns its metrics line
     (global over ranks).
 
-    The proximal logprobs (the weights before the first update) are computed once, in a forward
-    pass without gradients that also measures the training-inference mismatch and the entropy.
+    The proximal logprobs are those of the weights before the batch's first update. The first
+    minibatch's training forward runs on exactly those weights, so its own detached logprobs are
+    its proximal ones and it measures the training-inference mismatch and the entropy as it
+    goes; only later minibatches need a forward pass without gradients, before the first update.
     """
 
     started = time.perf_counter()
@@ -167,13 +173,13 @@ def train_step(worker: Worker, step: int) -> dict:
         plan.append((micro_batches(chunk[worker.rank::worker.world], trainer.fsdp.micro_batch_size, count, pad_id),
                      tokens))
     model.train()
-    probe = _proximal_pass(worker, [micro for micros, _ in plan for micro in micros], version=step - 1)
-    loss_sum, stats, norms, skipped, done = 0.0, LossStats(), [], 0, 0
-    for micros, tokens in plan:
+    probe = ProximalProbe(mismatch=MismatchStats(), version=step - 1)
+    later = _proximal_pass(worker, [micro for micros, _ in plan[1:] for micro in micros], probe)
+    loss_sum, stats, norms, skipped = 0.0, LossStats(), [], 0
+    for index, (micros, tokens) in enumerate(plan):
         worker.optimizer.zero_grad(set_to_none=True)
-        proximal = probe.prox[done:done + len(micros)]
-        done += len(micros)
-        part_loss, part_stats = _accumulate(worker, micros, max(tokens, 1), proximal)
+        proximal = [None] * len(micros) if index == 0 else [later.pop(0) for _ in micros]
+        part_loss, part_stats = _accumulate(worker, micros, max(tokens, 1), proximal, probe)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
@@ -197,12 +203,23 @@ def train_step(worker: Worker, step: int) -> dict:
 
 @dataclass
 class ProximalProbe:
-    """What the forward pass before the first update measured, per micro-batch and summed."""
+    """What the weights before the batch's first update measured over every micro-batch:
+    the training-inference mismatch on tokens of ``version`` (those weights) and the entropy."""
 
-    prox: list
     mismatch: MismatchStats
+    version: int
     entropy_sum: float = 0.0
     tokens: float = 0.0
+
+    def add(self, worker: Worker, micro, logp: torch.Tensor, entropy: torch.Tensor) -> None:
+        """Record one micro-batch's logprobs and entropies under the proximal weights. Tokens
+        stamped with ``version`` were sampled by the engines from these very weights: their
+        logprob difference is the training-inference mismatch."""
+        mask = micro.mask.to(worker.device)
+        age0 = (mask > 0) & (micro.versions.to(worker.device) == self.version)
+        self.mismatch.add(logp, micro.behaviour.to(worker.device), age0)
+        self.entropy_sum += float((entropy * mask).sum())
+        self.tokens += float(mask.sum())
 
     def sums(self) -> list[float]:
         return [self.mismatch.tokens, self.mismatch.kl_sum, self.entropy_sum, self.tokens]
@@ -213,31 +230,26 @@ class ProximalProbe:
         return {**merged.summary(), "entropy": entropy_sum / tokens if tokens else None}
 
 
-def _proximal_pass(worker: Worker, micros: list, version: int) -> ProximalProbe:
-    """Logprobs of every micro-batch under the weights before any update of this batch.
-
-    Tokens stamped with ``version`` (the one these weights are) were sampled by the engines from
-    these very weights: their logprob difference is the training-inference mismatch.
-    """
-
+def _proximal_pass(worker: Worker, micros: list, probe: ProximalProbe) -> list:
+    """Logprobs of ``micros`` under the weights before any update of this batch (run before the
+    first update), each recorded in ``probe``."""
     temperature = worker.config.rollout.temperature
-    probe = ProximalProbe(prox=[], mismatch=MismatchStats())
+    prox = []
     with torch.no_grad():
         for micro in micros:
-            tokens, mask = micro.tokens.to(worker.device), micro.mask.to(worker.device)
+            tokens = micro.tokens.to(worker.device)
             logits = worker.model(input_ids=tokens).logits
             logp = token_logprobs(logits, tokens, temperature)
-            probe.prox.append(logp)
-            on = mask > 0
-            age0 = on & (micro.versions.to(worker.device) == version)
-            probe.mismatch.add(logp, micro.behaviour.to(worker.device), age0)
-            probe.entropy_sum += float((token_entropy(logits, temperature) * mask).sum())
-            probe.tokens += float(mask.sum())
-    return probe
+            probe.add(worker, micro, logp, token_entropy(logits, temperature))
+            prox.append(logp)
+    return prox
 
 
-def _accumulate(worker: Worker, micros: list, total_tokens: int, proximal: list):
-    """Forward/backward every micro-batch; gradients accumulate to the minibatch's token mean."""
+def _accumulate(worker: Worker, micros: list, total_tokens: int, proximal: list, probe: ProximalProbe):
+    """Forward/backward every micro-batch; gradients accumulate to the minibatch's token mean.
+
+    A micro-batch without proximal logprobs runs on the proximal weights themselves (the first
+    minibatch): its detached logprobs are the proximal ones, recorded in ``probe``."""
     trainer, device = worker.config.trainer, worker.device
     temperature = worker.config.rollout.temperature
     loss_sum, stats = 0.0, LossStats()
@@ -245,12 +257,19 @@ def _accumulate(worker: Worker, micros: list, total_tokens: int, proximal: list)
         tokens, mask = micro.tokens.to(device), micro.mask.to(device)
         logits = worker.model(input_ids=tokens).logits
         logp = token_logprobs(logits, tokens, temperature)
+        entropy = None
+        if prox is None:
+            prox = logp.detach()
+            with torch.set_grad_enabled(bool(trainer.entropy_coef)):
+                entropy = token_entropy(logits, temperature)
+            probe.add(worker, micro, prox, entropy.detach())
         loss, micro_stats = policy_loss(
             logp, micro.behaviour.to(device), mask, micro.advantages.to(device),
             correction=trainer.correction, clip_eps=trainer.clip_eps, is_cap=trainer.is_cap,
             prox=prox, normalizer=total_tokens)
         if trainer.entropy_coef:
-            entropy = token_entropy(logits, temperature)
+            if entropy is None:
+                entropy = token_entropy(logits, temperature)
             loss = loss - trainer.entropy_coef * (entropy * mask).sum() / total_tokens
         # FSDP averages gradients over ranks; scaling by the world size keeps the global token mean.
         (loss * worker.world).backward()
