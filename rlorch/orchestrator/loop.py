@@ -59,7 +59,8 @@ class Orchestrator:
         self.dispatcher = Dispatcher(gate=self.gate, work=work, prompts=iter(prompts), group_size=r.group_size,
                                      queue_size=r.queue_size, max_buffered=r.max_buffered,
                                      request_timeout=r.request_timeout, max_retries=r.max_retries,
-                                     on_idle=self.engine_clock.set)
+                                     on_idle=self.engine_clock.set, pack=getattr(work, "pack", None),
+                                     pack_groups=r.pack_groups)
         env = getattr(prompts, "env", None)
         self.sink = TrainSink(batch_size=r.batch_size, max_staleness=r.max_staleness,
                               strict=r.enforce is Enforce.strict, max_reward=max_reward(env) if env else 1.0,
