@@ -34,8 +34,7 @@ class PromptSource:
         return self._prompt(index, text, answer, is_eval)
 
     def _prompt(self, index: int, text: str, answer: Any, is_eval: bool) -> Prompt:
-        return Prompt(group_id=index, input_ids=encode_prompt(self.tokenizer, text), env=self.env.name,
-                      text=text, answer=answer, is_eval=is_eval)
+        return Prompt(index, encode_prompt(self.tokenizer, text), self.env.name, text, answer, is_eval)
 
     def eval_set(self, count: int) -> list[Prompt]:
         """The fixed evaluation prompts: the environment's held-out set when it has one (never
@@ -172,8 +171,7 @@ class EpisodeWork:
             answers = [await self.engine.generate_group(r.input_ids, r.params, r.n, r.rid)]
         else:
             answers = await self.engine.generate_batch(requests)
-        return [self._single_turn(prompt, request.rid, generations)
-                for prompt, request, generations in zip(prompts, requests, answers)]
+        return self._single_turn(prompts, requests, answers)
 
     def _request(self, prompt: Prompt) -> GroupRequest:
         base = f"{'e' if prompt.is_eval else 'g'}{prompt.group_id}-{prompt.attempt}"
@@ -181,28 +179,32 @@ class EpisodeWork:
             return GroupRequest(prompt.input_ids, self.eval_params, 1, base)
         return GroupRequest(prompt.input_ids, self.train_params, self.group_size, base)
 
-    def _single_turn(self, prompt: Prompt, base: str, generations: list[Generation]) -> list[Rollout]:
-        """The rollouts a single-turn group's generations make: prompt tokens untrained (mask 0,
+    def _single_turn(self, prompts: list[Prompt], requests: list[GroupRequest],
+                     answers: list[list[Generation]]) -> list[list[Rollout]]:
+        """The rollouts single-turn groups' generations make: prompt tokens untrained (mask 0,
         logprob 0), then the generated ones with their behaviour logprobs and version stamps
         (each rollout takes over its generation's stamps: the engine made them for this call).
-        The same fields :meth:`_rollout` sets, built inline: this runs once per sample."""
-        prompt_ids, answer, env_name, is_eval = prompt.input_ids, prompt.answer, prompt.env, prompt.is_eval
-        prompt_len, group_id, attempt = len(prompt_ids), prompt.group_id, prompt.attempt
-        zeros, nothing = [0] * prompt_len, [0.0] * prompt_len
+        The fields :meth:`_rollout` sets, built inline: this runs once per sample."""
         score, override, tokenizer, env = self.env.score, self.override, self.tokenizer, self.env
-        rollouts = []
-        for i, generation in enumerate(generations):
-            completion = generation.text if tokenizer is None else decode(tokenizer, generation)
-            reward = float(score(completion, answer))
-            if override is not None:
-                reward = override(completion, answer)
-            correct = is_correct(env, completion, answer, reward) if is_eval else None
-            output_ids = generation.output_ids
-            rollouts.append(Rollout(group_id, f"{base}-{i}", env_name, prompt_ids + output_ids,
-                                    zeros + [1] * len(output_ids), nothing + generation.logprobs,
-                                    generation.versions, reward, Origin.live, generation.finish_reason,
-                                    is_eval, prompt_len, completion, correct, attempt))
-        return rollouts
+        groups = []
+        for prompt, request, generations in zip(prompts, requests, answers):
+            prompt_ids, answer, env_name, is_eval = prompt.input_ids, prompt.answer, prompt.env, prompt.is_eval
+            prompt_len, group_id, attempt, base = len(prompt_ids), prompt.group_id, prompt.attempt, request.rid
+            zeros, nothing = [0] * prompt_len, [0.0] * prompt_len
+            rollouts = []
+            for i, generation in enumerate(generations):
+                completion = generation.text if tokenizer is None else decode(tokenizer, generation)
+                reward = float(score(completion, answer))
+                if override is not None:
+                    reward = override(completion, answer)
+                correct = is_correct(env, completion, answer, reward) if is_eval else None
+                output_ids = generation.output_ids
+                rollouts.append(Rollout(group_id, f"{base}-{i}", env_name, prompt_ids + output_ids,
+                                        zeros + [1] * len(output_ids), nothing + generation.logprobs,
+                                        generation.versions, reward, Origin.live, generation.finish_reason,
+                                        is_eval, prompt_len, completion, correct, attempt))
+            groups.append(rollouts)
+        return groups
 
     async def _episodes(self, prompt: Prompt, request: GroupRequest) -> list[Rollout]:
         conversations = [EngineConversation(prompt, engine=self.engine, tokenizer=self.tokenizer,

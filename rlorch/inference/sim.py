@@ -62,10 +62,12 @@ class SimEngine:
         delay = self.lo if self.hi <= self.lo else self.rng.uniform(self.lo, self.hi)
         if delay > 0:
             await asyncio.sleep(delay)
-        answers = []
+        answers, shared = [], {}
         for request in requests:
             count = min(self.tokens, request.params.max_new_tokens)
-            ids, logprobs = self._pattern[:count], [-1.0] * count
+            if count not in shared:
+                shared[count] = (self._pattern[:count], [-1.0] * count)
+            ids, logprobs = shared[count]
             answers.append([Generation(ids, logprobs, VersionStamps([[version, count]]), "length")
                             for _ in range(request.n)])
         return answers

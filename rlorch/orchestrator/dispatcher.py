@@ -274,11 +274,11 @@ class Dispatcher:
             self.failed.extend(prompts)
             self.error = self.error or task.exception()
         else:
-            accept, queue = self.gate.on_accepted, self.out_queue
-            for group in task.result():
-                accept(len(group))
-                queue.append(group)
-                self.out_rollouts += len(group)
+            groups = task.result()
+            count = self.group_size * len(groups)
+            self.gate.on_accepted(count)
+            self.out_queue.extend(groups)
+            self.out_rollouts += count
         self._out_ready.set()
         self._wake.set()
 

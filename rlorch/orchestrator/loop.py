@@ -275,7 +275,8 @@ class Orchestrator:
             for stale in self.sink.restale(step):
                 self._stale(stale)
             while not (self.sink.ready() or self.sink.over_budget()):
-                self._file(await self._next_group(alarm_task), step)
+                group = self.dispatcher.try_get()
+                self._file(group if group is not None else await self._next_group(alarm_task), step)
                 self._check_alarm()
             batch = self.sink.emit(step)
             if not batch.trainable:
@@ -286,10 +287,11 @@ class Orchestrator:
                 continue
             if len(batch.rollouts) < self.batch_size:
                 self.gate.on_short_batch(self.batch_size - len(batch.rollouts))
+            self.parked = batch
             if self.ship_side:
-                self.parked = batch
                 await self._park(step)
-                self.parked = None
+            await self._persist(batch)
+            self.parked = None
             self._ship(batch)
             await self.trainer.submit(batch)
 
@@ -309,8 +311,12 @@ class Orchestrator:
         self._park_last = time.monotonic() - started
         self.parked_s += self._park_last
 
+    async def _persist(self, batch: Batch) -> None:
+        """Put the batch file on disk, the fsyncs off the event loop so generation goes on
+        meanwhile; until it is shipped the batch is held as parked (a checkpoint lists it)."""
+        await asyncio.to_thread(write_atomic, self.run_dir.batch(batch.step), batch.to_jsonl())
+
     def _ship(self, batch: Batch) -> None:
-        write_atomic(self.run_dir.batch(batch.step), batch.to_jsonl())
         self.shipped = batch.step
         self.trainer_clock.set("waiting", False)
         self.shipped_handle.bump(batch.step)
