@@ -177,23 +177,27 @@ class Dispatcher:
             self.in_queue.append(prompt)
 
     def _admit_all(self) -> None:
+        """Admit groups while everything that bounds admission allows, packing them as they
+        come; a pack admitted when the pass ends (or fails: a prompt that cannot be made) runs."""
         gate, size, most = self.gate, self.group_size, self.pack_groups
         pack: list[Prompt] = []
-        while not self._paused and self.out_rollouts < self.max_buffered and self.admission_open():
-            if not self.in_queue:
-                self._refill()
+        try:
+            while not self._paused and self.out_rollouts < self.max_buffered and self.admission_open():
                 if not self.in_queue:
+                    self._refill()
+                    if not self.in_queue:
+                        break
+                if not gate.try_admit(size):
                     break
-            if not gate.try_admit(size):
-                break
-            pack.append(self.in_queue.popleft())
-            self._groups_in_flight += 1
-            self.admitted += size
-            if len(pack) == most:
+                pack.append(self.in_queue.popleft())
+                self._groups_in_flight += 1
+                self.admitted += size
+                if len(pack) == most:
+                    self._launch(pack)
+                    pack = []
+        finally:
+            if pack:
                 self._launch(pack)
-                pack = []
-        if pack:
-            self._launch(pack)
 
     def _launch(self, pack: list[Prompt]) -> None:
         task = asyncio.create_task(self._run_pack(pack))
