@@ -67,7 +67,7 @@ async def admission_cost(in_flight: int, pack_samples: int) -> float:
     dispatcher = Dispatcher(gate=gate, work=work, prompts=prompts, group_size=1, queue_size=4096,
                             max_buffered=10**9, request_timeout=3600, max_retries=1, pack_groups=pack_samples)
     limit = {"n": in_flight}
-    dispatcher.admission_open = lambda: dispatcher.admitted < limit["n"]
+    dispatcher.admission_room = lambda: limit["n"] - dispatcher.admitted
     dispatcher._admit_all()
     await asyncio.sleep(0)
     probe = 20_000

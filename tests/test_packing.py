@@ -204,3 +204,15 @@ def test_a_deterministic_sim_run_trains_the_same_rollouts_with_and_without_packi
     assert packed_summary["lost"] == alone_summary["lost"] == 0
     assert packed_summary["trained"] == alone_summary["trained"] == 6 * 16
     assert len(packed) == 6 * 16 and fields(packed) == fields(alone)
+
+
+def test_admitting_groups_at_once_matches_admitting_them_one_by_one():
+    for capacity, staleness, version, size, most in [(10, 5, 0, 3, 9), (64, 0, 2, 4, 100), (7, 1, 0, 8, 3),
+                                                     (100, 3, 1, 1, 5)]:
+        gates = [CapacityGate(max_staleness=staleness, batch_size=8, max_concurrent=capacity,
+                              policy=PolicyVersion(version)) for _ in range(2)]
+        together = gates[0].admit_groups(size, most)
+        one_by_one = 0
+        while one_by_one < most and gates[1].try_admit(size):
+            one_by_one += 1
+        assert together == one_by_one and gates[0].counts() == gates[1].counts()

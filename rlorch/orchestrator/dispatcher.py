@@ -74,7 +74,9 @@ class Dispatcher:
         self.retries = 0
         self.error: Optional[BaseException] = None
         self.failed: list[Prompt] = []
-        self.admission_open: Callable[[], bool] = lambda: True
+        self.admission_room: Callable[[], int] = lambda: 1 << 62
+        """Rollouts the run still wants admitted (the drain budget); groups are admitted while
+        it is positive, so the last group may reach past it by less than a group."""
         self._in_flight: dict[asyncio.Task, list] = {}
         """pack task -> [its prompts, when its current attempt started]"""
         self._groups_in_flight = 0
@@ -177,27 +179,37 @@ class Dispatcher:
             self.in_queue.append(prompt)
 
     def _admit_all(self) -> None:
-        """Admit groups while everything that bounds admission allows, packing them as they
-        come; a pack admitted when the pass ends (or fails: a prompt that cannot be made) runs."""
-        gate, size, most = self.gate, self.group_size, self.pack_groups
-        pack: list[Prompt] = []
-        try:
-            while not self._paused and self.out_rollouts < self.max_buffered and self.admission_open():
+        """Admit as many whole groups as the drain budget, the queue and the gate allow (one
+        gate call for all of them), then run them in packs of at most ``pack_groups``."""
+        if self._paused or self.out_rollouts >= self.max_buffered:
+            return
+        room = self.admission_room()
+        if room <= 0:
+            return
+        size = self.group_size
+        wanted = -(-room // size)
+        while wanted > 0:
+            if not self.in_queue:
+                self._refill()
                 if not self.in_queue:
-                    self._refill()
-                    if not self.in_queue:
-                        break
-                if not gate.try_admit(size):
-                    break
-                pack.append(self.in_queue.popleft())
-                self._groups_in_flight += 1
-                self.admitted += size
-                if len(pack) == most:
-                    self._launch(pack)
-                    pack = []
-        finally:
-            if pack:
-                self._launch(pack)
+                    return
+            offered = min(wanted, len(self.in_queue))
+            admitted = self.gate.admit_groups(size, offered)
+            if admitted:
+                self._start(admitted)
+            if admitted < offered:
+                return
+            wanted -= admitted
+
+    def _start(self, groups: int) -> None:
+        """Run the next ``groups`` queued prompts (already admitted) in packs."""
+        queue, most = self.in_queue, self.pack_groups
+        self._groups_in_flight += groups
+        self.admitted += groups * self.group_size
+        while groups > 0:
+            take = min(most, groups)
+            self._launch([queue.popleft() for _ in range(take)])
+            groups -= take
 
     def _launch(self, pack: list[Prompt]) -> None:
         task = asyncio.create_task(self._run_pack(pack))

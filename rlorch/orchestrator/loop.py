@@ -164,18 +164,18 @@ class Orchestrator:
             self.dispatcher.requeue(prompt)
 
     # the loop --------------------------------------------------------------------------------
-    def _admission_open(self) -> bool:
+    def _admission_room(self) -> int:
         """Admit only what the remaining steps need (the drain budget); the dispatcher applies
         the backpressure bound (rollout.max_buffered) to its own queue."""
         buffered = self.sink.buffered + self.dispatcher.out_rollouts
         parked = len(self.parked.rollouts) if self.parked is not None else 0
         remaining = (self.config.train.steps - self.shipped) * self.batch_size - parked
-        return remaining - (buffered + self.dispatcher.in_flight) > 0
+        return remaining - (buffered + self.dispatcher.in_flight)
 
     async def run(self) -> dict:
         self.loop_started = time.monotonic()
         self.idle = IdleShares(trainer=self.trainer_clock, engines=self.engine_clock)
-        self.dispatcher.admission_open = self._admission_open
+        self.dispatcher.admission_room = self._admission_room
         self._restore()
         self.metrics.write({"kind": "start", "version": self.policy.value, "resumed": self.resume is not None,
                             "pending_limit": self.gate.pending_limit})
