@@ -48,10 +48,9 @@ class PromptSource:
         return self
 
     def __next__(self) -> Prompt:
-        index = self.position
-        text, answer = self.env.make_prompt(index, self.seed)
-        self.position = index + 1
-        return Prompt(index, encode_prompt(self.tokenizer, text), self.env.name, text, answer)
+        prompt = self.make(self.position)
+        self.position += 1
+        return prompt
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:
