@@ -70,7 +70,7 @@ async def admission_cost(in_flight: int, pack_samples: int) -> float:
     dispatcher.admission_room = lambda: limit["n"] - dispatcher.admitted
     dispatcher._admit_all()
     await asyncio.sleep(0)
-    probe = 20_000
+    probe = 100_000
     limit["n"] = in_flight + probe
     started = time.perf_counter()
     dispatcher._admit_all()
