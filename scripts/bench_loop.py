@@ -52,7 +52,9 @@ def loop_throughput(root: Path, steps: int, batch: int, group: int, pack_samples
 
 async def admission_cost(in_flight: int, pack_samples: int) -> float:
     """Seconds per admission while ``in_flight`` rollouts are already running (the runner's
-    garbage-collector settings applied)."""
+    garbage-collector settings applied). The work in flight is collected once before the probe:
+    in a running loop it has long aged into the oldest generation, while here it was made a
+    moment ago and a young-generation collection scanning all of it would land in the probe."""
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
     policy = PolicyVersion()
@@ -70,7 +72,8 @@ async def admission_cost(in_flight: int, pack_samples: int) -> float:
     dispatcher.admission_room = lambda: limit["n"] - dispatcher.admitted
     dispatcher._admit_all()
     await asyncio.sleep(0)
-    probe = 100_000
+    gc.collect()
+    probe = 20_000
     limit["n"] = in_flight + probe
     started = time.perf_counter()
     dispatcher._admit_all()
