@@ -135,6 +135,11 @@ class RolloutConfig:
     """Seconds one generation request may take before it is retried on another engine."""
     max_retries: int = 3
     """Attempts per request across engines before the run fails."""
+    pack_samples: int = 64
+    """Most samples one engine call carries: the groups one admission pass lets through share a
+    call (SGLang's batch /generate) up to this many samples, never waiting to fill it. A group
+    larger than this goes alone. A pack comes back when its slowest sample does, so with long,
+    varied generations a smaller pack frees engine slots sooner; 1 = one call per group."""
     max_new_tokens: int = 16
     """Generation budget per model turn."""
     temperature: float = 1.0
@@ -155,6 +160,11 @@ class RolloutConfig:
         """(S + 1) * B: the most rollouts in the system at steady state under admission gating."""
         return (self.max_staleness + 1) * self.batch_size
 
+    @property
+    def pack_groups(self) -> int:
+        """Groups per engine call: as many whole groups as fit in pack_samples, at least one."""
+        return max(1, self.pack_samples // self.group_size)
+
     def __post_init__(self) -> None:
         _require(self.max_staleness >= 0, "rollout.max_staleness", "must be >= 0")
         _require(self.batch_size >= 1, "rollout.batch_size", "must be >= 1")
@@ -168,6 +178,7 @@ class RolloutConfig:
                  f"must be >= rollout.batch_size ({self.batch_size})")
         _require(self.request_timeout > 0, "rollout.request_timeout", "must be > 0 seconds")
         _require(self.max_retries >= 1, "rollout.max_retries", "must be >= 1")
+        _require(self.pack_samples >= 1, "rollout.pack_samples", "must be >= 1")
         _require(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
         _require(self.temperature >= 0, "rollout.temperature", "must be >= 0")
         _require(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")

@@ -13,8 +13,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 from rlorch.config import Config, InferenceBackend, SimReward
 from rlorch.tasks.base import is_single_turn
-from rlorch.types import (Engine, Environment, Generation, Prompt, Rollout, SamplingParams, VersionStamps,
-                          is_correct)
+from rlorch.types import (Engine, Environment, Generation, GroupRequest, Origin, Prompt, Rollout, SamplingParams,
+                          VersionStamps, is_correct)
 
 EVAL_SEED_OFFSET = 1_000_003
 
@@ -34,8 +34,7 @@ class PromptSource:
         return self._prompt(index, text, answer, is_eval)
 
     def _prompt(self, index: int, text: str, answer: Any, is_eval: bool) -> Prompt:
-        return Prompt(group_id=index, input_ids=encode_prompt(self.tokenizer, text), env=self.env.name,
-                      text=text, answer=answer, is_eval=is_eval)
+        return Prompt(index, encode_prompt(self.tokenizer, text), self.env.name, text, answer, is_eval)
 
     def eval_set(self, count: int) -> list[Prompt]:
         """The fixed evaluation prompts: the environment's held-out set when it has one (never
@@ -142,43 +141,90 @@ def decode(tokenizer: Any, generation: Generation) -> str:
     return tokenizer.decode(generation.output_ids, skip_special_tokens=True)
 
 
-def make_work(config: Config, *, engine: Engine, tokenizer: Any, env: Environment,
-              override: Optional[Reward] = None) -> Callable[[Prompt], Any]:
-    """The dispatcher's work: one prompt to a group of scored, version-stamped rollouts.
+class EpisodeWork:
+    """The dispatcher's work: prompts to groups of scored, version-stamped rollouts.
 
     The environment runs each sample's episode. A single-turn environment's first turns are
-    sampled as one group call (the same prompt, n samples); any other gets one conversation
-    per sample, run concurrently.
+    sampled by one engine call per pack (every prompt of the pack with its n samples: SGLang's
+    batch /generate), and each sample becomes a rollout directly; any other environment gets
+    one conversation per sample, all run concurrently. Calling it with one prompt is a pack of
+    one, so evaluation and training build rollouts with the same code.
     """
-    train_params = sampling_params(config, tokenizer)
-    eval_params = sampling_params(config, tokenizer, greedy=True)
-    group_size = config.rollout.group_size
-    batched = is_single_turn(env)
 
-    def to_rollout(prompt: Prompt, conversation: EngineConversation, reward: float) -> Rollout:
-        if override is not None:
-            reward = override(conversation.completion, prompt.answer)
-        correct = is_correct(env, conversation.completion, prompt.answer, reward) if prompt.is_eval else None
-        return Rollout(group_id=prompt.group_id, episode_id=conversation.rid, env=prompt.env,
-                       tokens=conversation.tokens, loss_mask=conversation.loss_mask,
-                       logprobs=conversation.logprobs, versions=conversation.versions, reward=reward,
-                       finish_reason=conversation.finish_reason, is_eval=prompt.is_eval,
-                       prompt_len=len(prompt.input_ids), completion=conversation.completion,
-                       correct=correct, attempt=prompt.attempt)
+    def __init__(self, config: Config, *, engine: Engine, tokenizer: Any, env: Environment,
+                 override: Optional[Reward] = None):
+        self.engine, self.tokenizer, self.env, self.override = engine, tokenizer, env, override
+        self.train_params = sampling_params(config, tokenizer)
+        self.eval_params = sampling_params(config, tokenizer, greedy=True)
+        self.group_size = config.rollout.group_size
+        self.batched = is_single_turn(env)
 
-    async def work(prompt: Prompt) -> list[Rollout]:
-        base = f"{'e' if prompt.is_eval else 'g'}{prompt.group_id}-{prompt.attempt}"
-        n, params = (1, eval_params) if prompt.is_eval else (group_size, train_params)
-        conversations = [EngineConversation(prompt, engine=engine, tokenizer=tokenizer, params=params,
-                                            rid=f"{base}-{i}") for i in range(n)]
-        if batched:
-            generations = await engine.generate_group(prompt.input_ids, params, n, base)
-            rewards = []
-            for conversation, generation in zip(conversations, generations):
-                conversation.turns = 1
-                rewards.append(env.score(conversation.take(generation), prompt.answer))
+    async def __call__(self, prompt: Prompt) -> list[Rollout]:
+        return (await self.pack([prompt]))[0]
+
+    async def pack(self, prompts: list[Prompt]) -> list[list[Rollout]]:
+        requests = [self._request(prompt) for prompt in prompts]
+        if not self.batched:
+            return list(await asyncio.gather(*(self._episodes(p, r) for p, r in zip(prompts, requests))))
+        if len(requests) == 1:
+            r = requests[0]
+            answers = [await self.engine.generate_group(r.input_ids, r.params, r.n, r.rid)]
         else:
-            rewards = await asyncio.gather(*(env.episode(c, prompt.answer) for c in conversations))
-        return [to_rollout(prompt, c, float(r)) for c, r in zip(conversations, rewards)]
+            answers = await self.engine.generate_batch(requests)
+        return self._single_turn(prompts, requests, answers)
 
-    return work
+    def _request(self, prompt: Prompt) -> GroupRequest:
+        base = f"{'e' if prompt.is_eval else 'g'}{prompt.group_id}-{prompt.attempt}"
+        if prompt.is_eval:
+            return GroupRequest(prompt.input_ids, self.eval_params, 1, base)
+        return GroupRequest(prompt.input_ids, self.train_params, self.group_size, base)
+
+    def _single_turn(self, prompts: list[Prompt], requests: list[GroupRequest],
+                     answers: list[list[Generation]]) -> list[list[Rollout]]:
+        """The rollouts single-turn groups' generations make: prompt tokens untrained (mask 0,
+        logprob 0), then the generated ones with their behaviour logprobs and version stamps
+        (each rollout takes over its generation's stamps: the engine made them for this call).
+        The fields :meth:`_rollout` sets, built inline: this runs once per sample."""
+        score, override, tokenizer, env = self.env.score, self.override, self.tokenizer, self.env
+        groups = []
+        for prompt, request, generations in zip(prompts, requests, answers):
+            prompt_ids, answer, env_name, is_eval = prompt.input_ids, prompt.answer, prompt.env, prompt.is_eval
+            prompt_len, group_id, attempt, base = len(prompt_ids), prompt.group_id, prompt.attempt, request.rid
+            zeros, nothing = [0] * prompt_len, [0.0] * prompt_len
+            rollouts = []
+            for i, generation in enumerate(generations):
+                completion = generation.text if tokenizer is None else decode(tokenizer, generation)
+                reward = float(score(completion, answer))
+                if override is not None:
+                    reward = override(completion, answer)
+                correct = is_correct(env, completion, answer, reward) if is_eval else None
+                output_ids = generation.output_ids
+                rollouts.append(Rollout(group_id, f"{base}-{i}", env_name, prompt_ids + output_ids,
+                                        zeros + [1] * len(output_ids), nothing + generation.logprobs,
+                                        generation.versions, reward, Origin.live, generation.finish_reason,
+                                        is_eval, prompt_len, completion, correct, attempt))
+            groups.append(rollouts)
+        return groups
+
+    async def _episodes(self, prompt: Prompt, request: GroupRequest) -> list[Rollout]:
+        conversations = [EngineConversation(prompt, engine=self.engine, tokenizer=self.tokenizer,
+                                            params=request.params, rid=f"{request.rid}-{i}")
+                         for i in range(request.n)]
+        rewards = await asyncio.gather(*(self.env.episode(c, prompt.answer) for c in conversations))
+        return [self._rollout(prompt, c.rid, c.tokens, c.loss_mask, c.logprobs, c.versions, float(r),
+                              c.finish_reason, c.completion) for c, r in zip(conversations, rewards)]
+
+    def _rollout(self, prompt: Prompt, rid: str, tokens: list[int], loss_mask: list[int], logprobs: list[float],
+                 versions: VersionStamps, reward: float, finish_reason: str, completion: str) -> Rollout:
+        if self.override is not None:
+            reward = self.override(completion, prompt.answer)
+        correct = is_correct(self.env, completion, prompt.answer, reward) if prompt.is_eval else None
+        return Rollout(prompt.group_id, rid, prompt.env, tokens, loss_mask, logprobs, versions, reward,
+                       Origin.live, finish_reason, prompt.is_eval, len(prompt.input_ids), completion,
+                       correct, prompt.attempt)
+
+
+def make_work(config: Config, *, engine: Engine, tokenizer: Any, env: Environment,
+              override: Optional[Reward] = None) -> EpisodeWork:
+    """The dispatcher's work (see :class:`EpisodeWork`): callable on one prompt, ``pack`` for several."""
+    return EpisodeWork(config, engine=engine, tokenizer=tokenizer, env=env, override=override)

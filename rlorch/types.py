@@ -191,11 +191,19 @@ class Batch:
         return any(abs(a) > 1e-8 for a in self.advantages)
 
     def to_jsonl(self) -> bytes:
-        """The batch file: one ``Rollout.to_json()`` plus ``"advantage"`` per line."""
+        """The batch file: one ``Rollout.to_json()`` plus ``"advantage"`` per line.
+
+        Each line is appended to one buffer as it is made (rather than kept until a join): a
+        line outgrows the small-object allocator, and freeing each at once keeps this at about
+        a microsecond per rollout instead of several."""
         import orjson
 
-        return b"".join(orjson.dumps({**rollout.to_json(), "advantage": advantage}) + b"\n"
-                        for rollout, advantage in zip(self.rollouts, self.advantages))
+        dumps, newline, out = orjson.dumps, orjson.OPT_APPEND_NEWLINE, bytearray()
+        for rollout, advantage in zip(self.rollouts, self.advantages):
+            line = rollout.to_json()
+            line["advantage"] = advantage
+            out += dumps(line, option=newline)
+        return bytes(out)
 
 
 @dataclass(slots=True)
@@ -228,11 +236,25 @@ class Generation:
     text: str = ""
 
 
+@dataclass(slots=True)
+class GroupRequest:
+    """One prompt's ``n`` samples inside a batched engine call (request ids ``f"{rid}-{i}"``)."""
+
+    input_ids: list[int]
+    params: SamplingParams
+    n: int
+    rid: str
+
+
 class Admission(Protocol):
     """What the dispatcher needs of the capacity gate."""
 
     def try_admit(self, count: int = 1) -> bool:
         """Admit ``count`` rollouts together if they all fit."""
+        ...
+
+    def admit_groups(self, size: int, most: int) -> int:
+        """Admit up to ``most`` whole groups of ``size``; returns how many fit."""
         ...
 
     def on_accepted(self, count: int = 1) -> None: ...
@@ -251,6 +273,11 @@ class Engine(Protocol):
     async def generate_group(self, input_ids: list[int], params: SamplingParams, n: int,
                              rid: str) -> list[Generation]:
         """``n`` independent samples of one prompt (request ids ``f"{rid}-{i}"``)."""
+        ...
+
+    async def generate_batch(self, requests: Sequence[GroupRequest]) -> list[list[Generation]]:
+        """Several prompts' samples as one call (SGLang's batch /generate where it can be
+        sent), answered in request order; each sample is interruptible on its own."""
         ...
 
     async def pause(self) -> None: ...

@@ -1,12 +1,14 @@
 """Benchmark the orchestrator loop on the sim backends and print the figures.
 
 1. Rollouts per second through the whole loop (gate, dispatcher, stamping, sink, batch
-   persistence, trainer hand-off, weight watcher) with an instant engine and trainer.
-2. Admission cost per rollout with 1,000 vs 100,000 rollouts in flight.
+   persistence, trainer hand-off, weight watcher) with an instant engine and trainer, at group
+   size 8 and 1, with the default packing (``rollout.pack_samples``) unless ``--pack-samples``.
+2. Admission cost per rollout with 1,000 vs 100,000 rollouts in flight (group size 1, packed as
+   a run packs them).
 3. Wall-clock of async (S >= 1) vs the synchronous preset with generation time G equal to step
    time T, against the ideal ratio max(G, T) / (G + T).
 
-Usage: python scripts/bench_loop.py [--steps 40] [--batch 2048]
+Usage: python scripts/bench_loop.py [--steps 40] [--batch 2048] [--pack-samples N] [--skip-overlap]
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 from pathlib import Path
 
 from rlorch.compose import compose
+from rlorch.config import RolloutConfig
 from rlorch.orchestrator.dispatcher import Dispatcher
 from rlorch.orchestrator.gate import CapacityGate
 from rlorch.runner import run_training
@@ -36,8 +39,9 @@ def run_sim(root: Path, name: str, *overrides: str) -> dict:
     return json.loads((root / name / "summary.json").read_text())
 
 
-def loop_throughput(root: Path, steps: int, batch: int, group: int) -> float:
+def loop_throughput(root: Path, steps: int, batch: int, group: int, pack_samples: int) -> float:
     summary = run_sim(root, f"throughput-{group}", "inference.sim.latency=[0,0]", "inference.sim.tokens=4",
+                      f"rollout.pack_samples={pack_samples}",
                       "trainer.sim.step_time=0", "watcher.poll_interval=0.0005", f"train.steps={steps}",
                       f"rollout.batch_size={batch}", f"rollout.group_size={group}", "rollout.max_staleness=4",
                       f"rollout.max_concurrent={5 * batch}", f"rollout.queue_size={batch}",
@@ -46,9 +50,11 @@ def loop_throughput(root: Path, steps: int, batch: int, group: int) -> float:
     return summary["trained"] / summary["loop_s"]
 
 
-async def admission_cost(in_flight: int) -> float:
+async def admission_cost(in_flight: int, pack_samples: int) -> float:
     """Seconds per admission while ``in_flight`` rollouts are already running (the runner's
-    garbage-collector settings applied)."""
+    garbage-collector settings applied). The work in flight is collected once before the probe:
+    in a running loop it has long aged into the oldest generation, while here it was made a
+    moment ago and a young-generation collection scanning all of it would land in the probe."""
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
     policy = PolicyVersion()
@@ -61,11 +67,12 @@ async def admission_cost(in_flight: int) -> float:
 
     prompts = (Prompt(group_id=i, input_ids=[1], env="bench") for i in range(10**9))
     dispatcher = Dispatcher(gate=gate, work=work, prompts=prompts, group_size=1, queue_size=4096,
-                            max_buffered=10**9, request_timeout=3600, max_retries=1)
+                            max_buffered=10**9, request_timeout=3600, max_retries=1, pack_groups=pack_samples)
     limit = {"n": in_flight}
-    dispatcher.admission_open = lambda: dispatcher.admitted < limit["n"]
+    dispatcher.admission_room = lambda: limit["n"] - dispatcher.admitted
     dispatcher._admit_all()
     await asyncio.sleep(0)
+    gc.collect()
     probe = 20_000
     limit["n"] = in_flight + probe
     started = time.perf_counter()
@@ -87,6 +94,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is printed")
+    parser.add_argument("--pack-samples", type=int, default=RolloutConfig.pack_samples,
+                        help="rollout.pack_samples for the throughput and admission figures")
     parser.add_argument("--skip-overlap", action="store_true", help="only the throughput and admission figures")
     args = parser.parse_args()
     print(f"machine: {platform.machine()} {os.cpu_count()} CPUs, {platform.platform()}, "
@@ -94,13 +103,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for group in (8, 1):
-            rates = [loop_throughput(root / f"r{i}", args.steps, args.batch, group) for i in range(args.repeats)]
+            rates = [loop_throughput(root / f"r{i}", args.steps, args.batch, group, args.pack_samples)
+                     for i in range(args.repeats)]
             print(f"whole loop, instant engine, group size {group}: {statistics.median(rates):,.0f} rollouts/s "
                   f"median of {args.repeats} (runs {', '.join(f'{r:,.0f}' for r in rates)}; "
-                  f"{args.steps} steps x {args.batch} rollouts)")
-        asyncio.run(admission_cost(1_000))  # warm the allocator and the event loop's paths
-        small = statistics.median(asyncio.run(admission_cost(1_000)) for _ in range(args.repeats))
-        large = statistics.median(asyncio.run(admission_cost(100_000)) for _ in range(args.repeats))
+                  f"{args.steps} steps x {args.batch} rollouts, pack_samples {args.pack_samples})")
+        pack = args.pack_samples
+        asyncio.run(admission_cost(1_000, pack))  # warm the allocator and the event loop's paths
+        small = statistics.median(asyncio.run(admission_cost(1_000, pack)) for _ in range(args.repeats))
+        large = statistics.median(asyncio.run(admission_cost(100_000, pack)) for _ in range(args.repeats))
         print(f"admission cost (median of {args.repeats}): {small * 1e6:.2f} us with 1,000 in flight, "
               f"{large * 1e6:.2f} us with 100,000 in flight (ratio {large / small:.2f})")
         if args.skip_overlap:

@@ -13,7 +13,7 @@ import pytest
 
 from rlorch.inference.client import EngineError, SGLangEngine, parse_weight_version
 from rlorch.serve.server import CpuServer, ServerThread
-from rlorch.types import Engine, SamplingParams, VersionStamps
+from rlorch.types import Engine, GroupRequest, SamplingParams, VersionStamps
 
 PROMPT = [5, 6, 7, 8]
 
@@ -189,3 +189,97 @@ def test_a_dropped_keep_alive_connection_is_retried_once_on_a_fresh_one():
     assert run(scenario(drop=1)) == ("paused", 2)
     failure, attempts = run(scenario(drop=10))
     assert isinstance(failure, client.EngineUnavailable) and attempts == 2
+
+
+def test_generate_batch_is_one_request_answered_in_request_order(server):
+    greedy = SamplingParams(max_new_tokens=5, temperature=0.0)
+    requests = [GroupRequest(PROMPT, greedy, 2, "p"), GroupRequest([9, 10], greedy, 1, "q")]
+
+    async def scenario():
+        engine = SGLangEngine(server.address, extra_params={"ignore_eos": True})
+        try:
+            alone = [await engine.generate(r.input_ids, greedy, f"alone-{r.rid}") for r in requests]
+            before = (await engine.server_info())["internal_states"][0]
+            answers = await engine.generate_batch(requests)
+            after = (await engine.server_info())["internal_states"][0]
+            return alone, answers, before, after, engine.batch_form
+        finally:
+            await engine.close()
+
+    alone, answers, before, after, batch_form = run(scenario())
+    assert batch_form and [len(group) for group in answers] == [2, 1]
+    assert [g.output_ids for g in answers[0]] == [alone[0].output_ids] * 2
+    assert answers[1][0].output_ids == alone[1].output_ids
+    assert all(g.versions == VersionStamps([[0, 5]]) and len(g.logprobs) == 5 for group in answers for g in group)
+    assert after["sequences"] - before["sequences"] == 3
+    assert after["batches"] - before["batches"] < 3
+
+
+def test_generate_batch_sample_cut_short_by_a_weight_update_continues(server, model_dir, perturbed_dir):
+    async def scenario():
+        engine = SGLangEngine(server.address, extra_params={"ignore_eos": True})
+        control = SGLangEngine(server.address)
+        try:
+            pending = asyncio.ensure_future(engine.generate_batch(
+                [GroupRequest(PROMPT, SamplingParams(max_new_tokens=60), 2, "long")]))
+            await _wait_generated(control, 3)
+            await control.pause()
+            await control.reload(str(perturbed_dir), 1)
+            await control.resume()
+            answers = await pending
+            await control.pause()
+            await control.reload(str(model_dir), 0)
+            await control.resume()
+            return answers, engine.resubmits
+        finally:
+            await engine.close()
+            await control.close()
+
+    (group,), resubmits = run(scenario())
+    assert resubmits >= 1
+    for generation in group:
+        assert len(generation.output_ids) == len(generation.logprobs) == 60 and generation.finish_reason == "length"
+        assert generation.versions.count == 60 and generation.versions.tail == 1
+
+
+def test_generate_batch_falls_back_to_separate_requests_where_the_batch_form_is_refused():
+    from aiohttp import web
+
+    seen = []
+
+    async def single_only(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append(body)
+        if isinstance(body["input_ids"][0], list):
+            return web.json_response({"error": {"message": "batch input not supported"}}, status=400)
+        count = body["sampling_params"]["max_new_tokens"]
+        return web.json_response({"text": "", "output_ids": [3] * count, "meta_info": {
+            "id": body["rid"], "finish_reason": {"type": "length", "length": count}, "weight_version": "2",
+            "output_token_logprobs": [[-0.5, 3, None]] * count}})
+
+    async def scenario():
+        app = web.Application()
+        app.router.add_post("/generate", single_only)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        engine = SGLangEngine(f"127.0.0.1:{port}")
+        try:
+            requests = [GroupRequest([1, 2], SamplingParams(max_new_tokens=2), 2, "a"),
+                        GroupRequest([3], SamplingParams(max_new_tokens=2), 1, "b")]
+            first = await engine.generate_batch(requests)
+            batch_form = engine.batch_form
+            sent = len(seen)
+            second = await engine.generate_batch(requests)
+            return first, second, batch_form, sent, len(seen) - sent
+        finally:
+            await engine.close()
+            await runner.cleanup()
+
+    first, second, batch_form, sent, later = run(scenario())
+    assert not batch_form and sent == 1 + 3 and later == 3
+    assert first == second and [len(group) for group in first] == [2, 1]
+    assert all(g.versions == VersionStamps([[2, 2]]) for group in first for g in group)
+    assert isinstance(seen[0]["rid"], list) and len(seen[0]["input_ids"]) == 3

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -186,16 +187,17 @@ def test_ship_mode_bounds_age_by_two_s_plus_two(tmp_path):
 def test_a_group_that_fails_every_retry_stops_the_run_and_keeps_its_prompt(tmp_path, monkeypatch):
     from rlorch.inference.sim import SimEngine
 
-    original = SimEngine.generate_group
+    original = SimEngine.generate_batch
 
-    async def fails_for_group_30(self, input_ids, params, n, rid):
-        if rid.startswith("g30-"):
+    async def fails_for_group_30(self, requests):
+        if any(request.rid.startswith("g30-") for request in requests):
             raise ConnectionError("engine died")
-        return await original(self, input_ids, params, n, rid)
+        return await original(self, requests)
 
-    monkeypatch.setattr(SimEngine, "generate_group", fails_for_group_30)
+    monkeypatch.setattr(SimEngine, "generate_batch", fails_for_group_30)
     code, summary, _ = train(tmp_path, "failing", "train.steps=50", "trainer.checkpoint_every=2")
-    assert code != 0 and summary["status"] == "failed" and "group 30 failed 3 times" in summary["error"]
+    assert code != 0 and summary["status"] == "failed" and "failed 3 times" in summary["error"]
+    assert re.search(r"groups? [\d, ]*\b30\b", summary["error"])
     assert summary["lost"] == 0
     state = json.loads((Path(summary["checkpoint"]) / "orchestrator.json").read_text())
     assert 30 in [p["group_id"] for p in state["pending_prompts"]]

@@ -203,3 +203,31 @@ def call_ok(address: str) -> bool:
 
     with urllib.request.urlopen(f"http://{address}/health", timeout=10) as response:
         return response.status == 200
+
+
+def test_batch_on_a_server_that_is_gone_starts_again_on_a_live_one(model_dir):
+    from rlorch.types import GroupRequest
+
+    first = ServerThread(CpuServer(model_dir, threads=1))
+    second = ServerThread(CpuServer(model_dir, threads=1))
+    requests = [GroupRequest(PROMPT, SamplingParams(max_new_tokens=4), 2, "a"),
+                GroupRequest([9, 10], SamplingParams(max_new_tokens=3), 1, "b")]
+
+    async def scenario():
+        engines = [SGLangEngine(thread.address, request_timeout=30, extra_params={"ignore_eos": True}) for thread in (first, second)]
+        pool = EnginePool(engines, request_timeout=30, max_retries=3, probe_interval=0.1)
+        try:
+            second.stop()
+            answers = [await pool.generate_batch(requests) for _ in range(2)]
+            return answers, pool.gauges()
+        finally:
+            await pool.close()
+
+    try:
+        answers, gauges = asyncio.run(scenario())
+    finally:
+        first.stop()
+    assert gauges["failovers"] >= 1 and gauges["servers_up"] == 1 and gauges["in_flight_total"] == 0
+    for groups in answers:
+        assert [len(group) for group in groups] == [2, 1]
+        assert [len(g.output_ids) for group in groups for g in group] == [4, 4, 3]

@@ -26,11 +26,11 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import aiohttp
 
-from rlorch.types import Generation, SamplingParams, VersionStamps
+from rlorch.types import Generation, GroupRequest, SamplingParams, VersionStamps
 
 MAX_SEGMENTS = 1000
 """Resubmissions of one request before the client gives up (a guard against abort loops)."""
@@ -100,6 +100,8 @@ class SGLangEngine:
         self.version: Optional[int] = None
         """The policy version this server holds as far as the client knows (set by
         :meth:`reload` and :meth:`weight_version`); stamps responses that carry none."""
+        self.batch_form = True
+        """Whether the server takes SGLang's batch /generate (cleared once it refused one)."""
         self.requests = 0
         self.resubmits = 0
         self.server_seconds = 0.0
@@ -165,16 +167,7 @@ class SGLangEngine:
                 done.finish_reason = "length"
                 return done
             answer = await self._generate_once(input_ids + done.output_ids, params, remaining, rid, done)
-            meta = answer["meta_info"]
-            self.server_seconds += float(meta.get("e2e_latency") or 0.0)
-            reason = meta.get("finish_reason") or {}
-            done.finish_reason = reason.get("type", "stop") if isinstance(reason, dict) else str(reason)
-            ids, logprobs = _segment(answer, aborted=done.finish_reason == "abort")
-            done.output_ids += ids
-            done.logprobs += logprobs
-            for version, count in await self._stamps(meta, len(ids)):
-                done.versions.extend(version, count)
-            done.text += answer.get("text") or ""
+            await self._append(done, answer)
             if done.finish_reason != "abort":
                 return done
             if rid in self._cancelled:
@@ -182,6 +175,19 @@ class SGLangEngine:
                 return done
             self.resubmits += 1
         raise EngineError(f"{self.name}: request {rid} aborted {MAX_SEGMENTS} times in a row")
+
+    async def _append(self, done: Generation, answer: dict) -> None:
+        """Add one response's segment (tokens, logprobs, version stamps, text, finish reason)."""
+        meta = answer["meta_info"]
+        self.server_seconds += float(meta.get("e2e_latency") or 0.0)
+        reason = meta.get("finish_reason") or {}
+        done.finish_reason = reason.get("type", "stop") if isinstance(reason, dict) else str(reason)
+        ids, logprobs = _segment(answer, aborted=done.finish_reason == "abort")
+        done.output_ids += ids
+        done.logprobs += logprobs
+        for version, count in await self._stamps(meta, len(ids)):
+            done.versions.extend(version, count)
+        done.text += answer.get("text") or ""
 
     async def _stamps(self, meta: dict, count: int) -> list[tuple[int, int]]:
         """(version, tokens) runs for a segment of ``count`` tokens: its ``weight_versions`` spans
@@ -202,6 +208,72 @@ class SGLangEngine:
         """``n`` independent samples (request ids ``f"{rid}-{i}"``), sent together so the server
         batches them; each one is interruptible on its own."""
         return list(await asyncio.gather(*(self.generate(input_ids, params, f"{rid}-{i}") for i in range(n))))
+
+    async def generate_batch(self, requests: Sequence[GroupRequest]) -> list[list[Generation]]:
+        """Every sample of every request in one batch /generate (SGLang's batch form:
+        ``input_ids`` a list of lists, ``sampling_params`` and ``rid`` lists of the same length,
+        answered as a list in the same order; request ids ``f"{rid}-{i}"``). A sample a pause
+        cut short continues on its own as :meth:`generate` would. A server that refuses the
+        batch form (HTTP 4xx other than a duplicate id) gets separate requests instead, and
+        once they succeed, from then on."""
+        if not self.batch_form:
+            return await self._generate_each(requests)
+        samples = [(request, f"{request.rid}-{i}") for request in requests for i in range(request.n)]
+        self.requests += len(samples)
+        body = await self._generate_batch_once(samples)
+        if body is None:
+            answers = await self._generate_each(requests)
+            self.batch_form = False
+            return answers
+        done = [Generation([], [], VersionStamps(), "abort") for _ in samples]
+        for generation, answer in zip(done, body):
+            await self._append(generation, answer)
+        finished = await asyncio.gather(*(self._continue(request, rid, generation)
+                                          for (request, rid), generation in zip(samples, done)))
+        answers, at = [], 0
+        for request in requests:
+            answers.append(list(finished[at:at + request.n]))
+            at += request.n
+        return answers
+
+    async def _continue(self, request: GroupRequest, rid: str, done: Generation) -> Generation:
+        """A batch sample as :meth:`generate` leaves it: one a pause cut short goes on."""
+        if done.finish_reason != "abort":
+            return done
+        if rid in self._cancelled:
+            self._cancelled.discard(rid)
+            return done
+        self.resubmits += 1
+        self.requests -= 1
+        return await self.generate(request.input_ids, request.params, rid, prefix=done)
+
+    async def _generate_each(self, requests: Sequence[GroupRequest]) -> list[list[Generation]]:
+        return list(await asyncio.gather(*(self.generate_group(r.input_ids, r.params, r.n, r.rid) for r in requests)))
+
+    async def _generate_batch_once(self, samples: list[tuple[GroupRequest, str]]) -> Optional[list]:
+        """One batch /generate under fresh wire ids; None when the server refuses the batch form."""
+        params = [{**request.params.to_json(), **self.extra_params} for request, _ in samples]
+        for _ in range(3):
+            sent = [wire_rid(rid) for _, rid in samples]
+            self._on_wire.update((rid, wire) for (_, rid), wire in zip(samples, sent))
+            payload = {"input_ids": [request.input_ids for request, _ in samples], "sampling_params": params,
+                       "return_logprob": True, "rid": sent}
+            try:
+                status, body = await self._request("POST", "/generate", timeout=self.request_timeout,
+                                                   payload=payload)
+            finally:
+                for _, rid in samples:
+                    self._on_wire.pop(rid, None)
+            if not (status == 400 and DUPLICATE_RID in self._message(body)):
+                break
+        if status >= 500 and status != 501:
+            raise EngineUnavailable(f"{self.name} /generate answered {status}: {self._message(body)}")
+        if 400 <= status < 500 or status == 501:
+            return None
+        if status != 200 or not isinstance(body, list) or len(body) != len(samples):
+            raise EngineError(f"{self.name} batch /generate of {len(samples)} answered {status}: "
+                              f"{self._message(body)[:200]}")
+        return body
 
     def wire_rid(self, rid: str) -> Optional[str]:
         """The id request ``rid`` carries on the wire right now (None between segments)."""

@@ -16,11 +16,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable, Optional
+from typing import Awaitable, Callable, Optional, Sequence
 
 from rlorch.inference.client import EngineError, EngineUnavailable
 from rlorch.lifecycle import cancel_and_wait
-from rlorch.types import Generation, SamplingParams, Server
+from rlorch.types import Generation, GroupRequest, SamplingParams, Server
 
 log = logging.getLogger("rlorch.pool")
 
@@ -121,6 +121,33 @@ class EnginePool:
         server = await self._pick()
         return list(await asyncio.gather(*(self._generate(input_ids, params, f"{rid}-{i}", prefer=server)
                                            for i in range(n))))
+
+    async def generate_batch(self, requests: Sequence[GroupRequest]) -> list[list[Generation]]:
+        """Every sample of ``requests`` in one call to one server (the least loaded), so it
+        batches them. If that server fails the call, it is marked down and each sample starts
+        again on the live servers like any request; a server without a batch call gets the
+        groups side by side."""
+        self._ensure_probe()
+        server = await self._pick()
+        batch = getattr(server, "generate_batch", None)
+        if batch is None:
+            return list(await asyncio.gather(*(self._group(r, prefer=server) for r in requests)))
+        count = sum(request.n for request in requests)
+        self._in_flight[server.name] += count
+        try:
+            answers = await batch(requests)
+        except EngineUnavailable as err:
+            self._mark_down(server, str(err))
+            self.failovers += 1
+            return list(await asyncio.gather(*(self._group(r) for r in requests)))
+        finally:
+            self._in_flight[server.name] -= count
+        self.completed += count
+        return answers
+
+    async def _group(self, request: GroupRequest, *, prefer: Optional[Server] = None) -> list[Generation]:
+        return list(await asyncio.gather(*(self._generate(request.input_ids, request.params, f"{request.rid}-{i}",
+                                                          prefer=prefer) for i in range(request.n))))
 
     async def _generate(self, input_ids: list[int], params: SamplingParams, rid: str, *,
                         prefer: Optional[Server] = None) -> Generation:

@@ -14,10 +14,10 @@ passes while one worker lags behind.
 from __future__ import annotations
 
 import asyncio
-from typing import Optional
+from typing import Optional, Sequence
 
 from rlorch.inference.client import EngineError, SGLangEngine
-from rlorch.types import Generation, SamplingParams
+from rlorch.types import Generation, GroupRequest, SamplingParams
 
 
 class RoutedServer:
@@ -35,6 +35,9 @@ class RoutedServer:
     async def generate_group(self, input_ids: list[int], params: SamplingParams, n: int,
                              rid: str) -> list[Generation]:
         return await self.router.generate_group(input_ids, params, n, rid)
+
+    async def generate_batch(self, requests: Sequence[GroupRequest]) -> list[list[Generation]]:
+        return await self.router.generate_batch(requests)
 
     async def _all(self, call) -> list:
         results = await asyncio.gather(*(call(w) for w in self.workers), return_exceptions=True)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import Sequence
 
 from rlorch.backends import inference_backend
 from rlorch.config import Config, InferenceBackend, SimEngineConfig
 from rlorch.rundir import RunDir
-from rlorch.types import Generation, PolicyVersion, SamplingParams, VersionStamps
+from rlorch.types import Generation, GroupRequest, PolicyVersion, SamplingParams, VersionStamps
 
 
 class SimEngine:
@@ -52,6 +53,24 @@ class SimEngine:
         return [Generation(output_ids=self._pattern[:count], logprobs=[-1.0] * count,
                            versions=VersionStamps([[version, count]]), finish_reason="length")
                 for _ in range(n)]
+
+    async def generate_batch(self, requests: Sequence[GroupRequest]) -> list[list[Generation]]:
+        """One latency draw for the whole batch: its samples run side by side. Samples of the same
+        length share their token and logprob lists (consumers copy them, never change them)."""
+        version = self.loaded_version
+        self.requests += sum(request.n for request in requests)
+        delay = self.lo if self.hi <= self.lo else self.rng.uniform(self.lo, self.hi)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        answers, shared = [], {}
+        for request in requests:
+            count = min(self.tokens, request.params.max_new_tokens)
+            if count not in shared:
+                shared[count] = (self._pattern[:count], [-1.0] * count)
+            ids, logprobs = shared[count]
+            answers.append([Generation(ids, logprobs, VersionStamps([[version, count]]), "length")
+                            for _ in range(request.n)])
+        return answers
 
     async def pause(self) -> None:
         pass

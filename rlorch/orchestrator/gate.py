@@ -70,6 +70,15 @@ class CapacityGate:
             self.running += count
             return True
 
+    def admit_groups(self, size: int, most: int) -> int:
+        """Admit as many whole groups of ``size`` as fit, at most ``most``; returns how many
+        (the same as calling :meth:`try_admit` for each until one does not fit)."""
+        with self._lock:
+            groups = min(most, max(0, self._capacity()) // size)
+            self.submitted += groups * size
+            self.running += groups * size
+            return groups
+
     def on_submitted(self, count: int = 1) -> None:
         """Record rollouts started without a capacity check (the simulator's tick admits one by one)."""
         with self._lock:

@@ -59,7 +59,8 @@ class Orchestrator:
         self.dispatcher = Dispatcher(gate=self.gate, work=work, prompts=iter(prompts), group_size=r.group_size,
                                      queue_size=r.queue_size, max_buffered=r.max_buffered,
                                      request_timeout=r.request_timeout, max_retries=r.max_retries,
-                                     on_idle=self.engine_clock.set)
+                                     on_idle=self.engine_clock.set, pack=getattr(work, "pack", None),
+                                     pack_groups=r.pack_groups)
         env = getattr(prompts, "env", None)
         self.sink = TrainSink(batch_size=r.batch_size, max_staleness=r.max_staleness,
                               strict=r.enforce is Enforce.strict, max_reward=max_reward(env) if env else 1.0,
@@ -163,18 +164,18 @@ class Orchestrator:
             self.dispatcher.requeue(prompt)
 
     # the loop --------------------------------------------------------------------------------
-    def _admission_open(self) -> bool:
+    def _admission_room(self) -> int:
         """Admit only what the remaining steps need (the drain budget); the dispatcher applies
         the backpressure bound (rollout.max_buffered) to its own queue."""
         buffered = self.sink.buffered + self.dispatcher.out_rollouts
         parked = len(self.parked.rollouts) if self.parked is not None else 0
         remaining = (self.config.train.steps - self.shipped) * self.batch_size - parked
-        return remaining - (buffered + self.dispatcher.in_flight) > 0
+        return remaining - (buffered + self.dispatcher.in_flight)
 
     async def run(self) -> dict:
         self.loop_started = time.monotonic()
         self.idle = IdleShares(trainer=self.trainer_clock, engines=self.engine_clock)
-        self.dispatcher.admission_open = self._admission_open
+        self.dispatcher.admission_room = self._admission_room
         self._restore()
         self.metrics.write({"kind": "start", "version": self.policy.value, "resumed": self.resume is not None,
                             "pending_limit": self.gate.pending_limit})
@@ -274,7 +275,8 @@ class Orchestrator:
             for stale in self.sink.restale(step):
                 self._stale(stale)
             while not (self.sink.ready() or self.sink.over_budget()):
-                self._file(await self._next_group(alarm_task), step)
+                group = self.dispatcher.try_get()
+                self._file(group if group is not None else await self._next_group(alarm_task), step)
                 self._check_alarm()
             batch = self.sink.emit(step)
             if not batch.trainable:
@@ -285,10 +287,11 @@ class Orchestrator:
                 continue
             if len(batch.rollouts) < self.batch_size:
                 self.gate.on_short_batch(self.batch_size - len(batch.rollouts))
+            self.parked = batch
             if self.ship_side:
-                self.parked = batch
                 await self._park(step)
-                self.parked = None
+            await self._persist(batch)
+            self.parked = None
             self._ship(batch)
             await self.trainer.submit(batch)
 
@@ -308,8 +311,12 @@ class Orchestrator:
         self._park_last = time.monotonic() - started
         self.parked_s += self._park_last
 
+    async def _persist(self, batch: Batch) -> None:
+        """Put the batch file on disk, the fsyncs off the event loop so generation goes on
+        meanwhile; until it is shipped the batch is held as parked (a checkpoint lists it)."""
+        await asyncio.to_thread(write_atomic, self.run_dir.batch(batch.step), batch.to_jsonl())
+
     def _ship(self, batch: Batch) -> None:
-        write_atomic(self.run_dir.batch(batch.step), batch.to_jsonl())
         self.shipped = batch.step
         self.trainer_clock.set("waiting", False)
         self.shipped_handle.bump(batch.step)

@@ -139,7 +139,11 @@ class TrainSink:
         if self.strict and self.is_stale(group, step - 1):
             self._count_stale(group)
             return Verdict.stale
-        reason = next((why for check in self.filters if (why := check(group))), None)
+        reason = None
+        for check in self.filters:
+            reason = check(group)
+            if reason:
+                break
         if reason:
             self._count_filtered(reason, group)
             self._filtered_run += len(group)
@@ -228,11 +232,12 @@ class TrainSink:
         are then all equal carries no signal: it is counted as empty and comes back with
         ``trainable`` false (its rollouts are the caller's to discard).
         """
-        taken, count = [], 0
-        while self._groups and count < self.batch_size:
-            group = self._groups.pop(0)
-            taken.append(group)
-            count += len(group)
+        groups, count, end = self._groups, 0, 0
+        while end < len(groups) and count < self.batch_size:
+            count += len(groups[end])
+            end += 1
+        taken = groups[:end]
+        del groups[:end]
         self._count -= count
         self._filtered_since_emit = 0
         if count < self.batch_size:

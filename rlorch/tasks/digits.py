@@ -81,6 +81,10 @@ class RetryParams(DigitParams):
         require(self.max_turns >= 1, "max_turns", "must be >= 1")
 
 
+_shake = hashlib.shake_256
+_POWERS = tuple(10 ** n for n in range(64))
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def is_held_out(digits: str) -> bool:
     """Whether a digit string belongs to the evaluation split (fixed, seed-independent)."""
@@ -105,20 +109,19 @@ class DigitTask(SingleTurn):
     def _draw(self, key: str) -> str:
         # A keyed hash rather than a seeded Random: the same prompt in every process, and
         # cheap enough that making prompts never shows in the loop's throughput.
-        span = self.max_digits - self.min_digits + 1
-        draw = int.from_bytes(hashlib.shake_256(key.encode()).digest(8 + self.max_digits), "big")
-        draw, pick = divmod(draw, span)
-        length = self.min_digits + pick
-        return str(draw % 10 ** length).zfill(length)[::-1]
+        low, high = self.min_digits, self.max_digits
+        draw, pick = divmod(int.from_bytes(_shake(key.encode()).digest(8 + high), "big"), high - low + 1)
+        length = low + pick
+        return str(draw % _POWERS[length] if length < len(_POWERS) else draw % 10 ** length).zfill(length)[::-1]
 
     def make_prompt(self, index: int, seed: int) -> tuple[str, str]:
         """Training prompt ``index``: never one of the held-out strings."""
+        text = self._draw(f"{self.name}:{seed}:{index}")
         retry = 0
-        while True:
-            text = self._draw(f"{self.name}:{seed}:{index}:{retry}" if retry else f"{self.name}:{seed}:{index}")
-            if not is_held_out(text):
-                return f"{text}=", self.transform(text)
+        while is_held_out(text):
             retry += 1
+            text = self._draw(f"{self.name}:{seed}:{index}:{retry}")
+        return f"{text}=", self.transform(text)
 
     def eval_prompts(self, count: int) -> list[tuple[str, str]]:
         """Up to ``count`` distinct held-out prompts, the same list for every run."""

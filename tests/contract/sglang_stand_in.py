@@ -143,10 +143,18 @@ class StandInTokenizerManager:
         return [{}]
 
     async def generate_request(self, obj, request=None):
+        """One request, or (like TokenizerManager._handle_batch_request without streaming) a batch
+        run as its sub-requests side by side and answered as one list in request order."""
+        obj.normalize_batch_and_arguments()
+        if obj.is_single:
+            yield await self._one(obj)
+        else:
+            yield list(await asyncio.gather(*(self._one(obj[i]) for i in range(obj.batch_size))))
+
+    async def _one(self, obj) -> dict:
         from sglang.srt.utils.weight_versions import (WeightVersionEvent, add_weight_versions_to_meta_info,
                                                       compute_weight_version_spans)
 
-        obj.normalize_batch_and_arguments()
         rid = obj.rid if isinstance(obj.rid, str) else obj.rid[0]
         if rid in self.rid_to_state:
             raise ValueError(f"Duplicate request ID detected: {rid}")
@@ -164,8 +172,7 @@ class StandInTokenizerManager:
                                   else {"type": "length", "length": len(req.output)})}
         if queued_abort and self.shape == "0.5.3":
             meta["prompt_tokens"] = 0
-            yield {"text": "", "meta_info": meta}
-            return
+            return {"text": "", "meta_info": meta}
         if self.shape != "0.5.5":
             meta["weight_version"] = self.weight_version
             if req.events:
@@ -176,8 +183,8 @@ class StandInTokenizerManager:
         if obj.return_logprob:
             meta["input_token_logprobs"] = [[None, t, None] for t in req.input_ids]
             meta["output_token_logprobs"] = [[-1.0, t, None] for t in req.output]
-        yield {"text": "".join(chr(97 + t % 26) for t in req.output), "output_ids": list(req.output),
-               "meta_info": meta}
+        return {"text": "".join(chr(97 + t % 26) for t in req.output), "output_ids": list(req.output),
+                "meta_info": meta}
 
     async def _run(self, req: _Request) -> None:
         while not req.aborted and len(req.output) < req.max_new_tokens:

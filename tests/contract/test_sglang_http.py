@@ -12,7 +12,7 @@ import pytest
 
 from rlorch.inference.client import SGLangEngine
 from rlorch.inference.pool import EnginePool
-from rlorch.types import SamplingParams
+from rlorch.types import GroupRequest, SamplingParams
 
 PROMPT = [5, 6, 7]
 
@@ -46,6 +46,23 @@ def test_generate_answers_with_tokens_logprobs_and_version(sglang_app):
     out, info, version = asyncio.run(scenario())
     assert len(out.output_ids) == 6 and out.logprobs == [-1.0] * 6 and out.finish_reason == "length"
     assert out.versions.runs == [[version, 6]] and info["version"] == "0.5.23"
+
+
+def test_a_batch_generate_goes_as_one_batch_request_and_is_answered_in_order(sglang_app):
+    async def scenario():
+        engine = SGLangEngine(sglang_app.address)
+        try:
+            answers = await engine.generate_batch([GroupRequest(PROMPT, params(4), 2, "b"),
+                                                   GroupRequest([9, 10], params(3), 1, "c")])
+            return answers, engine.batch_form, await engine.weight_version()
+        finally:
+            await engine.close()
+
+    answers, batch_form, version = asyncio.run(scenario())
+    assert batch_form, "SGLang refused the batch form of /generate"
+    assert [len(group) for group in answers] == [2, 1]
+    assert [len(sample.output_ids) for group in answers for sample in group] == [4, 4, 3]
+    assert all(sample.versions.runs == [[version, len(sample.output_ids)]] for group in answers for sample in group)
 
 
 def test_weight_version_is_read_from_model_info_because_get_weight_version_is_gone(sglang_app):

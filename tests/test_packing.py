@@ -1,0 +1,218 @@
+"""Packing: the groups one admission pass lets through share a task and one engine call, while
+the gate, the output queue, the in-flight list and the failed list account for each group."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from rlorch.compose import compose
+from rlorch.config import ConfigError
+from rlorch.orchestrator.dispatcher import Dispatcher, GenerationFailed
+from rlorch.orchestrator.gate import CapacityGate
+from rlorch.rundir import RunDir
+from rlorch.runner import run_training
+from rlorch.types import Origin, PolicyVersion, Prompt, Rollout, VersionStamps
+
+GROUP = 2
+
+
+def group_of(prompt: Prompt) -> list[Rollout]:
+    return [Rollout(group_id=prompt.group_id, episode_id=f"g{prompt.group_id}-{i}", env="t", tokens=[1, 2],
+                    loss_mask=[0, 1], logprobs=[0.0, -1.0], versions=VersionStamps([[0, 1]]), reward=float(i),
+                    origin=Origin.live) for i in range(GROUP)]
+
+
+class Packs:
+    """A pack work function that records each call's group ids and can hold, fail or hang calls."""
+
+    def __init__(self, *, fail_first: int = 0, fail_always: bool = False, hang_first: int = 0):
+        self.calls: list[list[int]] = []
+        self.fail_first, self.fail_always, self.hang_first = fail_first, fail_always, hang_first
+        self.hold = asyncio.Event()
+        self.hold.set()
+
+    async def __call__(self, prompts: list[Prompt]) -> list[list[Rollout]]:
+        self.calls.append([p.group_id for p in prompts])
+        if len(self.calls) <= self.hang_first:
+            await asyncio.sleep(3600)
+        await self.hold.wait()
+        if self.fail_always or len(self.calls) <= self.fail_first:
+            raise ConnectionError("engine died")
+        return [group_of(prompt) for prompt in prompts]
+
+
+async def single(prompt: Prompt) -> list[Rollout]:
+    raise AssertionError("a packing dispatcher runs its pack work")
+
+
+def dispatcher(pack: Packs, *, prompts: int = 10, capacity: int = 100, pack_groups: int = 4,
+               **overrides) -> Dispatcher:
+    gate = CapacityGate(max_staleness=100, batch_size=GROUP, max_concurrent=capacity, policy=PolicyVersion())
+    source = (Prompt(group_id=i, input_ids=[1], env="t") for i in range(prompts))
+    settings = dict(group_size=GROUP, queue_size=16, max_buffered=1000, request_timeout=5.0, max_retries=3)
+    settings.update(overrides)
+    return Dispatcher(gate=gate, work=single, prompts=source, pack=pack, pack_groups=pack_groups, **settings)
+
+
+async def drain(d: Dispatcher, groups: int) -> list[list[Rollout]]:
+    got = []
+    while len(got) < groups and d.error is None:
+        await asyncio.wait_for(d.wait_ready(), 5)
+        while (group := d.try_get()) is not None:
+            got.append(group)
+    return got
+
+
+def test_admitted_groups_share_packs_of_at_most_pack_groups_and_each_is_accounted():
+    pack = Packs()
+
+    async def scenario():
+        d = dispatcher(pack, prompts=10)
+        await d.start()
+        got = await drain(d, 10)
+        await d.stop()
+        return d, got
+
+    d, got = asyncio.run(scenario())
+    assert pack.calls == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert [g[0].group_id for g in got] == list(range(10)) and all(len(g) == GROUP for g in got)
+    assert d.gate.submitted == d.gate.accepted == 10 * GROUP and d.gate.running == 0
+    assert d.admitted == 10 * GROUP and d.in_flight == 0
+
+
+def test_a_pack_holds_only_what_the_gate_admits_now():
+    pack = Packs()
+    pack.hold.clear()
+
+    async def scenario():
+        d = dispatcher(pack, prompts=10, capacity=3 * GROUP)
+        await d.start()
+        await asyncio.sleep(0.05)
+        first = list(pack.calls), d.in_flight, d.gate.running
+        pack.hold.set()
+        await drain(d, 10)
+        await d.stop()
+        return first, d
+
+    (calls, in_flight, running), d = asyncio.run(scenario())
+    assert calls == [[0, 1, 2]] and in_flight == running == 3 * GROUP
+    assert sum(len(call) for call in pack.calls) == 10 and all(len(call) <= 3 for call in pack.calls)
+    assert d.gate.accepted == 10 * GROUP and d.gate.running == 0
+
+
+def test_a_failed_pack_is_retried_whole_and_every_group_is_accepted():
+    pack = Packs(fail_first=1)
+
+    async def scenario():
+        d = dispatcher(pack, prompts=4)
+        await d.start()
+        got = await drain(d, 4)
+        await d.stop()
+        return d, got
+
+    d, got = asyncio.run(scenario())
+    assert pack.calls == [[0, 1, 2, 3], [0, 1, 2, 3]] and d.retries == 1
+    assert sorted(g[0].group_id for g in got) == [0, 1, 2, 3]
+    assert d.gate.accepted == 4 * GROUP and d.gate.rejected == 0 and d.gate.running == 0
+
+
+def test_a_timed_out_pack_is_retried():
+    pack = Packs(hang_first=1)
+
+    async def scenario():
+        d = dispatcher(pack, prompts=3, request_timeout=0.2)
+        await d.start()
+        got = await drain(d, 3)
+        await d.stop()
+        return d, got
+
+    d, got = asyncio.run(scenario())
+    assert pack.calls == [[0, 1, 2], [0, 1, 2]] and d.retries == 1 and len(got) == 3
+    assert d.gate.accepted == 3 * GROUP and d.gate.running == 0
+
+
+def test_a_pack_that_fails_every_retry_rejects_each_group_and_keeps_every_prompt():
+    pack = Packs(fail_always=True)
+
+    async def scenario():
+        d = dispatcher(pack, prompts=3, max_retries=2)
+        await d.start()
+        await asyncio.wait_for(d.wait_ready(), 5)
+        await d.stop()
+        return d
+
+    d = asyncio.run(scenario())
+    assert isinstance(d.error, GenerationFailed) and "groups 0, 1, 2 (one pack) failed 2 times" in str(d.error)
+    assert [p.group_id for p in d.state().failed] == [0, 1, 2]
+    assert d.gate.rejected == 3 * GROUP and d.gate.accepted == 0 and d.gate.running == 0
+
+
+def test_checkpoint_state_lists_every_prompt_of_a_pack_in_flight_and_cancel_returns_them():
+    pack = Packs()
+    pack.hold.clear()
+
+    async def scenario():
+        d = dispatcher(pack, prompts=6, capacity=5 * GROUP)
+        await d.start()
+        await asyncio.sleep(0.05)
+        state = d.state()
+        abandoned = await d.cancel_in_flight()
+        return d, state, abandoned
+
+    d, state, abandoned = asyncio.run(scenario())
+    assert pack.calls == [[0, 1, 2, 3], [4]]
+    assert [p.group_id for p in state.in_flight] == [0, 1, 2, 3, 4] and [p.group_id for p in state.queued] == [5]
+    assert [p.group_id for p in abandoned] == [0, 1, 2, 3, 4]
+    assert d.gate.rejected == 5 * GROUP and d.gate.running == 0 and d.in_flight == 0
+
+    restored = dispatcher(Packs(), prompts=0)
+    restored.restore(abandoned + state.queued)
+    assert [p.group_id for p in restored.in_queue] == [0, 1, 2, 3, 4, 5]
+
+
+def test_pack_samples_is_validated_naming_the_key():
+    with pytest.raises(ConfigError, match="rollout.pack_samples"):
+        compose(["conf=sim", "rollout.pack_samples=0"])
+    assert compose(["conf=sim", "rollout.group_size=4", "rollout.batch_size=8",
+                    "rollout.pack_samples=10"]).rollout.pack_groups == 2
+    assert compose(["conf=sim", "rollout.group_size=4", "rollout.batch_size=8",
+                    "rollout.pack_samples=2"]).rollout.pack_groups == 1
+
+
+def trained_rollouts(tmp_path: Path, name: str, *overrides: str) -> tuple[dict, list[dict]]:
+    run_dir = tmp_path / name
+    config = compose(["conf=sim", f"run.dir={run_dir}", "run.progress=false", "eval.enabled=false",
+                      "inference.sim.latency=[0,0]", "trainer.sim.step_time=0", "train.steps=6",
+                      "rollout.batch_size=16", "rollout.group_size=2", "rollout.max_concurrent=64", *overrides])
+    assert run_training(config, []) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    lines = [json.loads(line) for step in range(1, 7) for line in RunDir(run_dir).batch(step).read_text().splitlines()]
+    return summary, lines
+
+
+def test_a_deterministic_sim_run_trains_the_same_rollouts_with_and_without_packing(tmp_path):
+    def fields(lines):
+        return sorted((r["group_id"], r["episode_id"], r["tokens"], r["loss_mask"], r["logprobs"], r["reward"],
+                       r["completion"]) for r in lines)
+
+    packed_summary, packed = trained_rollouts(tmp_path, "packed", "rollout.pack_samples=64")
+    alone_summary, alone = trained_rollouts(tmp_path, "alone", "rollout.pack_samples=1")
+    assert packed_summary["lost"] == alone_summary["lost"] == 0
+    assert packed_summary["trained"] == alone_summary["trained"] == 6 * 16
+    assert len(packed) == 6 * 16 and fields(packed) == fields(alone)
+
+
+def test_admitting_groups_at_once_matches_admitting_them_one_by_one():
+    for capacity, staleness, version, size, most in [(10, 5, 0, 3, 9), (64, 0, 2, 4, 100), (7, 1, 0, 8, 3),
+                                                     (100, 3, 1, 1, 5)]:
+        gates = [CapacityGate(max_staleness=staleness, batch_size=8, max_concurrent=capacity,
+                              policy=PolicyVersion(version)) for _ in range(2)]
+        together = gates[0].admit_groups(size, most)
+        one_by_one = 0
+        while one_by_one < most and gates[1].try_admit(size):
+            one_by_one += 1
+        assert together == one_by_one and gates[0].counts() == gates[1].counts()
