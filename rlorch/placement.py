@@ -31,15 +31,9 @@ class Placement:
 
 
 def visible_gpus(config: Config) -> int:
-    """``run.gpus`` when set, else the GPUs torch sees (0 without CUDA). A run that places
-    nothing on a GPU (CPU engines and trainer, no GPU list) gets 0 without asking torch: the
-    answer could not change its placement, and importing torch costs the orchestrator seconds
-    of start-up."""
+    """``run.gpus`` when set, else the GPUs torch sees (0 without CUDA)."""
     if config.run.gpus is not None:
         return config.run.gpus
-    if not (_launches_gpu_servers(config) or _trains_on_gpu(config) or config.inference.gpus
-            or config.trainer.fsdp.gpus):
-        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
