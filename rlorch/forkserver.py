@@ -10,9 +10,9 @@ fork is safe. Each child gets its own session, environment, working directory an
 its module as ``python -m`` would. What the server imported stays shared with every child
 (copy-on-write pages, frozen out of the garbage collector: :func:`preload`), so a child starts
 in a fraction of a second. ``rlorch train`` starts the server before it composes its config
-when the default backends will launch through it (see ``rlorch.runner.warm_up_early``); a
-server started for a run that then launches nothing is stopped (:func:`discard`), as is one
-still running when the process exits.
+when the default backends will launch through it (see ``rlorch.runner.warm_up_early``); one
+that has forked nothing is stopped once the run turns out not to need it, and at exit
+(:func:`discard`).
 
 :func:`spawn` hands back a :class:`Forked` with the part of ``subprocess.Popen``'s interface the
 launcher and the trainer use (``pid``, ``poll``, ``wait``, ``returncode``, ``send_signal``);
@@ -102,6 +102,8 @@ class ForkServer:
                                         stdout=subprocess.PIPE, env=env, text=True, bufsize=1,
                                         start_new_session=True)
         self.exits: dict[int, int] = {}
+        self.spawned = 0
+        """How many processes it was asked to fork."""
         self._pids: dict[int, int] = {}
         self._arrived = threading.Condition()
         self._next = 0
@@ -121,6 +123,7 @@ class ForkServer:
     def spawn(self, command: list[str], *, log: str, env: dict, cwd: str) -> Forked:
         with self._lock:
             self._next += 1
+            self.spawned += 1
             ident = self._next
             self.process.stdin.write(json.dumps({"id": ident, "argv": command[2:], "module": command[2],
                                                  "env": env, "cwd": cwd, "log": log}) + "\n")
@@ -159,17 +162,20 @@ def running() -> bool:
 
 
 def discard() -> None:
-    """Stop the fork server, if one was started: when the run turns out to launch nothing
-    through it, and at exit, so that a server still importing does not go on for nobody. The
-    processes it forked lead sessions of their own and carry on."""
+    """Stop the fork server if it has forked nothing: when the run turns out to launch nothing
+    through it, and at exit, so that a server still importing does not go on for nobody. One
+    that has forked processes is left to exit when this process's end closes its pipe, as
+    before: it reports their exits, and a trainer it forked watches it."""
     global _server
     with _server_lock:
-        server, _server = _server, None
-    if server is not None:
-        if server.process.poll() is None:
-            server.process.kill()
-            server.process.wait()
-        server.process.stdin.close()
+        server = _server
+        if server is None or server.spawned:
+            return
+        _server = None
+    if server.process.poll() is None:
+        server.process.kill()
+        server.process.wait()
+    server.process.stdin.close()
 
 
 def spawn(command: list[str], *, log_path: str, env: dict) -> "Forked | subprocess.Popen":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 import urllib.request
@@ -117,17 +118,30 @@ def test_preload_imports_what_a_child_needs_and_freezes_it():
 
 
 def test_a_server_started_for_a_run_that_launches_nothing_is_discarded():
-    from rlorch.compose import compose
-    from rlorch.runner import _warm_up, warm_up_early
-
+    """``rlorch train`` starts the fork server before composing when the overrides keep the
+    default backends; one started for a run that then launches nothing is stopped, and one
+    that has forked processes stays (it reports their exits)."""
+    code = """
+from rlorch import forkserver
+from rlorch.compose import compose
+from rlorch.runner import _warm_up, warm_up_early
+seen = []
+for overrides in (["inference=sim"], ["trainer=sim"], ["conf=sim"], ["inference.backend=sim"]):
+    warm_up_early(overrides)
+    seen.append(forkserver.running())
+warm_up_early(["train.steps=3"])
+seen.append(forkserver.running())
+_warm_up(compose(["inference=sim", "trainer=sim"]))
+seen.append(forkserver.running())
+warm_up_early([])
+_warm_up(compose([]))
+seen.append(forkserver.running())
+print(*seen)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False"] * 4 + ["True", "False", "True"]
+    forkserver.spawn([sys.executable, "-m", "rlorch.cli", "--version"], log_path=os.devnull,
+                     env=dict(os.environ)).wait(120)
     forkserver.discard()
-    for overrides in (["inference=sim"], ["trainer=sim"], ["conf=sim"], ["inference.backend=sim"]):
-        warm_up_early(overrides)
-        assert not forkserver.running(), overrides
-    warm_up_early(["train.steps=3"])
-    assert forkserver.running()
-    _warm_up(compose(["inference=sim", "trainer=sim"]))
-    assert not forkserver.running()
-    warm_up_early([])
-    _warm_up(compose([]))
     assert forkserver.running()
