@@ -264,10 +264,22 @@ def preload() -> None:
                 importlib.import_module(module)
             except ImportError:
                 pass
+        _build_shared_tables()
         gc.freeze()
     finally:
         if enabled:
             gc.enable()
+
+
+def _build_shared_tables() -> None:
+    """Build what every child's first model load would otherwise build for itself: transformers'
+    table of checkpoint renamings for every architecture (about a thousand compiled patterns,
+    nearly all of a small model's load), made on first use and kept for the process."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return
+    get_checkpoint_conversion_mapping("qwen2")
 
 
 def _serve() -> None:
