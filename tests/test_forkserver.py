@@ -107,6 +107,7 @@ def test_an_engine_forked_from_the_server_shares_its_imports_and_serves_like_one
 def test_preload_imports_what_a_child_needs_and_freezes_it():
     import gc
 
+    gc.unfreeze()
     try:
         forkserver.preload()
         frozen = gc.get_freeze_count()
