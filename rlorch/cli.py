@@ -73,8 +73,10 @@ def train(overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_H
           dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch plan, one JSON line per "
                                                                   "process, and start nothing.")) -> None:
     """Run an RL job: engines, trainer and the orchestrator, into a new run directory."""
-    from rlorch.runner import run_training
+    from rlorch.runner import run_training, warm_up_early
 
+    if not dry_run:
+        warm_up_early(overrides or [])
     config = _config_or_exit(overrides or [])
     if dry_run:
         from rlorch.config import ConfigError

@@ -7,7 +7,12 @@ not help unless that work is done once. The fork server is started on the first 
 ``OMP_NUM_THREADS`` as the children get it, since the OpenMP runtime reads it when torch is
 imported), imports the heavy modules before it forks anything, and starts no threads, so a
 fork is safe. Each child gets its own session, environment, working directory and log, and runs
-its module as ``python -m`` would.
+its module as ``python -m`` would. What the server imported stays shared with every child
+(copy-on-write pages, frozen out of the garbage collector: :func:`preload`), so a child starts
+in a fraction of a second. ``rlorch train`` starts the server before it composes its config
+when the default backends will launch through it (see ``rlorch.runner.warm_up_early``); one
+that has forked nothing is stopped once the run turns out not to need it, and at exit
+(:func:`discard`).
 
 :func:`spawn` hands back a :class:`Forked` with the part of ``subprocess.Popen``'s interface the
 launcher and the trainer use (``pid``, ``poll``, ``wait``, ``returncode``, ``send_signal``);
@@ -17,6 +22,7 @@ commands that are not an rlorch module of this interpreter get a plain ``Popen``
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
@@ -28,9 +34,19 @@ from typing import Optional
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint.state_dict",
            "transformers", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
            "transformers.models.auto.tokenization_auto", "transformers.models.qwen2.modeling_qwen2",
-           "transformers.models.qwen2.tokenization_qwen2_fast", "safetensors.torch", "aiohttp.web",
-           "rlorch.cli", "rlorch.compose", "rlorch.config", "rlorch.serve.server", "rlorch.serve.batcher",
-           "rlorch.trainer.fsdp")
+           "transformers.models.qwen2.tokenization_qwen2", "transformers.models.qwen2.tokenization_qwen2_fast",
+           "safetensors.torch", "aiohttp.web",
+           "omegaconf", "hydra.compose", "hydra.initialize", "hydra._internal.hydra",
+           "hydra._internal.config_loader_impl", "hydra.core.override_parser.overrides_parser",
+           "hydra._internal.core_plugins.importlib_resources_config_source",
+           "hydra._internal.core_plugins.file_config_source", "hydra._internal.core_plugins.structured_config_source",
+           "hydra._internal.core_plugins.basic_launcher", "hydra._internal.core_plugins.basic_sweeper",
+           "rich.console", "rich.markup",
+           "rlorch.cli", "rlorch.compose", "rlorch.config", "rlorch.config_keys", "rlorch.model",
+           "rlorch.serve.server", "rlorch.serve.batcher", "rlorch.serve.weight_sync", "rlorch.trainer.fsdp")
+"""Every module a child would otherwise import before it serves or trains: the engine's and the
+trainer's own, and what composing their config takes (Hydra, OmegaConf, the CLI's error
+display). A module this environment lacks is skipped."""
 FORKABLE = ("rlorch.cli", "rlorch.trainer.fsdp")
 
 
@@ -86,6 +102,8 @@ class ForkServer:
                                         stdout=subprocess.PIPE, env=env, text=True, bufsize=1,
                                         start_new_session=True)
         self.exits: dict[int, int] = {}
+        self.spawned = 0
+        """How many processes it was asked to fork."""
         self._pids: dict[int, int] = {}
         self._arrived = threading.Condition()
         self._next = 0
@@ -105,6 +123,7 @@ class ForkServer:
     def spawn(self, command: list[str], *, log: str, env: dict, cwd: str) -> Forked:
         with self._lock:
             self._next += 1
+            self.spawned += 1
             ident = self._next
             self.process.stdin.write(json.dumps({"id": ident, "argv": command[2:], "module": command[2],
                                                  "env": env, "cwd": cwd, "log": log}) + "\n")
@@ -131,7 +150,32 @@ def warm_up() -> None:
     if enabled():
         with _server_lock:
             if _server is None or _server.process.poll() is not None:
+                if _server is None:
+                    atexit.register(discard)
                 _server = ForkServer()
+
+
+def running() -> bool:
+    """Whether this process has a fork server started (warm or still importing)."""
+    with _server_lock:
+        return _server is not None and _server.process.poll() is None
+
+
+def discard() -> None:
+    """Stop the fork server if it has forked nothing: when the run turns out to launch nothing
+    through it, and at exit, so that a server still importing does not go on for nobody. One
+    that has forked processes is left to exit when this process's end closes its pipe, as
+    before: it reports their exits, and a trainer it forked watches it."""
+    global _server
+    with _server_lock:
+        server = _server
+        if server is None or server.spawned:
+            return
+        _server = None
+    if server.process.poll() is None:
+        server.process.kill()
+        server.process.wait()
+    server.process.stdin.close()
 
 
 def spawn(command: list[str], *, log_path: str, env: dict) -> "Forked | subprocess.Popen":
@@ -202,15 +246,46 @@ def _set_name(module: str) -> None:
         pass
 
 
-def _serve() -> None:
+def preload() -> None:
+    """Import :data:`PRELOAD` and take what the imports built out of the garbage collector's
+    sight (``gc.freeze``): it lives as long as every child, and a child's collections then
+    neither walk it (each would take a tenth of a second) nor write to its pages (which the
+    child would then copy rather than share). The collector is off while importing: what
+    imports build is kept (and the little garbage they leave is frozen with it), so the
+    collections they would trigger, a sixth of the import time, would find next to nothing."""
+    import gc
     import importlib
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for module in PRELOAD:
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                pass
+        _build_shared_tables()
+        gc.freeze()
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _build_shared_tables() -> None:
+    """Build what every child's first model load would otherwise build for itself: transformers'
+    table of checkpoint renamings for every architecture (about a thousand compiled patterns,
+    nearly all of a small model's load), made on first use and kept for the process."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return
+    get_checkpoint_conversion_mapping("qwen2")
+
+
+def _serve() -> None:
     import select
 
-    for module in PRELOAD:
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            pass
+    preload()
     out = sys.stdout
     pending = b""
     while True:

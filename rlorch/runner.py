@@ -97,13 +97,32 @@ def resume_training(checkpoint: str, overrides: list[str]) -> int:
 
 
 def _warm_up(config: Config) -> None:
-    """Start the fork server early when rlorch processes will be launched (rlorch.forkserver)."""
+    """Start the fork server early when rlorch processes will be launched (rlorch.forkserver);
+    stop one :func:`warm_up_early` started for a run that launches none."""
+    from rlorch import forkserver
     from rlorch.config import InferenceBackend, TrainerBackend
 
     if config.inference.backend == InferenceBackend.cpu or config.trainer.backend == TrainerBackend.fsdp:
-        from rlorch import forkserver
-
         forkserver.warm_up()
+    else:
+        forkserver.discard()
+
+
+_OTHER_LAUNCH = ("conf=", "inference=", "trainer=", "inference.backend=", "trainer.backend=")
+
+
+def warm_up_early(overrides: list[str]) -> None:
+    """Start the fork server before the config is composed when the overrides keep the default
+    preset's backends (CPU engines, FSDP trainer), which launch through it: its imports take
+    the longest of the start, so every fraction of a second they start sooner is one off the
+    time to the first step. Any other choice waits for the composed config (:func:`_warm_up`)."""
+    import os
+
+    if os.environ.get("RLORCH_CONF_DIR") or any(o.lstrip("+~").startswith(_OTHER_LAUNCH) for o in overrides):
+        return
+    from rlorch import forkserver
+
+    forkserver.warm_up()
 
 
 async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> int:

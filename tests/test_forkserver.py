@@ -3,9 +3,13 @@ launcher and trainer see of them behaves like a ``subprocess.Popen``."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 import sys
+import time
+import urllib.request
 
 from rlorch import forkserver
 
@@ -37,3 +41,108 @@ def test_other_commands_start_the_ordinary_way(tmp_path):
                                env=dict(os.environ))
     assert not isinstance(process, forkserver.Forked)
     assert process.wait(60) == 0 and (tmp_path / "plain.log").read_text() == "plain\n"
+
+
+def _memory(pid: int) -> dict[str, int]:
+    fields = {}
+    for line in open(f"/proc/{pid}/smaps_rollup"):
+        name, _, value = line.partition(":")
+        if value.strip().endswith("kB"):
+            fields[name] = int(value.split()[0])
+    return fields
+
+
+def _ready(address: str, process, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "the forked engine exited before it was ready"
+        try:
+            with urllib.request.urlopen(f"http://{address}/health_generate", timeout=30) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError(f"the forked engine at {address} was not ready in {timeout:.0f}s")
+
+
+def _greedy(address: str) -> dict:
+    payload = {"input_ids": [5, 6, 7, 8], "return_logprob": True,
+               "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
+    request = urllib.request.Request(f"http://{address}/generate", data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def test_an_engine_forked_from_the_server_shares_its_imports_and_serves_like_one_in_process(tmp_path, model_dir):
+    """The engine's imports are the server's pages, shared rather than copied (a process that
+    imported them itself holds them all privately), and what it serves is what the same
+    engine answers in this process."""
+    from rlorch.inference.launcher import free_port
+    from rlorch.serve.server import CpuServer, ServerThread
+
+    port = free_port()
+    process = forkserver.spawn([sys.executable, "-m", "rlorch.cli", "serve", "--port", str(port),
+                                "--parent-pid", str(os.getpid()), f"model.path={model_dir}",
+                                "inference.cpu.threads=1"],
+                               log_path=str(tmp_path / "serve.log"), env=dict(os.environ))
+    try:
+        _ready(f"127.0.0.1:{port}", process)
+        memory = _memory(process.pid)
+        assert memory["Shared_Dirty"] > 100_000 and memory["Shared_Dirty"] > memory["Private_Dirty"], memory
+        forked = _greedy(f"127.0.0.1:{port}")
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(60)
+    local = ServerThread(CpuServer(model_dir, threads=1))
+    try:
+        here = _greedy(local.address)
+    finally:
+        local.stop()
+    assert forked["output_ids"] == here["output_ids"]
+    assert ([round(p, 5) for p, _, _ in forked["meta_info"]["output_token_logprobs"]]
+            == [round(p, 5) for p, _, _ in here["meta_info"]["output_token_logprobs"]])
+
+
+def test_preload_imports_what_a_child_needs_and_freezes_it():
+    import gc
+
+    gc.unfreeze()
+    try:
+        forkserver.preload()
+        frozen = gc.get_freeze_count()
+    finally:
+        gc.unfreeze()
+    assert frozen > 100_000
+    assert [m for m in ("torch", "transformers.modeling_utils", "aiohttp.web", "hydra.compose", "omegaconf",
+                        "rlorch.serve.server", "rlorch.trainer.fsdp") if m not in sys.modules] == []
+
+
+def test_a_server_started_for_a_run_that_launches_nothing_is_discarded():
+    """``rlorch train`` starts the fork server before composing when the overrides keep the
+    default backends; one started for a run that then launches nothing is stopped, and one
+    that has forked processes stays (it reports their exits)."""
+    code = """
+from rlorch import forkserver
+from rlorch.compose import compose
+from rlorch.runner import _warm_up, warm_up_early
+seen = []
+for overrides in (["inference=sim"], ["trainer=sim"], ["conf=sim"], ["inference.backend=sim"]):
+    warm_up_early(overrides)
+    seen.append(forkserver.running())
+warm_up_early(["train.steps=3"])
+seen.append(forkserver.running())
+_warm_up(compose(["inference=sim", "trainer=sim"]))
+seen.append(forkserver.running())
+warm_up_early([])
+_warm_up(compose([]))
+seen.append(forkserver.running())
+print(*seen)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False"] * 4 + ["True", "False", "True"]
+    forkserver.spawn([sys.executable, "-m", "rlorch.cli", "--version"], log_path=os.devnull,
+                     env=dict(os.environ)).wait(120)
+    forkserver.discard()
+    assert forkserver.running()

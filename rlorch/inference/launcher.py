@@ -42,6 +42,10 @@ from rlorch.rundir import RunDir
 from rlorch.types import PolicyVersion
 
 LOG_TAIL_LINES = 40
+READY_POLL_S = 0.05
+"""Seconds between readiness probes of a starting server: a probe of a server not yet
+listening is a refused connection, cheap to repeat, and every run waits for the first that
+succeeds."""
 API_KEY_ENV = "RLORCH_API_KEY"
 """A launched ``rlorch serve`` reads its per-run key here; with ``inference.addresses``, the key
 the client sends to servers started elsewhere (optional)."""
@@ -195,7 +199,7 @@ async def _wait_ready(server: ServerProcess, engine: SGLangEngine, timeout: floa
                               f"{server.tail()}")
         if await engine.healthy():
             return
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(READY_POLL_S)
     raise LaunchError(f"server {server.index} ({server.address}) not ready after {timeout:.0f}s; "
                       f"log {server.log} ends:\n{server.tail()}")
 
@@ -248,7 +252,9 @@ async def start_servers(config: Config, run_dir: RunDir, policy: PolicyVersion) 
     from rlorch.model import resolve_model_path
 
     model_path = resolve_model_path(config.model.path)
-    tokenizer = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, model_path))
+    # On the executor now, not when the loop next runs: launching blocks the loop until the
+    # fork server is warm, and the tokenizer's imports are best done on the other core meanwhile.
+    tokenizer = asyncio.get_running_loop().run_in_executor(None, _load_tokenizer, model_path)
     try:
         pool = await start_engines(config, log_dir=run_dir.logs, servers_file=run_dir.servers,
                                    model_path=model_path)
@@ -259,6 +265,17 @@ async def start_servers(config: Config, run_dir: RunDir, policy: PolicyVersion) 
 
 
 def _load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
+    """The model's tokenizer. The garbage collector is off meanwhile: importing transformers
+    builds what the process keeps, so its collections (a sixth of the import's CPU, taken from
+    the fork server's imports on a small machine) would find nothing to free."""
+    import gc
 
-    return AutoTokenizer.from_pretrained(path)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    finally:
+        if enabled:
+            gc.enable()

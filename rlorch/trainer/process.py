@@ -25,6 +25,10 @@ from rlorch.rundir import RunDir
 from rlorch.types import Batch
 
 
+READY_POLL_S = 0.02
+"""Seconds between looks for the trainer's ready file: the run waits for the first look that
+finds it, and a look is one ``stat``."""
+
 _MULTI_NODE_FLAGS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id",
                      "--rdzv-conf", "--master-addr", "--master-port")
 
@@ -93,7 +97,7 @@ class TorchrunTrainer:
                 await self.stop(5.0)
                 raise RuntimeError(f"trainer not ready after trainer.start_timeout="
                                    f"{self.config.trainer.start_timeout:g}s; {self.log}:\n{log_tail(self.log)}")
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(READY_POLL_S)
 
     async def submit(self, batch: Batch) -> None:
         return None
