@@ -113,19 +113,19 @@ def micro_batches(sequences: list[Sequence], size: int, count: int, pad_id: int)
     for index in range(count):
         chunk = sequences[index * size:(index + 1) * size] or [filler]
         length = max(len(s.tokens) for s in chunk)
-        tokens = torch.full((len(chunk), length), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), length))
-        behaviour = torch.zeros((len(chunk), length))
-        versions = torch.full((len(chunk), length), NO_VERSION, dtype=torch.long)
-        for row, s in enumerate(chunk):
-            n = len(s.tokens)
-            tokens[row, :n] = torch.tensor(s.tokens)
-            mask[row, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
-            behaviour[row, :n] = torch.tensor(s.logprobs)
-            if s.versions is not None:
-                versions[row, :n] = torch.tensor(s.versions)
-        out.append(MicroBatch(tokens, mask, behaviour, torch.tensor([s.advantage for s in chunk]), versions))
+        out.append(MicroBatch(
+            tokens=_padded([s.tokens for s in chunk], length, pad_id, torch.long),
+            mask=_padded([s.loss_mask for s in chunk], length, 0, torch.float32),
+            behaviour=_padded([s.logprobs for s in chunk], length, 0.0, torch.float32),
+            advantages=torch.tensor([s.advantage for s in chunk]),
+            versions=_padded([s.versions if s.versions is not None else [] for s in chunk], length,
+                             NO_VERSION, torch.long)))
     return out
+
+
+def _padded(rows: list[list], length: int, fill, dtype: torch.dtype) -> torch.Tensor:
+    """``[len(rows), length]``: each row right-padded with ``fill`` (one tensor built at once)."""
+    return torch.tensor([row + [fill] * (length - len(row)) for row in rows], dtype=dtype)
 
 
 def minibatch_slices(count: int, minibatches: int) -> list[slice]:

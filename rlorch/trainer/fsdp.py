@@ -38,6 +38,11 @@ from rlorch.trainer.loss import LossStats, MismatchStats, policy_loss, token_ent
 from rlorch.trainer.publish import clear_staging, discard_newer, prune, publish, write_hf
 
 POLL_SECONDS = 0.01
+"""Between looks for the next batch when the ranks must agree on what they saw (a collective
+per look)."""
+POLL_SECONDS_ALONE = 0.001
+"""Between looks for the next batch on a single rank: a look is one stat, and the wait for a
+batch that is already there is time the step loses."""
 MAX_NONFINITE_STEPS = 3
 """Consecutive steps whose every update had a non-finite gradient before the trainer gives up."""
 
@@ -139,16 +144,17 @@ def wait_for_batch(run, step: int, device) -> bool:
     trained data when it shipped it.
     """
     batch = run.batch(step)
+    pause = POLL_SECONDS_ALONE if dist.get_world_size() == 1 else POLL_SECONDS
     while True:
         # Every rank must take the same branch: any rank seeing a file decides for all.
         has_batch, stop = _all_reduce([float(batch.exists()), float(run.stop_file.exists())], device, "max")
         if has_batch:
             while not batch.exists():
-                time.sleep(POLL_SECONDS)
+                time.sleep(pause)
             return True
         if stop:
             return False
-        time.sleep(POLL_SECONDS)
+        time.sleep(pause)
 
 
 def train_step(worker: Worker, step: int) -> dict:
@@ -304,7 +310,8 @@ def publish_version(worker: Worker, step: int, *, last: bool = False) -> None:
         worker.handing_off = worker.hand_off_thread.submit(_hand_off, worker, step, state, last)
         if last:
             wait_handed_off(worker)
-    dist.barrier()
+    if worker.world > 1:
+        dist.barrier()
 
 
 def _hand_off(worker: Worker, step: int, state: dict, last: bool) -> None:
