@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import aiohttp
 
@@ -203,6 +203,7 @@ class SGLangEngine:
         if self.version is None:
             await self.weight_version()
         return [(self.version, count)]
+
     async def generate_group(self, input_ids: list[int], params: SamplingParams, n: int,
                              rid: str) -> list[Generation]:
         """``n`` independent samples (request ids ``f"{rid}-{i}"``), sent together so the server
@@ -253,21 +254,10 @@ class SGLangEngine:
     async def _generate_batch_once(self, samples: list[tuple[GroupRequest, str]]) -> Optional[list]:
         """One batch /generate under fresh wire ids; None when the server refuses the batch form."""
         params = [{**request.params.to_json(), **self.extra_params} for request, _ in samples]
-        for _ in range(3):
-            sent = [wire_rid(rid) for _, rid in samples]
-            self._on_wire.update((rid, wire) for (_, rid), wire in zip(samples, sent))
-            payload = {"input_ids": [request.input_ids for request, _ in samples], "sampling_params": params,
-                       "return_logprob": True, "rid": sent}
-            try:
-                status, body = await self._request("POST", "/generate", timeout=self.request_timeout,
-                                                   payload=payload)
-            finally:
-                for _, rid in samples:
-                    self._on_wire.pop(rid, None)
-            if not (status == 400 and DUPLICATE_RID in self._message(body)):
-                break
-        if status >= 500 and status != 501:
-            raise EngineUnavailable(f"{self.name} /generate answered {status}: {self._message(body)}")
+        inputs = [request.input_ids for request, _ in samples]
+        status, body = await self._post_generate(
+            [rid for _, rid in samples],
+            lambda sent: {"input_ids": inputs, "sampling_params": params, "return_logprob": True, "rid": sent})
         if 400 <= status < 500 or status == 501:
             return None
         if status != 200 or not isinstance(body, list) or len(body) != len(samples):
@@ -275,28 +265,37 @@ class SGLangEngine:
                               f"{self._message(body)[:200]}")
         return body
 
+    async def _post_generate(self, rids: list[str], payload: Callable[[list[str]], dict],
+                             partial: Optional[Generation] = None) -> tuple[int, Any]:
+        """POST one /generate for requests ``rids`` under fresh wire ids (``payload`` builds the
+        body from them); ids refused as duplicates are sent again under others (a duplicate is
+        never the request's fault). A server error raises :class:`EngineUnavailable`."""
+        for _ in range(3):
+            sent = [wire_rid(rid) for rid in rids]
+            self._on_wire.update(zip(rids, sent))
+            try:
+                status, body = await self._request("POST", "/generate", timeout=self.request_timeout,
+                                                   payload=payload(sent), partial=partial)
+            finally:
+                for rid in rids:
+                    self._on_wire.pop(rid, None)
+            if not (status == 400 and DUPLICATE_RID in self._message(body)):
+                break
+        if status >= 500 and status != 501:
+            raise EngineUnavailable(f"{self.name} /generate answered {status}: {self._message(body)}", partial)
+        return status, body
+
     def wire_rid(self, rid: str) -> Optional[str]:
         """The id request ``rid`` carries on the wire right now (None between segments)."""
         return self._on_wire.get(rid)
 
     async def _generate_once(self, input_ids: list[int], params: SamplingParams, remaining: int,
                              rid: str, partial: Generation) -> dict:
-        """One /generate under a fresh wire id; an id refused as a duplicate is sent again under
-        another (a duplicate is never the request's fault)."""
+        """One single-request /generate (see :meth:`_post_generate`)."""
         sampling = {**params.to_json(), **self.extra_params, "max_new_tokens": remaining}
-        for _ in range(3):
-            sent = wire_rid(rid)
-            self._on_wire[rid] = sent
-            payload = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True, "rid": sent}
-            try:
-                status, body = await self._request("POST", "/generate", timeout=self.request_timeout,
-                                                   payload=payload, partial=partial)
-            finally:
-                self._on_wire.pop(rid, None)
-            if not (status == 400 and DUPLICATE_RID in self._message(body)):
-                break
-        if status >= 500 and status != 501:
-            raise EngineUnavailable(f"{self.name} /generate answered {status}: {self._message(body)}", partial)
+        status, body = await self._post_generate(
+            [rid], lambda sent: {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True,
+                                 "rid": sent[0]}, partial)
         if status != 200 or not isinstance(body, dict):
             raise EngineError(f"{self.name} /generate answered {status}: {self._message(body)}")
         return body
