@@ -211,3 +211,19 @@ def test_mismatch_and_entropy_are_measured_on_the_weights_before_the_first_updat
     assert two["mismatch_kl"] == pytest.approx(one["mismatch_kl"], rel=1e-5)
     assert two["mismatch_max"] == pytest.approx(one["mismatch_max"], rel=1e-5)
     assert two["entropy"] == pytest.approx(one["entropy"], rel=1e-5)
+
+
+def test_a_handed_off_state_dict_does_not_follow_the_next_optimizer_step():
+    import torch
+
+    from rlorch.trainer.fsdp import own_copy
+
+    model = torch.nn.Linear(3, 2)
+    detached = {"other": torch.ones(2)}
+    state = own_copy(model, {**model.state_dict(), **detached})
+    before = {name: tensor.clone() for name, tensor in state.items()}
+    with torch.no_grad():
+        model.weight.add_(1.0)
+        model.bias.add_(1.0)
+    assert all(torch.equal(state[name], before[name]) for name in before)
+    assert state["other"] is detached["other"]

@@ -296,6 +296,16 @@ def write_weights(worker: Worker, target: Path) -> None:
         write_hf(target, worker.model, state, worker.tokenizer)
 
 
+def own_copy(model, state: dict) -> dict:
+    """``state`` with every tensor that shares storage with the live model cloned. The full state
+    dict of weights already whole on the CPU (one rank, or a CPU device) is the parameters
+    themselves, which the next optimizer step changes in place while the hand-off still reads
+    them; a gathered (sharded) or offloaded tensor is already a copy and is kept as it is."""
+    live = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    return {name: tensor.clone() if tensor.untyped_storage().data_ptr() in live else tensor
+            for name, tensor in state.items()}
+
+
 def publish_version(worker: Worker, step: int, *, last: bool = False) -> None:
     """Hand version ``step`` to the engines on rank 0's hand-off thread, so the next step trains
     meanwhile: broadcast when a group is up, else (or when the broadcast fails) publish to disk;
@@ -304,7 +314,7 @@ def publish_version(worker: Worker, step: int, *, last: bool = False) -> None:
     Versions are handed off one at a time and in order (the previous hand-off is finished, and
     its error raised, before the next starts); the state dict is a copy taken now, so training
     on does not change what is handed off."""
-    state = _full_state_dict(worker.model)
+    state = own_copy(worker.model, _full_state_dict(worker.model))
     if worker.rank == 0:
         wait_handed_off(worker)
         worker.handing_off = worker.hand_off_thread.submit(_hand_off, worker, step, state, last)
