@@ -6,12 +6,12 @@ function built here, so the dispatcher knows neither.
 
 from __future__ import annotations
 
-import asyncio
 import random
 from dataclasses import replace
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from rlorch.config import Config, InferenceBackend, SimReward
+from rlorch.lifecycle import gather_all
 from rlorch.tasks.base import is_single_turn
 from rlorch.types import (Engine, Environment, Generation, GroupRequest, Origin, Prompt, Rollout, SamplingParams,
                           VersionStamps, is_correct)
@@ -165,7 +165,7 @@ class EpisodeWork:
     async def pack(self, prompts: list[Prompt]) -> list[list[Rollout]]:
         requests = [self._request(prompt) for prompt in prompts]
         if not self.batched:
-            return list(await asyncio.gather(*(self._episodes(p, r) for p, r in zip(prompts, requests))))
+            return await gather_all(*(self._episodes(p, r) for p, r in zip(prompts, requests)))
         if len(requests) == 1:
             r = requests[0]
             answers = [await self.engine.generate_group(r.input_ids, r.params, r.n, r.rid)]
@@ -210,7 +210,7 @@ class EpisodeWork:
         conversations = [EngineConversation(prompt, engine=self.engine, tokenizer=self.tokenizer,
                                             params=request.params, rid=f"{request.rid}-{i}")
                          for i in range(request.n)]
-        rewards = await asyncio.gather(*(self.env.episode(c, prompt.answer) for c in conversations))
+        rewards = await gather_all(*(self.env.episode(c, prompt.answer) for c in conversations))
         return [self._rollout(prompt, c.rid, c.tokens, c.loss_mask, c.logprobs, c.versions, float(r),
                               c.finish_reason, c.completion) for c, r in zip(conversations, rewards)]
 

@@ -8,7 +8,7 @@ import asyncio
 import os
 import threading
 import time
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 
 async def cancel_and_wait(*tasks: Optional[asyncio.Task], timeout: Optional[float] = None) -> None:
@@ -22,6 +22,18 @@ async def cancel_and_wait(*tasks: Optional[asyncio.Task], timeout: Optional[floa
         task.cancel()
     if live:
         await asyncio.wait(live, timeout=timeout)
+
+
+async def gather_all(*awaitables: Awaitable) -> list:
+    """The results of ``awaitables`` run side by side, in order. Unlike ``asyncio.gather``, the
+    first failure cancels the others and waits for them before it propagates: no sibling keeps a
+    request running on an engine, or holds its request id, after the call that started it failed."""
+    tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        await cancel_and_wait(*tasks)
+        raise
 
 
 ORCHESTRATOR_PID_ENV = "RLORCH_ORCHESTRATOR_PID"

@@ -25,12 +25,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from typing import Any, Callable, Optional, Sequence
 
 import aiohttp
 
+from rlorch.lifecycle import gather_all
 from rlorch.types import Generation, GroupRequest, SamplingParams, VersionStamps
+
+log = logging.getLogger(__name__)
 
 MAX_SEGMENTS = 1000
 """Resubmissions of one request before the client gives up (a guard against abort loops)."""
@@ -38,6 +42,10 @@ MAX_SEGMENTS = 1000
 KEEPALIVE_SECONDS = 2.0
 """Idle keep-alive lifetime, shorter than SGLang's 5 s so the client never reuses a connection the
 server has closed."""
+
+BATCH_REFUSED = frozenset({400, 404, 405, 422, 501})
+"""Answers of a server that does not take the batch form of /generate (a malformed request, no
+such route or method, a schema it rejects); any other failure is the request's or the server's."""
 
 DUPLICATE_RID = "Duplicate request ID"
 """SGLang's message for an id already in flight."""
@@ -208,7 +216,7 @@ class SGLangEngine:
                              rid: str) -> list[Generation]:
         """``n`` independent samples (request ids ``f"{rid}-{i}"``), sent together so the server
         batches them; each one is interruptible on its own."""
-        return list(await asyncio.gather(*(self.generate(input_ids, params, f"{rid}-{i}") for i in range(n))))
+        return await gather_all(*(self.generate(input_ids, params, f"{rid}-{i}") for i in range(n)))
 
     async def generate_batch(self, requests: Sequence[GroupRequest]) -> list[list[Generation]]:
         """Every sample of every request in one batch /generate (SGLang's batch form:
@@ -220,17 +228,19 @@ class SGLangEngine:
         if not self.batch_form:
             return await self._generate_each(requests)
         samples = [(request, f"{request.rid}-{i}") for request in requests for i in range(request.n)]
-        self.requests += len(samples)
         body = await self._generate_batch_once(samples)
         if body is None:
             answers = await self._generate_each(requests)
             self.batch_form = False
+            log.warning("%s refuses the batch form of /generate: sending one request per sample from now on",
+                        self.name)
             return answers
+        self.requests += len(samples)
         done = [Generation([], [], VersionStamps(), "abort") for _ in samples]
         for generation, answer in zip(done, body):
             await self._append(generation, answer)
-        finished = await asyncio.gather(*(self._continue(request, rid, generation)
-                                          for (request, rid), generation in zip(samples, done)))
+        finished = await gather_all(*(self._continue(request, rid, generation)
+                                      for (request, rid), generation in zip(samples, done)))
         answers, at = [], 0
         for request in requests:
             answers.append(list(finished[at:at + request.n]))
@@ -249,7 +259,7 @@ class SGLangEngine:
         return await self.generate(request.input_ids, request.params, rid, prefix=done)
 
     async def _generate_each(self, requests: Sequence[GroupRequest]) -> list[list[Generation]]:
-        return list(await asyncio.gather(*(self.generate_group(r.input_ids, r.params, r.n, r.rid) for r in requests)))
+        return await gather_all(*(self.generate_group(r.input_ids, r.params, r.n, r.rid) for r in requests))
 
     async def _generate_batch_once(self, samples: list[tuple[GroupRequest, str]]) -> Optional[list]:
         """One batch /generate under fresh wire ids; None when the server refuses the batch form."""
@@ -258,7 +268,7 @@ class SGLangEngine:
         status, body = await self._post_generate(
             [rid for _, rid in samples],
             lambda sent: {"input_ids": inputs, "sampling_params": params, "return_logprob": True, "rid": sent})
-        if 400 <= status < 500 or status == 501:
+        if status in BATCH_REFUSED:
             return None
         if status != 200 or not isinstance(body, list) or len(body) != len(samples):
             raise EngineError(f"{self.name} batch /generate of {len(samples)} answered {status}: "

@@ -19,7 +19,7 @@ import time
 from typing import Awaitable, Callable, Optional, Sequence
 
 from rlorch.inference.client import EngineError, EngineUnavailable
-from rlorch.lifecycle import cancel_and_wait
+from rlorch.lifecycle import cancel_and_wait, gather_all
 from rlorch.types import Generation, GroupRequest, SamplingParams, Server
 
 log = logging.getLogger("rlorch.pool")
@@ -119,8 +119,7 @@ class EnginePool:
         elsewhere like any request."""
         self._ensure_probe()
         server = await self._pick()
-        return list(await asyncio.gather(*(self._generate(input_ids, params, f"{rid}-{i}", prefer=server)
-                                           for i in range(n))))
+        return await gather_all(*(self._generate(input_ids, params, f"{rid}-{i}", prefer=server) for i in range(n)))
 
     async def generate_batch(self, requests: Sequence[GroupRequest]) -> list[list[Generation]]:
         """Every sample of ``requests`` in one call to one server (the least loaded), so it
@@ -131,7 +130,7 @@ class EnginePool:
         server = await self._pick()
         batch = getattr(server, "generate_batch", None)
         if batch is None:
-            return list(await asyncio.gather(*(self._group(r, prefer=server) for r in requests)))
+            return await gather_all(*(self._group(r, prefer=server) for r in requests))
         count = sum(request.n for request in requests)
         self._in_flight[server.name] += count
         try:
@@ -139,15 +138,15 @@ class EnginePool:
         except EngineUnavailable as err:
             self._mark_down(server, str(err))
             self.failovers += 1
-            return list(await asyncio.gather(*(self._group(r) for r in requests)))
+            return await gather_all(*(self._group(r) for r in requests))
         finally:
             self._in_flight[server.name] -= count
         self.completed += count
         return answers
 
     async def _group(self, request: GroupRequest, *, prefer: Optional[Server] = None) -> list[Generation]:
-        return list(await asyncio.gather(*(self._generate(request.input_ids, request.params, f"{request.rid}-{i}",
-                                                          prefer=prefer) for i in range(request.n))))
+        return await gather_all(*(self._generate(request.input_ids, request.params, f"{request.rid}-{i}",
+                                                 prefer=prefer) for i in range(request.n)))
 
     async def _generate(self, input_ids: list[int], params: SamplingParams, rid: str, *,
                         prefer: Optional[Server] = None) -> Generation:

@@ -55,11 +55,12 @@ class SimEngine:
                 for _ in range(n)]
 
     async def generate_batch(self, requests: Sequence[GroupRequest]) -> list[list[Generation]]:
-        """One latency draw for the whole batch: its samples run side by side. Samples of the same
-        length share their token and logprob lists (consumers copy them, never change them)."""
+        """One latency draw per group, the batch answered when its slowest group is done (a
+        batch /generate returns once every sample has finished). Samples of the same length
+        share their token and logprob lists (consumers copy them, never change them)."""
         version = self.loaded_version
         self.requests += sum(request.n for request in requests)
-        delay = self.lo if self.hi <= self.lo else self.rng.uniform(self.lo, self.hi)
+        delay = self.lo if self.hi <= self.lo else max(self.rng.uniform(self.lo, self.hi) for _ in requests)
         if delay > 0:
             await asyncio.sleep(delay)
         answers, shared = [], {}

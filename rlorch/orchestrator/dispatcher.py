@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterator, Optional
 
-from rlorch.lifecycle import cancel_and_wait
+from rlorch.lifecycle import cancel_and_wait, gather_all
 from rlorch.types import Admission, Prompt, Rollout
 
 Work = Callable[[Prompt], Awaitable[list[Rollout]]]
@@ -244,7 +244,7 @@ class Dispatcher:
     async def _gather(self, prompts: list[Prompt]) -> list[list[Rollout]]:
         if len(prompts) == 1:
             return [await self.work(prompts[0])]
-        return list(await asyncio.gather(*(self.work(prompt) for prompt in prompts)))
+        return await gather_all(*(self.work(prompt) for prompt in prompts))
 
     async def _run_pack(self, prompts: list[Prompt]) -> list[list[Rollout]]:
         last: Optional[BaseException] = None

@@ -60,7 +60,9 @@ class Orchestrator:
                                      queue_size=r.queue_size, max_buffered=r.max_buffered,
                                      request_timeout=r.request_timeout, max_retries=r.max_retries,
                                      on_idle=self.engine_clock.set, pack=getattr(work, "pack", None),
-                                     pack_groups=r.pack_groups)
+                                     # Multi-turn episodes share no engine call: packed, they would
+                                     # only share one timeout, one retry and the slowest's latency.
+                                     pack_groups=r.pack_groups if getattr(work, "batched", True) else 1)
         env = getattr(prompts, "env", None)
         self.sink = TrainSink(batch_size=r.batch_size, max_staleness=r.max_staleness,
                               strict=r.enforce is Enforce.strict, max_reward=max_reward(env) if env else 1.0,
