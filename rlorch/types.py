@@ -193,9 +193,9 @@ class Batch:
     def to_jsonl(self) -> bytes:
         """The batch file: one ``Rollout.to_json()`` plus ``"advantage"`` per line.
 
-        Each line is appended to one buffer as it is made (rather than kept until a join): a
-        line outgrows the small-object allocator, and freeing each at once keeps this at about
-        a microsecond per rollout instead of several."""
+        Each line goes into one buffer as it is made and is freed at once: a line outgrows the
+        small-object allocator, and holding every line for a join costs several microseconds
+        per rollout instead of about one."""
         import orjson
 
         dumps, newline, out = orjson.dumps, orjson.OPT_APPEND_NEWLINE, bytearray()

@@ -252,8 +252,9 @@ async def start_servers(config: Config, run_dir: RunDir, policy: PolicyVersion) 
     from rlorch.model import resolve_model_path
 
     model_path = resolve_model_path(config.model.path)
-    # On the executor now, not when the loop next runs: launching blocks the loop until the
-    # fork server is warm, and the tokenizer's imports are best done on the other core meanwhile.
+    # Submitted to the executor at once (a task would first wait for the loop): launching
+    # blocks the loop until the fork server is warm, and the tokenizer's imports run on the
+    # other core meanwhile.
     tokenizer = asyncio.get_running_loop().run_in_executor(None, _load_tokenizer, model_path)
     try:
         pool = await start_engines(config, log_dir=run_dir.logs, servers_file=run_dir.servers,

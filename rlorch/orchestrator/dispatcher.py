@@ -213,11 +213,12 @@ class Dispatcher:
 
     def _launch(self, pack: list[Prompt]) -> None:
         task = asyncio.create_task(self._run_pack(pack))
-        if not self._in_flight:
-            self.on_idle("no_work", False)
+        was_idle = not self._in_flight
         self._in_flight[task] = [pack, asyncio.get_running_loop().time()]
         self._idle.clear()
         task.add_done_callback(self._finished)
+        if was_idle:
+            self.on_idle("no_work", False)
 
     async def _submission_loop(self) -> None:
         try:
