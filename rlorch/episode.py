@@ -194,9 +194,7 @@ class EpisodeWork:
             rollouts = []
             for i, generation in enumerate(generations):
                 completion = generation.text if tokenizer is None else decode(tokenizer, generation)
-                reward = float(score(completion, answer))
-                if override is not None:
-                    reward = override(completion, answer)
+                reward = float(score(completion, answer)) if override is None else override(completion, answer)
                 correct = is_correct(env, completion, answer, reward) if is_eval else None
                 output_ids = generation.output_ids
                 rollouts.append(Rollout(group_id, f"{base}-{i}", env_name, prompt_ids + output_ids,
