@@ -187,9 +187,12 @@ def trained_rollouts(tmp_path: Path, name: str, *overrides: str) -> tuple[dict, 
     run_dir = tmp_path / name
     config = compose(["conf=sim", f"run.dir={run_dir}", "run.progress=false", "eval.enabled=false",
                       "inference.sim.latency=[0,0]", "trainer.sim.step_time=0", "train.steps=6",
-                      "rollout.batch_size=16", "rollout.group_size=2", "rollout.max_concurrent=64", *overrides])
+                      "rollout.batch_size=16", "rollout.group_size=2", "rollout.max_concurrent=64",
+                      "metrics.interval=0.001", *overrides])
     assert run_training(config, []) == 0
     summary = json.loads((run_dir / "summary.json").read_text())
+    gauges = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary["engine_calls"] = max(record.get("engines_calls", 0) for record in gauges)
     lines = [json.loads(line) for step in range(1, 7) for line in RunDir(run_dir).batch(step).read_text().splitlines()]
     return summary, lines
 
@@ -204,6 +207,8 @@ def test_a_deterministic_sim_run_trains_the_same_rollouts_with_and_without_packi
     assert packed_summary["lost"] == alone_summary["lost"] == 0
     assert packed_summary["trained"] == alone_summary["trained"] == 6 * 16
     assert len(packed) == 6 * 16 and fields(packed) == fields(alone)
+    # 48 groups of 2: one engine call each alone, packs of up to 32 groups packed.
+    assert alone_summary["engine_calls"] == 48 and 2 <= packed_summary["engine_calls"] < 48
 
 
 def test_admitting_groups_at_once_matches_admitting_them_one_by_one():

@@ -28,11 +28,14 @@ class SimEngine:
         self.loaded_version = policy.value
         self.loaded_path = ""
         self.requests = 0
+        self.calls = 0
+        """Engine calls answered (a group or batch call counts once)."""
         self._pattern = [4 + (i * 7) % 60 for i in range(max(config.tokens, 1))]
 
     async def generate(self, input_ids: list[int], params: SamplingParams, rid: str) -> Generation:
         version = self.loaded_version
         self.requests += 1
+        self.calls += 1
         delay = self.lo if self.hi <= self.lo else self.rng.uniform(self.lo, self.hi)
         if delay > 0:
             await asyncio.sleep(delay)
@@ -46,6 +49,7 @@ class SimEngine:
         """One latency draw for the whole group: its samples run side by side."""
         version = self.loaded_version
         self.requests += n
+        self.calls += 1
         delay = self.lo if self.hi <= self.lo else self.rng.uniform(self.lo, self.hi)
         if delay > 0:
             await asyncio.sleep(delay)
@@ -60,6 +64,7 @@ class SimEngine:
         share their token and logprob lists (consumers copy them, never change them)."""
         version = self.loaded_version
         self.requests += sum(request.n for request in requests)
+        self.calls += 1
         delay = self.lo if self.hi <= self.lo else max(self.rng.uniform(self.lo, self.hi) for _ in requests)
         if delay > 0:
             await asyncio.sleep(delay)
@@ -89,7 +94,7 @@ class SimEngine:
         pass
 
     def gauges(self) -> dict:
-        return {"servers_up": 1}
+        return {"servers_up": 1, "calls": self.calls}
 
 
 @inference_backend(InferenceBackend.sim)
