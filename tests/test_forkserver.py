@@ -105,17 +105,21 @@ def test_an_engine_forked_from_the_server_shares_its_imports_and_serves_like_one
 
 
 def test_preload_imports_what_a_child_needs_and_freezes_it():
-    import gc
-
-    gc.unfreeze()
-    try:
-        forkserver.preload()
-        frozen = gc.get_freeze_count()
-    finally:
-        gc.unfreeze()
-    assert frozen > 100_000
-    assert [m for m in ("torch", "transformers.modeling_utils", "aiohttp.web", "hydra.compose", "omegaconf",
-                        "rlorch.serve.server", "rlorch.trainer.fsdp") if m not in sys.modules] == []
+    """In a fresh interpreter (this one has imported most of it already)."""
+    code = """
+import gc, json, sys
+from rlorch import forkserver
+wanted = ("torch", "transformers.modeling_utils", "aiohttp.web", "hydra.compose", "omegaconf",
+          "rlorch.serve.server", "rlorch.trainer.fsdp")
+before = {"loaded": [m for m in wanted if m in sys.modules], "frozen": gc.get_freeze_count()}
+forkserver.preload()
+print(json.dumps({"before": before, "missing": [m for m in wanted if m not in sys.modules],
+                  "frozen": gc.get_freeze_count(), "collecting": gc.isenabled()}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["before"] == {"loaded": [], "frozen": 0}
+    assert seen["missing"] == [] and seen["frozen"] > 100_000 and seen["collecting"]
 
 
 def test_a_server_started_for_a_run_that_launches_nothing_is_discarded():
