@@ -176,13 +176,20 @@ class SGLangEngine:
                 return done
             answer = await self._generate_once(input_ids + done.output_ids, params, remaining, rid, done)
             await self._append(done, answer)
-            if done.finish_reason != "abort":
-                return done
-            if rid in self._cancelled:
-                self._cancelled.discard(rid)
+            if self._ends_here(rid, done):
                 return done
             self.resubmits += 1
         raise EngineError(f"{self.name}: request {rid} aborted {MAX_SEGMENTS} times in a row")
+
+    def _ends_here(self, rid: str, done: Generation) -> bool:
+        """Whether request ``rid`` ends with the segment just added: it finished, or it was
+        aborted through :meth:`abort` (only a pause's abort is resubmitted)."""
+        if done.finish_reason != "abort":
+            return True
+        if rid in self._cancelled:
+            self._cancelled.discard(rid)
+            return True
+        return False
 
     async def _append(self, done: Generation, answer: dict) -> None:
         """Add one response's segment (tokens, logprobs, version stamps, text, finish reason)."""
@@ -249,10 +256,7 @@ class SGLangEngine:
 
     async def _continue(self, request: GroupRequest, rid: str, done: Generation) -> Generation:
         """A batch sample as :meth:`generate` leaves it: one a pause cut short goes on."""
-        if done.finish_reason != "abort":
-            return done
-        if rid in self._cancelled:
-            self._cancelled.discard(rid)
+        if self._ends_here(rid, done):
             return done
         self.resubmits += 1
         self.requests -= 1
