@@ -297,10 +297,11 @@ def write_weights(worker: Worker, target: Path) -> None:
 
 
 def own_copy(model, state: dict) -> dict:
-    """``state`` with every tensor that shares storage with the live model cloned. The full state
-    dict of weights already whole on the CPU (one rank, or a CPU device) is the parameters
-    themselves, which the next optimizer step changes in place while the hand-off still reads
-    them; a gathered (sharded) or offloaded tensor is already a copy and is kept as it is."""
+    """``state`` with every tensor that shares storage with the live (unsharded) model cloned.
+    On one rank the full state dict of weights already on the CPU is the parameters themselves,
+    which the next optimizer step changes in place while the hand-off still reads them; an
+    offloaded tensor is already a copy and is kept as it is. (Across ranks the full state dict
+    is gathered into new tensors.)"""
     live = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     return {name: tensor.clone() if tensor.untyped_storage().data_ptr() in live else tensor
             for name, tensor in state.items()}
@@ -314,7 +315,9 @@ def publish_version(worker: Worker, step: int, *, last: bool = False) -> None:
     Versions are handed off one at a time and in order (the previous hand-off is finished, and
     its error raised, before the next starts); the state dict is a copy taken now, so training
     on does not change what is handed off."""
-    state = own_copy(worker.model, _full_state_dict(worker.model))
+    state = _full_state_dict(worker.model)
+    if worker.world == 1:
+        state = own_copy(worker.model, state)
     if worker.rank == 0:
         wait_handed_off(worker)
         worker.handing_off = worker.hand_off_thread.submit(_hand_off, worker, step, state, last)
