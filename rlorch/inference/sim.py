@@ -61,7 +61,8 @@ class SimEngine:
     async def generate_batch(self, requests: Sequence[GroupRequest]) -> list[list[Generation]]:
         """One latency draw per group, the batch answered when its slowest group is done (a
         batch /generate returns once every sample has finished). Samples of the same length
-        share their token and logprob lists (consumers copy them, never change them)."""
+        share their token and logprob lists and their version stamps (consumers copy or read
+        them, never change them)."""
         version = self.loaded_version
         self.requests += sum(request.n for request in requests)
         self.calls += 1
@@ -72,10 +73,9 @@ class SimEngine:
         for request in requests:
             count = min(self.tokens, request.params.max_new_tokens)
             if count not in shared:
-                shared[count] = (self._pattern[:count], [-1.0] * count)
-            ids, logprobs = shared[count]
-            answers.append([Generation(ids, logprobs, VersionStamps([[version, count]]), "length")
-                            for _ in range(request.n)])
+                shared[count] = (self._pattern[:count], [-1.0] * count, VersionStamps([[version, count]]))
+            ids, logprobs, stamps = shared[count]
+            answers.append([Generation(ids, logprobs, stamps, "length") for _ in range(request.n)])
         return answers
 
     async def pause(self) -> None:
