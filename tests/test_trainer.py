@@ -202,6 +202,7 @@ def test_minibatches_make_the_corrections_differ_and_the_clip_engage(tmp_path):
     assert lines["tis"]["mismatch_tokens"] == 19 and lines["tis"]["mismatch_kl"] > 0.1
 
 
+@pytest.mark.slow
 def test_mismatch_and_entropy_are_measured_on_the_weights_before_the_first_update(tmp_path):
     """With two minibatches, the first one's figures come from its training forward and the
     second one's from a forward before the first update: together they equal one minibatch's."""
@@ -227,3 +228,27 @@ def test_a_handed_off_state_dict_does_not_follow_the_next_optimizer_step():
         model.bias.add_(1.0)
     assert all(torch.equal(state[name], before[name]) for name in before)
     assert state["other"] is detached["other"]
+
+
+@pytest.mark.slow
+def test_a_single_rank_checkpoint_resumes_on_two_ranks(tmp_path):
+    """One rank trains the plain module; its DCP checkpoint reshards onto two FSDP ranks, which
+    re-train step 3 as the single rank did."""
+    run, config = _make_run(tmp_path / "run", "trainer.fsdp.nproc=1")
+    for step in (1, 2, 3):
+        _write_batch(run, step)
+    code, output = _finish(_launch(config, run))
+    assert code == 0, output
+    single = _metrics(run)
+    assert [m["step"] for m in single] == [1, 2, 3]
+
+    config = compose(["trainer.fsdp.device=cpu", "train.steps=3", "trainer.checkpoint_every=2",
+                      "trainer.fsdp.micro_batch_size=2", "trainer.fsdp.nproc=2"])
+    save_config(config, run.config)
+    code, output = _finish(_launch(config, run, run.checkpoint(2)))
+    assert code == 0, output
+    assert json.loads((run.trainer / "ready").read_text())["world_size"] == 2
+    resumed = _metrics(run)[3]
+    assert resumed["step"] == 3
+    assert resumed["loss"] == pytest.approx(single[2]["loss"], rel=1e-4, abs=1e-6)
+    assert resumed["grad_norm"] == pytest.approx(single[2]["grad_norm"], rel=1e-4)
