@@ -67,17 +67,22 @@ async def drain(d: Dispatcher, groups: int) -> list[list[Rollout]]:
     return got
 
 
-def test_admitted_groups_share_packs_of_at_most_pack_groups_and_each_is_accounted():
-    pack = Packs()
-
+def run_to_the_end(pack: Packs, groups: int, **settings) -> tuple[Dispatcher, list[list[Rollout]]]:
+    """Start a packing dispatcher over ``groups`` prompts, take every finished group, stop."""
     async def scenario():
-        d = dispatcher(pack, prompts=10)
+        d = dispatcher(pack, prompts=groups, **settings)
         await d.start()
-        got = await drain(d, 10)
+        got = await drain(d, groups)
         await d.stop()
         return d, got
 
-    d, got = asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+def test_admitted_groups_share_packs_of_at_most_pack_groups_and_each_is_accounted():
+    pack = Packs()
+
+    d, got = run_to_the_end(pack, 10)
     assert pack.calls == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     assert [g[0].group_id for g in got] == list(range(10)) and all(len(g) == GROUP for g in got)
     assert d.gate.submitted == d.gate.accepted == 10 * GROUP and d.gate.running == 0
@@ -107,14 +112,7 @@ def test_a_pack_holds_only_what_the_gate_admits_now():
 def test_a_failed_pack_is_retried_whole_and_every_group_is_accepted():
     pack = Packs(fail_first=1)
 
-    async def scenario():
-        d = dispatcher(pack, prompts=4)
-        await d.start()
-        got = await drain(d, 4)
-        await d.stop()
-        return d, got
-
-    d, got = asyncio.run(scenario())
+    d, got = run_to_the_end(pack, 4)
     assert pack.calls == [[0, 1, 2, 3], [0, 1, 2, 3]] and d.retries == 1
     assert sorted(g[0].group_id for g in got) == [0, 1, 2, 3]
     assert d.gate.accepted == 4 * GROUP and d.gate.rejected == 0 and d.gate.running == 0
@@ -123,14 +121,7 @@ def test_a_failed_pack_is_retried_whole_and_every_group_is_accepted():
 def test_a_timed_out_pack_is_retried():
     pack = Packs(hang_first=1)
 
-    async def scenario():
-        d = dispatcher(pack, prompts=3, request_timeout=0.2)
-        await d.start()
-        got = await drain(d, 3)
-        await d.stop()
-        return d, got
-
-    d, got = asyncio.run(scenario())
+    d, got = run_to_the_end(pack, 3, request_timeout=0.2)
     assert pack.calls == [[0, 1, 2], [0, 1, 2]] and d.retries == 1 and len(got) == 3
     assert d.gate.accepted == 3 * GROUP and d.gate.running == 0
 

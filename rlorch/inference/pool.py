@@ -124,17 +124,13 @@ class EnginePool:
     async def generate_batch(self, requests: Sequence[GroupRequest]) -> list[list[Generation]]:
         """Every sample of ``requests`` in one call to one server (the least loaded), so it
         batches them. If that server fails the call, it is marked down and each sample starts
-        again on the live servers like any request; a server without a batch call gets the
-        groups side by side."""
+        again on the live servers like any request."""
         self._ensure_probe()
         server = await self._pick()
-        batch = getattr(server, "generate_batch", None)
-        if batch is None:
-            return await gather_all(*(self._group(r, prefer=server) for r in requests))
         count = sum(request.n for request in requests)
         self._in_flight[server.name] += count
         try:
-            answers = await batch(requests)
+            answers = await server.generate_batch(requests)
         except EngineUnavailable as err:
             self._mark_down(server, str(err))
             self.failovers += 1
@@ -144,9 +140,9 @@ class EnginePool:
         self.completed += count
         return answers
 
-    async def _group(self, request: GroupRequest, *, prefer: Optional[Server] = None) -> list[Generation]:
-        return await gather_all(*(self._generate(request.input_ids, request.params, f"{request.rid}-{i}",
-                                                 prefer=prefer) for i in range(request.n)))
+    async def _group(self, request: GroupRequest) -> list[Generation]:
+        return await gather_all(*(self._generate(request.input_ids, request.params, f"{request.rid}-{i}")
+                                  for i in range(request.n)))
 
     async def _generate(self, input_ids: list[int], params: SamplingParams, rid: str, *,
                         prefer: Optional[Server] = None) -> Generation:
