@@ -30,7 +30,7 @@ from rlorch.config import Config, InferenceBackend
 from rlorch.inference.launcher import start_engines
 from rlorch.rundir import RunDir
 from rlorch.trainer.broadcast import Broadcaster, _free_port
-from rlorch.trainer.publish import publish
+from rlorch.trainer.publish import HFWriter, publish
 from rlorch.weight_group import GroupSpec
 
 
@@ -67,6 +67,7 @@ async def bench(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-reload-") as root:
         root = Path(root)
         model, tokenizer = make_model(root / "model", args.hidden, args.layers)
+        writer = HFWriter(model, tokenizer)
         params = sum(p.numel() for p in model.parameters())
         config = Config()
         config.inference.backend = InferenceBackend.cpu
@@ -87,7 +88,7 @@ async def bench(args: argparse.Namespace) -> dict:
                 version += 1
                 state = perturb(model, version)
                 started = time.perf_counter()
-                path = publish(run, version, model, state, tokenizer)
+                path = publish(run, version, writer, state)
                 figures["write"].append(time.perf_counter() - started)
                 started = time.perf_counter()
                 await pool.reload(str(path), version)

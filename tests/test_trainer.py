@@ -252,3 +252,38 @@ def test_a_single_rank_checkpoint_resumes_on_two_ranks(tmp_path):
     assert resumed["step"] == 3
     assert resumed["loss"] == pytest.approx(single[2]["loss"], rel=1e-4, abs=1e-6)
     assert resumed["grad_norm"] == pytest.approx(single[2]["grad_norm"], rel=1e-4)
+
+
+def test_later_versions_are_written_as_save_pretrained_writes_them(tmp_path):
+    """After the first full save, a version gets the same files: the small ones byte for byte,
+    the weights under the same names with the new values."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlorch.model import ensure_default_model
+    from rlorch.trainer.publish import HFWriter, write_hf
+
+    path = ensure_default_model()
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    writer = HFWriter(model, tokenizer)
+    writer.write(tmp_path / "v1", {name: tensor.clone() for name, tensor in model.state_dict().items()})
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter))
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    writer.write(tmp_path / "v2", state)
+    write_hf(tmp_path / "full", model, state, tokenizer)
+    written, full = sorted(tmp_path.joinpath("v2").iterdir()), sorted(tmp_path.joinpath("full").iterdir())
+    assert [entry.name for entry in written] == [entry.name for entry in full]
+    for mine, theirs in zip(written, full):
+        if mine.suffix == ".safetensors":
+            ours, reference = load_file(mine), load_file(theirs)
+            assert sorted(ours) == sorted(reference)
+            assert all(torch.equal(ours[name], reference[name]) for name in ours)
+            first = load_file(tmp_path / "v1" / mine.name)
+            assert not any(torch.equal(ours[name], first[name]) for name in ours)
+        else:
+            assert mine.read_bytes() == theirs.read_bytes(), mine.name
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "v2")
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), model.state_dict().values()))

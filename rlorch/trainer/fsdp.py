@@ -35,7 +35,7 @@ from rlorch.trainer.broadcast import Broadcaster, plan
 from rlorch.trainer.batch import BatchError, micro_batches, minibatch_slices, read_batch
 from rlorch.trainer.checkpoint import CheckpointError
 from rlorch.trainer.loss import LossStats, MismatchStats, policy_loss, token_entropy, token_logprobs
-from rlorch.trainer.publish import clear_staging, discard_newer, prune, publish, write_hf
+from rlorch.trainer.publish import HFWriter, clear_staging, discard_newer, prune, publish
 
 POLL_SECONDS = 0.01
 """Between looks for the next batch when the ranks must agree on what they saw (a collective
@@ -60,6 +60,8 @@ class Worker:
     model: object
     optimizer: object
     tokenizer: object
+    writer: HFWriter
+    """Rank 0: writes the HF directories of published versions and checkpoints."""
     device: object
     rank: int
     world: int
@@ -112,10 +114,12 @@ def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
         for layer in _decoder_layers(model):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
+    # One rank holds plain tensors, which the fused kernel updates in one call per step instead
+    # of a dozen small ops per parameter; DTensor shards keep the default implementation.
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.trainer.lr,
-                                  weight_decay=config.trainer.weight_decay)
+                                  weight_decay=config.trainer.weight_decay, fused=True if world == 1 else None)
     tokenizer = AutoTokenizer.from_pretrained(path) if rank == 0 else None
-    worker = Worker(config, run, model, optimizer, tokenizer, device, rank, world)
+    worker = Worker(config, run, model, optimizer, tokenizer, HFWriter(model, tokenizer), device, rank, world)
     if resume is not None:
         worker.step = checkpoint.load(resume, model, optimizer)
         worker.saved.add(worker.step)
@@ -284,16 +288,19 @@ def _accumulate(worker: Worker, micros: list, total_tokens: int, proximal: list,
     return loss_sum, stats
 
 
-def _full_state_dict(model) -> dict:
-    """Collective: the full (unsharded) state dict on rank 0's CPU, empty elsewhere."""
+def _full_state_dict(model, world: int) -> dict:
+    """Collective: the full (unsharded) state dict on rank 0's CPU, empty elsewhere. A single
+    rank's model is a plain module whose own state dict is that already (on its device)."""
+    if world == 1:
+        return {name: tensor.to("cpu") for name, tensor in model.state_dict().items()}
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def write_weights(worker: Worker, target: Path) -> None:
     """Collective: the HF checkpoint of the current weights into ``target`` (rank 0 writes)."""
-    state = _full_state_dict(worker.model)
+    state = _full_state_dict(worker.model, worker.world)
     if worker.rank == 0:
-        write_hf(target, worker.model, state, worker.tokenizer)
+        worker.writer.write(target, state)
 
 
 def own_copy(model, state: dict) -> dict:
@@ -315,7 +322,7 @@ def publish_version(worker: Worker, step: int, *, last: bool = False) -> None:
     Versions are handed off one at a time and in order (the previous hand-off is finished, and
     its error raised, before the next starts); the state dict is a copy taken now, so training
     on does not change what is handed off."""
-    state = _full_state_dict(worker.model)
+    state = _full_state_dict(worker.model, worker.world)
     if worker.world == 1:
         state = own_copy(worker.model, state)
     if worker.rank == 0:
@@ -330,7 +337,7 @@ def publish_version(worker: Worker, step: int, *, last: bool = False) -> None:
 def _hand_off(worker: Worker, step: int, state: dict, last: bool) -> None:
     sent = worker.broadcaster is not None and worker.broadcaster.send(step, state)
     if not sent or last:
-        publish(worker.run, step, worker.model, state, worker.tokenizer)
+        publish(worker.run, step, worker.writer, state)
         prune(worker.run, worker.config.trainer.keep)
 
 

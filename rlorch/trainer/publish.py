@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
+
+import torch
 
 from rlorch.rundir import PUBLISHED, RunDir, fsync_dir, mark, step_name
 
@@ -35,7 +39,85 @@ def write_hf(target: Path, model, state_dict: dict, tokenizer) -> None:
         tokenizer.save_pretrained(target)
 
 
-def publish(run: RunDir, step: int, model, state_dict: dict, tokenizer) -> Path:
+@dataclass
+class _Layout:
+    """What a full HF save of this model wrote besides its weights, and how it wrote them."""
+
+    files: dict[str, bytes]
+    """Every file but the weights (config, generation config, tokenizer), with its bytes."""
+    weights_file: str
+    names: list[str]
+    """The tensors in the weights file, in the state dict's names (tied copies left out)."""
+    metadata: Optional[dict[str, str]]
+
+
+class HFWriter:
+    """Writes HF directories of one model's versions.
+
+    The first write is a full ``save_pretrained`` (config, generation config, tokenizer,
+    safetensors). Later versions change only the tensors: they get the first write's other files
+    byte for byte and a safetensors file with the same tensors under the same names, which costs
+    a fraction of ``save_pretrained``'s Python work per version. The shortcut is taken only where
+    the first write proved it exact: one weights file, no subdirectories, and every tensor in it
+    equal (dtype, shape, values) to the state dict's tensor of the same name; any other model is
+    written by ``save_pretrained`` every time, as is a state dict lacking one of the names or
+    tying two of them to one storage.
+    """
+
+    def __init__(self, model, tokenizer) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self._layout: Optional[_Layout] = None
+        self._learned = False
+
+    def write(self, target: Path, state_dict: dict) -> None:
+        layout = self._layout
+        if layout is None or not _fits(layout, state_dict):
+            write_hf(target, self.model, state_dict, self.tokenizer)
+            if not self._learned:
+                self._learned = True
+                self._layout = _learn_layout(target, state_dict)
+            return
+        from safetensors.torch import save_file
+
+        target.mkdir(parents=True, exist_ok=True)
+        for name, data in layout.files.items():
+            (target / name).write_bytes(data)
+        save_file({name: state_dict[name].contiguous() for name in layout.names},
+                  str(target / layout.weights_file), metadata=layout.metadata)
+
+
+def _fits(layout: _Layout, state_dict: dict) -> bool:
+    """Whether ``state_dict`` holds every tensor of ``layout``, none sharing storage with
+    another (``save_pretrained`` drops tied copies by storage, so a state dict whose tensors
+    are tied differently is written another way)."""
+    storages = set()
+    for name in layout.names:
+        tensor = state_dict.get(name)
+        if tensor is None:
+            return False
+        storages.add(tensor.untyped_storage().data_ptr())
+    return len(storages) == len(layout.names)
+
+
+def _learn_layout(target: Path, state_dict: dict) -> Optional[_Layout]:
+    from safetensors import safe_open
+
+    entries = list(target.iterdir())
+    weights = [entry for entry in entries if entry.suffix == ".safetensors"]
+    if len(weights) != 1 or any(not entry.is_file() for entry in entries):
+        return None
+    with safe_open(str(weights[0]), framework="pt") as handle:
+        names, metadata = list(handle.keys()), handle.metadata()
+        for name in names:
+            mine = state_dict.get(name)
+            theirs = handle.get_tensor(name)
+            if mine is None or mine.dtype != theirs.dtype or not torch.equal(mine.cpu(), theirs):
+                return None
+    return _Layout(files={entry.name: entry.read_bytes() for entry in entries if entry != weights[0]},
+                   weights_file=weights[0].name, names=names, metadata=metadata)
+
+
+def publish(run: RunDir, step: int, writer: HFWriter, state_dict: dict) -> Path:
     """Rank 0: write version ``step`` into ``weights/step_N`` and mark it PUBLISHED.
 
     A version directory left by an earlier life of the run (a resume re-trains steps after its
@@ -44,7 +126,7 @@ def publish(run: RunDir, step: int, model, state_dict: dict, tokenizer) -> Path:
     final = run.weights_for(step)
     staging = run.weights / f"{STAGING_PREFIX}{step_name(step)}"
     shutil.rmtree(staging, ignore_errors=True)
-    write_hf(staging, model, state_dict, tokenizer)
+    writer.write(staging, state_dict)
     fsync_tree(staging)
     if final.exists():
         stale = run.weights / f"{STAGING_PREFIX}stale-{step_name(step)}"
