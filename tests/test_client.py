@@ -216,9 +216,18 @@ def test_generate_batch_is_one_request_answered_in_request_order(server):
 
 
 def test_generate_batch_sample_cut_short_by_a_weight_update_continues(server, model_dir, perturbed_dir):
+    """The samples a pause cut short go on together: one more batch /generate per pause."""
     async def scenario():
         engine = SGLangEngine(server.address, extra_params={"ignore_eos": True})
         control = SGLangEngine(server.address)
+        posted = []
+        post = engine._post_generate
+
+        async def counting(rids, payload, partial=None):
+            posted.append(len(rids))
+            return await post(rids, payload, partial)
+
+        engine._post_generate = counting
         try:
             pending = asyncio.ensure_future(engine.generate_batch(
                 [GroupRequest(PROMPT, SamplingParams(max_new_tokens=60), 2, "long")]))
@@ -230,13 +239,13 @@ def test_generate_batch_sample_cut_short_by_a_weight_update_continues(server, mo
             await control.pause()
             await control.reload(str(model_dir), 0)
             await control.resume()
-            return answers, engine.resubmits
+            return answers, engine.resubmits, posted
         finally:
             await engine.close()
             await control.close()
 
-    (group,), resubmits = run(scenario())
-    assert resubmits >= 1
+    (group,), resubmits, posted = run(scenario())
+    assert resubmits == 2 and posted == [2, 2]
     for generation in group:
         assert len(generation.output_ids) == len(generation.logprobs) == 60 and generation.finish_reason == "length"
         assert generation.versions.count == 60 and generation.versions.tail == 1

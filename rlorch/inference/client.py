@@ -228,14 +228,16 @@ class SGLangEngine:
     async def generate_batch(self, requests: Sequence[GroupRequest]) -> list[list[Generation]]:
         """Every sample of every request in one batch /generate (SGLang's batch form:
         ``input_ids`` a list of lists, ``sampling_params`` and ``rid`` lists of the same length,
-        answered as a list in the same order; request ids ``f"{rid}-{i}"``). A sample a pause
-        cut short continues on its own as :meth:`generate` would. A server that refuses the
-        batch form (HTTP 4xx other than a duplicate id) gets separate requests instead, and
-        once they succeed, from then on."""
+        answered as a list in the same order; request ids ``f"{rid}-{i}"``). The samples a pause
+        cut short go on together, in one batch /generate per pause, each from where it stopped
+        as :meth:`generate` would continue it. A server that refuses the batch form (HTTP 4xx
+        other than a duplicate id) gets separate requests instead, and once they succeed, from
+        then on."""
         if not self.batch_form:
             return await self._generate_each(requests)
         samples = [(request, f"{request.rid}-{i}") for request in requests for i in range(request.n)]
-        body = await self._generate_batch_once(samples)
+        body = await self._generate_batch_once([rid for _, rid in samples], [r.input_ids for r, _ in samples],
+                                               [self._sampling(r.params, r.params.max_new_tokens) for r, _ in samples])
         if body is None:
             answers = await self._generate_each(requests)
             self.batch_form = False
@@ -244,38 +246,53 @@ class SGLangEngine:
             return answers
         self.requests += len(samples)
         done = [Generation([], [], VersionStamps(), "abort") for _ in samples]
-        for generation, answer in zip(done, body):
-            await self._append(generation, answer)
-        finished = await gather_all(*(self._continue(request, rid, generation)
-                                      for (request, rid), generation in zip(samples, done)))
+        going_on = list(range(len(samples)))
+        for attempt in range(MAX_SEGMENTS):
+            if attempt:
+                self.resubmits += len(going_on)
+                body = await self._generate_batch_once(
+                    [samples[index][1] for index in going_on],
+                    [samples[index][0].input_ids + done[index].output_ids for index in going_on],
+                    [self._sampling(samples[index][0].params, self._remaining(samples[index][0], done[index]))
+                     for index in going_on])
+                if body is None:
+                    raise EngineError(f"{self.name} refused the batch form of /generate it took before")
+            for index, answer in zip(going_on, body):
+                await self._append(done[index], answer)
+            going_on = [index for index in going_on if not self._ends_here(samples[index][1], done[index])]
+            for index in [index for index in going_on if self._remaining(samples[index][0], done[index]) <= 0]:
+                done[index].finish_reason = "length"
+                going_on.remove(index)
+            if not going_on:
+                break
+        else:
+            raise EngineError(f"{self.name}: batch requests {', '.join(samples[i][1] for i in going_on[:3])} "
+                              f"aborted {MAX_SEGMENTS} times in a row")
         answers, at = [], 0
         for request in requests:
-            answers.append(list(finished[at:at + request.n]))
+            answers.append(done[at:at + request.n])
             at += request.n
         return answers
 
-    async def _continue(self, request: GroupRequest, rid: str, done: Generation) -> Generation:
-        """A batch sample as :meth:`generate` leaves it: one a pause cut short goes on."""
-        if self._ends_here(rid, done):
-            return done
-        self.resubmits += 1
-        self.requests -= 1
-        return await self.generate(request.input_ids, request.params, rid, prefix=done)
+    @staticmethod
+    def _remaining(request: GroupRequest, done: Generation) -> int:
+        return request.params.max_new_tokens - len(done.output_ids)
+
+    def _sampling(self, params: SamplingParams, max_new_tokens: int) -> dict:
+        return {**params.to_json(), **self.extra_params, "max_new_tokens": max_new_tokens}
 
     async def _generate_each(self, requests: Sequence[GroupRequest]) -> list[list[Generation]]:
         return await gather_all(*(self.generate_group(r.input_ids, r.params, r.n, r.rid) for r in requests))
 
-    async def _generate_batch_once(self, samples: list[tuple[GroupRequest, str]]) -> Optional[list]:
+    async def _generate_batch_once(self, rids: list[str], inputs: list[list[int]],
+                                   params: list[dict]) -> Optional[list]:
         """One batch /generate under fresh wire ids; None when the server refuses the batch form."""
-        params = [{**request.params.to_json(), **self.extra_params} for request, _ in samples]
-        inputs = [request.input_ids for request, _ in samples]
         status, body = await self._post_generate(
-            [rid for _, rid in samples],
-            lambda sent: {"input_ids": inputs, "sampling_params": params, "return_logprob": True, "rid": sent})
+            rids, lambda sent: {"input_ids": inputs, "sampling_params": params, "return_logprob": True, "rid": sent})
         if status in BATCH_REFUSED:
             return None
-        if status != 200 or not isinstance(body, list) or len(body) != len(samples):
-            raise EngineError(f"{self.name} batch /generate of {len(samples)} answered {status}: "
+        if status != 200 or not isinstance(body, list) or len(body) != len(rids):
+            raise EngineError(f"{self.name} batch /generate of {len(rids)} answered {status}: "
                               f"{self._message(body)[:200]}")
         return body
 
@@ -306,7 +323,7 @@ class SGLangEngine:
     async def _generate_once(self, input_ids: list[int], params: SamplingParams, remaining: int,
                              rid: str, partial: Generation) -> dict:
         """One single-request /generate (see :meth:`_post_generate`)."""
-        sampling = {**params.to_json(), **self.extra_params, "max_new_tokens": remaining}
+        sampling = self._sampling(params, remaining)
         status, body = await self._post_generate(
             [rid], lambda sent: {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True,
                                  "rid": sent[0]}, partial)
