@@ -172,8 +172,8 @@ def head_ages(rollouts: Iterable[Rollout], train_version: int) -> list[int]:
 
     Replayed or external rollouts carry no meaningful version and are excluded.
     """
-    return [train_version - r.versions.head for r in rollouts
-            if r.origin is Origin.live and r.versions.runs]
+    live = Origin.live
+    return [train_version - r.versions.head for r in rollouts if r.origin is live and r.versions.runs]
 
 
 @dataclass(slots=True)

@@ -44,13 +44,14 @@ class StepRecords:
         self.last: dict = {}
 
     def shipped(self, batch: Batch, *, admitted: int, parked_s: float) -> None:
-        rewards = [r.reward for r in batch.rollouts]
+        rollouts = batch.rollouts
+        rewards = [r.reward for r in rollouts]
         self.pending[batch.step] = {
             "kind": "step", "step": batch.step, "admitted": admitted,
-            **age_stats(head_ages(batch.rollouts, batch.step - 1)),
+            **age_stats(head_ages(rollouts, batch.step - 1)),
             "trainable": sum(1 for a in batch.advantages if abs(a) > 1e-8), "filtered": batch.filtered,
             "reward_mean": round(sum(rewards) / len(rewards), 6), "parked_s": round(parked_s, 4),
-            "tokens": sum(r.generated_tokens for r in batch.rollouts), "rollouts": len(batch.rollouts)}
+            "tokens": sum([r.versions.count for r in rollouts]), "rollouts": len(rollouts)}
 
     def ready(self, trained: int, extra: Optional[dict] = None, *, final: bool = False) -> list[dict]:
         """The records of steps up to ``trained`` (the live version) whose trainer line has been
