@@ -124,15 +124,26 @@ class DigitTask(SingleTurn):
         return f"{text}=", self.transform(text)
 
     def eval_prompts(self, count: int) -> list[tuple[str, str]]:
-        """Up to ``count`` distinct held-out prompts, the same list for every run."""
+        """Up to ``count`` distinct held-out prompts, the same list for every run. The draws stop
+        once ``count`` are found or, when the held-out split is smaller, once all of it is."""
+        draws = count * HELD_OUT_MODULUS * 20
+        wanted = min(count, self._held_out_size(draws))
         found: dict[str, None] = {}
-        for index in range(count * HELD_OUT_MODULUS * 20):
+        for index in range(draws):
             text = self._draw(f"{self.name}:eval:{index}")
             if is_held_out(text):
                 found.setdefault(text)
-                if len(found) == count:
+                if len(found) == wanted:
                     break
         return [(f"{text}=", self.transform(text)) for text in found]
+
+    def _held_out_size(self, limit: int) -> int:
+        """How many digit strings the held-out split has, counted only when there are at most
+        ``limit`` strings of the task's lengths (else ``limit``, which no draw loop reaches)."""
+        lengths = range(self.min_digits, self.max_digits + 1)
+        if sum(10 ** length for length in lengths) > limit:
+            return limit
+        return sum(is_held_out(str(value).zfill(length)) for length in lengths for value in range(10 ** length))
 
     def score(self, completion: str, answer: str) -> float:
         return digit_credit(completion, answer, self.format_weight)
