@@ -191,28 +191,33 @@ class EpisodeWork:
         """The rollouts single-turn groups' generations make: prompt tokens untrained (mask 0,
         logprob 0), then the generated ones with their behaviour logprobs and version stamps
         (each rollout takes over its generation's stamps: the engine made them for this call).
-        The fields :meth:`_rollout` sets, built inline: this runs once per sample. The untrained
-        prefixes are made once per prompt length and only ever copied into a rollout."""
+        The fields :meth:`_rollout` sets, built inline: this runs once per sample. Rollouts of
+        the same prompt and generated lengths share one loss mask (a rollout's lists are never
+        changed once built)."""
         score, override, tokenizer, env, live = self.env.score, self.override, self.tokenizer, self.env, Origin.live
-        prefixes: dict[int, tuple[list[int], list[float]]] = {}
+        untrained: dict[int, list[float]] = {}
+        masks: dict[tuple[int, int], list[int]] = {}
         groups = []
         for prompt, request, generations in zip(prompts, requests, answers):
             prompt_ids, answer, env_name, is_eval = prompt.input_ids, prompt.answer, prompt.env, prompt.is_eval
             prompt_len, group_id, attempt, base = len(prompt_ids), prompt.group_id, prompt.attempt, request.rid
-            prefix = prefixes.get(prompt_len)
-            if prefix is None:
-                prefix = prefixes[prompt_len] = ([0] * prompt_len, [0.0] * prompt_len)
-            zeros, nothing = prefix
+            nothing = untrained.get(prompt_len)
+            if nothing is None:
+                nothing = untrained[prompt_len] = [0.0] * prompt_len
             rollouts = []
             for i, generation in enumerate(generations):
                 completion = generation.text if tokenizer is None else decode(tokenizer, generation)
                 reward = float(score(completion, answer)) if override is None else override(completion, answer)
                 correct = is_correct(env, completion, answer, reward) if is_eval else None
                 output_ids = generation.output_ids
-                rollouts.append(Rollout(group_id, f"{base}-{i}", env_name, prompt_ids + output_ids,
-                                        zeros + [1] * len(output_ids), nothing + generation.logprobs,
-                                        generation.versions, reward, live, generation.finish_reason,
-                                        is_eval, prompt_len, completion, correct, attempt))
+                shape = (prompt_len, len(output_ids))
+                mask = masks.get(shape)
+                if mask is None:
+                    mask = masks[shape] = [0] * prompt_len + [1] * len(output_ids)
+                rollouts.append(Rollout(group_id, f"{base}-{i}", env_name, prompt_ids + output_ids, mask,
+                                        nothing + generation.logprobs, generation.versions, reward, live,
+                                        generation.finish_reason, is_eval, prompt_len, completion, correct,
+                                        attempt))
             groups.append(rollouts)
         return groups
 

@@ -126,7 +126,8 @@ class Rollout:
 
     ``tokens`` holds prompt, model turns, tool calls and environment replies; ``loss_mask`` marks
     model tokens (the only ones trained); ``logprobs`` are the behaviour logprobs aligned with
-    ``tokens`` (0 where the mask is 0); ``versions`` covers the masked tokens in order.
+    ``tokens`` (0 where the mask is 0); ``versions`` covers the masked tokens in order. Its lists
+    and stamps are never changed once it is built (rollouts of one engine call may share them).
     """
 
     group_id: int
