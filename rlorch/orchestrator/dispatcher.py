@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from itertools import islice
 from dataclasses import dataclass
+from itertools import islice
 from typing import Awaitable, Callable, Iterator, Optional
 
 from rlorch.lifecycle import cancel_and_wait, gather_all

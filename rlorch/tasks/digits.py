@@ -125,11 +125,13 @@ class DigitTask(SingleTurn):
 
     def eval_prompts(self, count: int) -> list[tuple[str, str]]:
         """Up to ``count`` distinct held-out prompts, the same list for every run. The draws stop
-        once ``count`` are found or, when the held-out split is smaller, once all of it is."""
-        draws = count * HELD_OUT_MODULUS * 20
-        wanted = min(count, self._held_out_size(draws))
+        once ``count`` are found, or once the whole held-out split is found where it may hold
+        fewer: there it is counted first, over fewer strings than finding ``count`` draws."""
+        wanted = count
+        if self._strings() <= count * HELD_OUT_MODULUS:
+            wanted = min(count, self._held_out_size())
         found: dict[str, None] = {}
-        for index in range(draws):
+        for index in range(count * HELD_OUT_MODULUS * 20):
             text = self._draw(f"{self.name}:eval:{index}")
             if is_held_out(text):
                 found.setdefault(text)
@@ -137,13 +139,13 @@ class DigitTask(SingleTurn):
                     break
         return [(f"{text}=", self.transform(text)) for text in found]
 
-    def _held_out_size(self, limit: int) -> int:
-        """How many digit strings the held-out split has, counted only when there are at most
-        ``limit`` strings of the task's lengths (else ``limit``, which no draw loop reaches)."""
-        lengths = range(self.min_digits, self.max_digits + 1)
-        if sum(10 ** length for length in lengths) > limit:
-            return limit
-        return sum(is_held_out(str(value).zfill(length)) for length in lengths for value in range(10 ** length))
+    def _strings(self) -> int:
+        """How many digit strings the task's lengths allow."""
+        return sum(10 ** length for length in range(self.min_digits, self.max_digits + 1))
+
+    def _held_out_size(self) -> int:
+        return sum(is_held_out(str(value).zfill(length))
+                   for length in range(self.min_digits, self.max_digits + 1) for value in range(10 ** length))
 
     def score(self, completion: str, answer: str) -> float:
         return digit_credit(completion, answer, self.format_weight)
