@@ -53,9 +53,15 @@ class PromptSource:
         return prompt
 
 
+CHARACTER_IDS = bytes(1 + (code % 60) for code in range(256))
+"""The sim backends' tokenizer on ASCII text: character code -> token id (``1 + code % 60``)."""
+
+
 def encode_text(tokenizer: Any, text: str) -> list[int]:
     """Token ids of ``text`` (the sim backends have no tokenizer: one id per character)."""
     if tokenizer is None:
+        if text.isascii():
+            return list(text.encode().translate(CHARACTER_IDS))
         return [1 + (ord(c) % 60) for c in text]
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -163,7 +169,7 @@ class EpisodeWork:
         return (await self.pack([prompt]))[0]
 
     async def pack(self, prompts: list[Prompt]) -> list[list[Rollout]]:
-        requests = [self._request(prompt) for prompt in prompts]
+        requests = self._requests(prompts)
         if not self.batched:
             return await gather_all(*(self._episodes(p, r) for p, r in zip(prompts, requests)))
         if len(requests) == 1:
@@ -173,34 +179,45 @@ class EpisodeWork:
             answers = await self.engine.generate_batch(requests)
         return self._single_turn(prompts, requests, answers)
 
-    def _request(self, prompt: Prompt) -> GroupRequest:
-        base = f"{'e' if prompt.is_eval else 'g'}{prompt.group_id}-{prompt.attempt}"
-        if prompt.is_eval:
-            return GroupRequest(prompt.input_ids, self.eval_params, 1, base)
-        return GroupRequest(prompt.input_ids, self.train_params, self.group_size, base)
+    def _requests(self, prompts: list[Prompt]) -> list[GroupRequest]:
+        """One request per prompt: an eval prompt's one greedy sample (id ``e<group>-<attempt>``),
+        else the group's samples (``g<group>-<attempt>``)."""
+        train, greedy, n = self.train_params, self.eval_params, self.group_size
+        return [GroupRequest(p.input_ids, greedy, 1, f"e{p.group_id}-{p.attempt}") if p.is_eval
+                else GroupRequest(p.input_ids, train, n, f"g{p.group_id}-{p.attempt}") for p in prompts]
 
     def _single_turn(self, prompts: list[Prompt], requests: list[GroupRequest],
                      answers: list[list[Generation]]) -> list[list[Rollout]]:
         """The rollouts single-turn groups' generations make: prompt tokens untrained (mask 0,
         logprob 0), then the generated ones with their behaviour logprobs and version stamps
         (each rollout takes over its generation's stamps: the engine made them for this call).
-        The fields :meth:`_rollout` sets, built inline: this runs once per sample."""
-        score, override, tokenizer, env = self.env.score, self.override, self.tokenizer, self.env
+        The fields :meth:`_rollout` sets, built inline: this runs once per sample. Rollouts of
+        the same prompt and generated lengths share one loss mask (a rollout's lists are never
+        changed once built)."""
+        score, override, tokenizer, env, live = self.env.score, self.override, self.tokenizer, self.env, Origin.live
+        untrained: dict[int, list[float]] = {}
+        masks: dict[tuple[int, int], list[int]] = {}
         groups = []
         for prompt, request, generations in zip(prompts, requests, answers):
             prompt_ids, answer, env_name, is_eval = prompt.input_ids, prompt.answer, prompt.env, prompt.is_eval
             prompt_len, group_id, attempt, base = len(prompt_ids), prompt.group_id, prompt.attempt, request.rid
-            zeros, nothing = [0] * prompt_len, [0.0] * prompt_len
+            nothing = untrained.get(prompt_len)
+            if nothing is None:
+                nothing = untrained[prompt_len] = [0.0] * prompt_len
             rollouts = []
             for i, generation in enumerate(generations):
                 completion = generation.text if tokenizer is None else decode(tokenizer, generation)
                 reward = float(score(completion, answer)) if override is None else override(completion, answer)
                 correct = is_correct(env, completion, answer, reward) if is_eval else None
                 output_ids = generation.output_ids
-                rollouts.append(Rollout(group_id, f"{base}-{i}", env_name, prompt_ids + output_ids,
-                                        zeros + [1] * len(output_ids), nothing + generation.logprobs,
-                                        generation.versions, reward, Origin.live, generation.finish_reason,
-                                        is_eval, prompt_len, completion, correct, attempt))
+                shape = (prompt_len, len(output_ids))
+                mask = masks.get(shape)
+                if mask is None:
+                    mask = masks[shape] = [0] * prompt_len + [1] * len(output_ids)
+                rollouts.append(Rollout(group_id, f"{base}-{i}", env_name, prompt_ids + output_ids, mask,
+                                        nothing + generation.logprobs, generation.versions, reward, live,
+                                        generation.finish_reason, is_eval, prompt_len, completion, correct,
+                                        attempt))
             groups.append(rollouts)
         return groups
 

@@ -126,7 +126,8 @@ class Rollout:
 
     ``tokens`` holds prompt, model turns, tool calls and environment replies; ``loss_mask`` marks
     model tokens (the only ones trained); ``logprobs`` are the behaviour logprobs aligned with
-    ``tokens`` (0 where the mask is 0); ``versions`` covers the masked tokens in order.
+    ``tokens`` (0 where the mask is 0); ``versions`` covers the masked tokens in order. Its lists
+    and stamps are never changed once it is built (rollouts of one engine call may share them).
     """
 
     group_id: int
@@ -172,8 +173,8 @@ def head_ages(rollouts: Iterable[Rollout], train_version: int) -> list[int]:
 
     Replayed or external rollouts carry no meaningful version and are excluded.
     """
-    return [train_version - r.versions.head for r in rollouts
-            if r.origin is Origin.live and r.versions.runs]
+    live = Origin.live
+    return [train_version - r.versions.head for r in rollouts if r.origin is live and r.versions.runs]
 
 
 @dataclass(slots=True)

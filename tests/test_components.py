@@ -306,3 +306,15 @@ def test_watcher_moves_on_when_the_trainer_pruned_the_version_it_was_loading(tmp
         assert "engine down" in str(err)  # a version that still exists: a real failure
     else:
         raise AssertionError("a failed reload of an existing version must raise")
+
+
+def test_step_age_figures_match_numpy_on_the_few_ages_a_batch_has():
+    import numpy as np
+
+    from rlorch.orchestrator.steps import age_stats
+
+    for ages in ([3] * 97 + [4] * 3, [0, 1], [4, 3, 3, 2], [-1, 0, 2, 2], [5], list(range(300)), [1] * 98 + [7] * 2):
+        values = np.asarray(ages)
+        assert age_stats(ages) == {"age_max": int(values.max()), "age_p99": float(np.percentile(values, 99)),
+                                   "age_mean": round(float(values.mean()), 4),
+                                   "age_counts": np.bincount(np.maximum(values, 0)).tolist()}, ages

@@ -113,6 +113,23 @@ def test_held_out_prompts_are_never_training_prompts():
     assert env.is_correct("321", "321") and not env.is_correct("320", "321")
 
 
+def test_a_held_out_split_smaller_than_the_eval_set_is_evaluated_whole_in_draw_order():
+    from rlorch.tasks.digits import is_held_out
+
+    env = _env("task.params.min_digits=2", "task.params.max_digits=2")
+    split = {f"{value:02d}=" for value in range(100) if is_held_out(f"{value:02d}")}
+    prompts = [text for text, _ in env.eval_prompts(50)]
+    assert sorted(prompts) == sorted(split)
+    assert prompts == [text for text, _ in env.eval_prompts(len(split))]
+
+
+def test_sim_token_ids_are_one_per_character_for_any_text():
+    from rlorch.episode import encode_text
+
+    for text in ("", "4071=", "no=", "naïve €", "".join(map(chr, range(200)))):
+        assert encode_text(None, text) == [1 + (ord(c) % 60) for c in text]
+
+
 def test_the_calculator_tool_evaluates_sums_and_refuses_the_rest():
     from rlorch.tasks.calculator import calculate
 

@@ -61,21 +61,22 @@ class SimEngine:
     async def generate_batch(self, requests: Sequence[GroupRequest]) -> list[list[Generation]]:
         """One latency draw per group, the batch answered when its slowest group is done (a
         batch /generate returns once every sample has finished). Samples of the same length
-        share their token and logprob lists and their version stamps (consumers copy or read
-        them, never change them)."""
+        are one Generation, its lists and version stamps included (consumers copy or read it,
+        never change it)."""
         version = self.loaded_version
         self.requests += sum(request.n for request in requests)
         self.calls += 1
         delay = self.lo if self.hi <= self.lo else max(self.rng.uniform(self.lo, self.hi) for _ in requests)
         if delay > 0:
             await asyncio.sleep(delay)
-        answers, shared = [], {}
+        answers, shared, tokens = [], {}, self.tokens
         for request in requests:
-            count = min(self.tokens, request.params.max_new_tokens)
-            if count not in shared:
-                shared[count] = (self._pattern[:count], [-1.0] * count, VersionStamps([[version, count]]))
-            ids, logprobs, stamps = shared[count]
-            answers.append([Generation(ids, logprobs, stamps, "length") for _ in range(request.n)])
+            count = min(tokens, request.params.max_new_tokens)
+            generation = shared.get(count)
+            if generation is None:
+                generation = shared[count] = Generation(self._pattern[:count], [-1.0] * count,
+                                                        VersionStamps([[version, count]]), "length")
+            answers.append([generation] * request.n)
         return answers
 
     async def pause(self) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 from typing import Awaitable, Callable, Iterator, Optional
 
 from rlorch.lifecycle import cancel_and_wait, gather_all
@@ -172,11 +173,7 @@ class Dispatcher:
 
     # submission and fetch --------------------------------------------------------------------
     def _refill(self) -> None:
-        while len(self.in_queue) < self.queue_size:
-            prompt = next(self.prompts, None)
-            if prompt is None:
-                return
-            self.in_queue.append(prompt)
+        self.in_queue.extend(islice(self.prompts, max(0, self.queue_size - len(self.in_queue))))
 
     def _admit_all(self) -> None:
         """Admit as many whole groups as the drain budget, the queue and the gate allow (one

@@ -27,7 +27,7 @@ from rlorch.orchestrator.ledger import Fate, Ledger, ResumeState
 from rlorch.orchestrator.loggers import make_loggers
 from rlorch.orchestrator.metrics import MetricsLoop
 from rlorch.orchestrator.runstats import RunStats
-from rlorch.orchestrator.sinks import TrainSink, Verdict
+from rlorch.orchestrator.sinks import KEPT, TrainSink, Verdict
 from rlorch.orchestrator.steps import StepRecords
 from rlorch.orchestrator.stops import Converged, RunFailed, StopKind, StopReason
 from rlorch.orchestrator.watcher import WeightWatcher
@@ -145,9 +145,11 @@ class Orchestrator:
     def _file(self, group: list[Rollout], step: int) -> None:
         """Hand a finished group to the sink; a rejected one leaves the gate's accounting."""
         verdict = self.sink.add(group, step)
+        if verdict is KEPT:
+            return
         if verdict is Verdict.stale:
             self._stale(group)
-        elif verdict is not Verdict.kept:
+        else:
             self.ledger.record(Fate.filtered, len(group))
             self.gate.on_discarded(len(group))
             self.dispatcher.notify()
@@ -270,16 +272,22 @@ class Orchestrator:
             await cancel_and_wait(ready)
             self._check_alarm()
 
+    async def _fill(self, step: int, alarm_task: asyncio.Task) -> None:
+        """File finished groups until the sink holds batch ``step`` (or its filter budget ran out).
+        Groups already waiting are filed without yielding to the event loop, where alone the
+        alarm can be raised; :meth:`_next_group` checks it after every wait."""
+        sink, dispatcher = self.sink, self.dispatcher
+        while not (sink.ready() or sink.over_budget()):
+            group = dispatcher.try_get()
+            self._file(group if group is not None else await self._next_group(alarm_task), step)
+
     async def _train(self, alarm_task: asyncio.Task) -> None:
         while self.shipped < self.config.train.steps:
             self._check_alarm()
             step = self.shipped + 1
             for stale in self.sink.restale(step):
                 self._stale(stale)
-            while not (self.sink.ready() or self.sink.over_budget()):
-                group = self.dispatcher.try_get()
-                self._file(group if group is not None else await self._next_group(alarm_task), step)
-                self._check_alarm()
+            await self._fill(step, alarm_task)
             batch = self.sink.emit(step)
             if not batch.trainable:
                 self.ledger.record(Fate.filtered, len(batch.rollouts))

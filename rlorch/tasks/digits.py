@@ -124,15 +124,28 @@ class DigitTask(SingleTurn):
         return f"{text}=", self.transform(text)
 
     def eval_prompts(self, count: int) -> list[tuple[str, str]]:
-        """Up to ``count`` distinct held-out prompts, the same list for every run."""
+        """Up to ``count`` distinct held-out prompts, the same list for every run. The draws stop
+        once ``count`` are found, or once the whole held-out split is found where it may hold
+        fewer: there it is counted first, over fewer strings than finding ``count`` draws."""
+        wanted = count
+        if self._strings() <= count * HELD_OUT_MODULUS:
+            wanted = min(count, self._held_out_size())
         found: dict[str, None] = {}
         for index in range(count * HELD_OUT_MODULUS * 20):
             text = self._draw(f"{self.name}:eval:{index}")
             if is_held_out(text):
                 found.setdefault(text)
-                if len(found) == count:
+                if len(found) == wanted:
                     break
         return [(f"{text}=", self.transform(text)) for text in found]
+
+    def _strings(self) -> int:
+        """How many digit strings the task's lengths allow."""
+        return sum(10 ** length for length in range(self.min_digits, self.max_digits + 1))
+
+    def _held_out_size(self) -> int:
+        return sum(is_held_out(str(value).zfill(length))
+                   for length in range(self.min_digits, self.max_digits + 1) for value in range(10 ** length))
 
     def score(self, completion: str, answer: str) -> float:
         return digit_credit(completion, answer, self.format_weight)
