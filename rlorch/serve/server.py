@@ -27,13 +27,14 @@ from aiohttp import web
 
 from rlorch.lifecycle import cancel_and_wait
 from rlorch.serve.batcher import Batcher, GenerationFailed, LoadError, Sequence
-from rlorch.serve.sampling import RequestError, RequestParams, is_int
+from rlorch.serve.sampling import RequestError, RequestParams
 
 log = logging.getLogger("rlorch.serve")
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _LOAD_FORMATS = (None, "auto", "safetensors")
 _PAUSE_MODES = ("abort", "in_place", "retract")
+_INT = {int}
 HEALTH_CHECK_TIMEOUT = 20.0
 """Seconds ``/health_generate`` waits for its one token (SGLang's ``HEALTH_CHECK_TIMEOUT``)."""
 
@@ -265,7 +266,8 @@ class CpuServer:
         batched = isinstance(input_ids[0], list)
         prompts = input_ids if batched else [input_ids]
         for prompt in prompts:
-            if not isinstance(prompt, list) or not all(is_int(t) for t in prompt):
+            # JSON numbers parse to exactly int (never a subclass; true/false are bool).
+            if not isinstance(prompt, list) or not set(map(type, prompt)) <= _INT:
                 raise RequestError("input_ids must be a list of integers or a list of lists of integers")
         return self._check_prompts(prompts, "input_ids"), batched
 
@@ -273,7 +275,7 @@ class CpuServer:
         for prompt in prompts:
             if not prompt:
                 raise RequestError(f"{field} must not be empty")
-            if any(not 0 <= t < self.vocab_size for t in prompt):
+            if min(prompt) < 0 or max(prompt) >= self.vocab_size:
                 raise RequestError(f"token ids must lie in [0, {self.vocab_size})")
             if len(prompt) >= self.context_len:
                 raise RequestError(f"the input ({len(prompt)} tokens) is longer than the model's "
@@ -284,7 +286,14 @@ class CpuServer:
         if isinstance(raw, list):
             if not batched or len(raw) != count:
                 raise RequestError(f"a list of sampling_params needs a batch of the same length ({count})")
-            return [RequestParams.parse(item, self.vocab_size) for item in raw]
+            # A batch's samples mostly carry equal parameters: parsed once per run of equal items,
+            # shared as one object as a single object's ``n`` samples share theirs.
+            parsed, last_raw, last = [], None, None
+            for item in raw:
+                if last is None or item != last_raw:
+                    last, last_raw = RequestParams.parse(item, self.vocab_size), item
+                parsed.append(last)
+            return parsed
         params = RequestParams.parse(raw, self.vocab_size)
         return [params] * count
 
