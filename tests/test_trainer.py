@@ -254,18 +254,24 @@ def test_a_single_rank_checkpoint_resumes_on_two_ranks(tmp_path):
     assert resumed["grad_norm"] == pytest.approx(single[2]["grad_norm"], rel=1e-4)
 
 
-def test_later_versions_are_written_as_save_pretrained_writes_them(tmp_path):
+@pytest.mark.parametrize("tied", [True, False])
+def test_later_versions_are_written_as_save_pretrained_writes_them(tmp_path, tied):
     """After the first full save, a version gets the same files: the small ones byte for byte,
-    the weights under the same names with the new values."""
+    the weights under the same names with the new values (tied embeddings or not)."""
     import torch
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from rlorch.model import ensure_default_model
     from rlorch.trainer.publish import HFWriter, write_hf
 
     path = ensure_default_model()
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path)
+    config.tie_word_embeddings = tied
+    model, tokenizer = AutoModelForCausalLM.from_config(config), AutoTokenizer.from_pretrained(path)
+    full_saves = []
+    save_pretrained = model.save_pretrained
+    model.save_pretrained = lambda *args, **kwargs: full_saves.append(1) or save_pretrained(*args, **kwargs)
     writer = HFWriter(model, tokenizer)
     writer.write(tmp_path / "v1", {name: tensor.clone() for name, tensor in model.state_dict().items()})
     with torch.no_grad():
@@ -273,7 +279,8 @@ def test_later_versions_are_written_as_save_pretrained_writes_them(tmp_path):
             parameter.add_(torch.randn_like(parameter))
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     writer.write(tmp_path / "v2", state)
-    write_hf(tmp_path / "full", model, state, tokenizer)
+    assert len(full_saves) == 1
+    write_hf(tmp_path / "full", model, dict(state), tokenizer)
     written, full = sorted(tmp_path.joinpath("v2").iterdir()), sorted(tmp_path.joinpath("full").iterdir())
     assert [entry.name for entry in written] == [entry.name for entry in full]
     for mine, theirs in zip(written, full):

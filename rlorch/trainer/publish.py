@@ -72,7 +72,8 @@ class HFWriter:
     def write(self, target: Path, state_dict: dict) -> None:
         layout = self._layout
         if layout is None or not _fits(layout, state_dict):
-            write_hf(target, self.model, state_dict, self.tokenizer)
+            # save_pretrained takes entries out of the dict it is given as it writes them.
+            write_hf(target, self.model, dict(state_dict), self.tokenizer)
             if not self._learned:
                 self._learned = True
                 self._layout = _learn_layout(target, state_dict)
