@@ -292,3 +292,42 @@ def test_generate_batch_falls_back_to_separate_requests_where_the_batch_form_is_
     assert first == second and [len(group) for group in first] == [2, 1]
     assert all(g.versions == VersionStamps([[2, 2]]) for group in first for g in group)
     assert isinstance(seen[0]["rid"], list) and len(seen[0]["input_ids"]) == 3
+
+
+def test_a_refused_continuation_fails_with_the_servers_message():
+    """A server that took a batch and cut it short at a pause but refuses its continuation says
+    why; the client does not take it for a server without the batch form."""
+    from aiohttp import web
+
+    seen = []
+
+    async def refuses_continuations(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append(body)
+        if len(seen) > 1:
+            return web.json_response({"error": {"message": "min_new_tokens exceeds max_new_tokens"}}, status=400)
+        return web.json_response([{"text": "", "output_ids": [3], "meta_info": {
+            "id": rid, "finish_reason": {"type": "abort", "message": "paused"}, "weight_version": "1",
+            "output_token_logprobs": [[-0.5, 3, None]]}} for rid in body["rid"]])
+
+    async def scenario():
+        app = web.Application()
+        app.router.add_post("/generate", refuses_continuations)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        engine = SGLangEngine(f"127.0.0.1:{port}")
+        try:
+            with pytest.raises(EngineError) as caught:
+                await engine.generate_batch([GroupRequest([1, 2], SamplingParams(max_new_tokens=4), 2, "a")])
+            return str(caught.value), engine.batch_form
+        finally:
+            await engine.close()
+            await runner.cleanup()
+
+    message, batch_form = run(scenario())
+    assert "min_new_tokens exceeds max_new_tokens" in message and batch_form
+    assert len(seen) == 2 and seen[1]["input_ids"] == [[1, 2, 3], [1, 2, 3]]
+    assert [p["max_new_tokens"] for p in seen[1]["sampling_params"]] == [3, 3]

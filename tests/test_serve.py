@@ -117,6 +117,11 @@ def test_text_input_and_greedy_determinism(server):
     ({"input_ids": [1, 2], "sampling_params": [{}, {}]}, "sampling_params"),
     ({"input_ids": [1, 10**9]}, "token ids"),
     ({"input_ids": [1, 2], "return_logprob": "yes"}, "return_logprob"),
+    ({"input_ids": [[1, 2], [3, 4]], "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 2.0}]},
+     "max_new_tokens"),
+    ({"input_ids": [[1, 2], [3, 4]], "sampling_params": [{"ignore_eos": True}, {"ignore_eos": 1}]}, "ignore_eos"),
+    ({"input_ids": [[1, 2], [1, True]]}, "integers"),
+    ({"input_ids": [[1, 2], [1, -1]]}, "token ids"),
 ])
 def test_bad_generate_requests_get_400_and_server_keeps_serving(server, payload, fragment):
     status, body = call(server, "/generate", payload)

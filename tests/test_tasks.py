@@ -165,3 +165,23 @@ def test_a_users_environment_loads_from_its_module_with_its_own_params():
         _env("task=custom", "task.name=json:JSONDecoder")
     with pytest.raises(ConfigError, match="task.name"):
         _env("task=custom")
+
+
+def test_a_data_file_answer_past_64_bits_stays_exact(tmp_path):
+    answer = 2**64 + 1  # no float holds it
+    path = _write(tmp_path, [json.dumps({"prompt": "2**64+1=", "answer": answer})])
+    env = _env(f"data.path={path}")
+    prompt, expected = env.make_prompt(0, seed=0)
+    assert type(expected) is int and expected == answer
+    assert env.score(str(answer), expected) == 1.0
+
+
+def test_own_lines_read_by_the_fast_parser_keep_the_standard_parsers_errors_and_values():
+    from rlorch.jsonlines import parse_record
+
+    line = '{"tokens": [1, 2], "advantage": -0.5, "logprobs": [0.0, NaN]}'
+    fast = parse_record(line, "f:1", ("tokens",), ValueError, own=True)
+    assert fast["tokens"] == [1, 2] and fast["advantage"] == -0.5 and fast["logprobs"][1] != fast["logprobs"][1]
+    for bad, message in (("{not json", "f:1: not valid JSON"), ("[1]", "f:1: expected a JSON object")):
+        with pytest.raises(ValueError, match=message):
+            parse_record(bad, "f:1", (), ValueError, own=True)

@@ -254,9 +254,7 @@ class SGLangEngine:
                     [samples[index][1] for index in going_on],
                     [samples[index][0].input_ids + done[index].output_ids for index in going_on],
                     [self._sampling(samples[index][0].params, self._remaining(samples[index][0], done[index]))
-                     for index in going_on])
-                if body is None:
-                    raise EngineError(f"{self.name} refused the batch form of /generate it took before")
+                     for index in going_on], refusable=False)
             for index, answer in zip(going_on, body):
                 await self._append(done[index], answer)
             going_on = [index for index in going_on if not self._ends_here(samples[index][1], done[index])]
@@ -284,12 +282,14 @@ class SGLangEngine:
     async def _generate_each(self, requests: Sequence[GroupRequest]) -> list[list[Generation]]:
         return await gather_all(*(self.generate_group(r.input_ids, r.params, r.n, r.rid) for r in requests))
 
-    async def _generate_batch_once(self, rids: list[str], inputs: list[list[int]],
-                                   params: list[dict]) -> Optional[list]:
-        """One batch /generate under fresh wire ids; None when the server refuses the batch form."""
+    async def _generate_batch_once(self, rids: list[str], inputs: list[list[int]], params: list[dict], *,
+                                   refusable: bool = True) -> Optional[list]:
+        """One batch /generate under fresh wire ids; None when the server refuses the batch form
+        and ``refusable`` (a continuation is sent where the batch form was taken: any refusal
+        there is about its content, and raises with the server's message)."""
         status, body = await self._post_generate(
             rids, lambda sent: {"input_ids": inputs, "sampling_params": params, "return_logprob": True, "rid": sent})
-        if status in BATCH_REFUSED:
+        if refusable and status in BATCH_REFUSED:
             return None
         if status != 200 or not isinstance(body, list) or len(body) != len(rids):
             raise EngineError(f"{self.name} batch /generate of {len(rids)} answered {status}: "

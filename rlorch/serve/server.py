@@ -286,12 +286,15 @@ class CpuServer:
         if isinstance(raw, list):
             if not batched or len(raw) != count:
                 raise RequestError(f"a list of sampling_params needs a batch of the same length ({count})")
-            # A batch's samples mostly carry equal parameters: parsed once per run of equal items,
-            # shared as one object as a single object's ``n`` samples share theirs.
-            parsed, last_raw, last = [], None, None
+            # A batch's samples mostly carry the same parameters: parsed once per run of items
+            # alike, shared as one object as a single object's ``n`` samples share theirs. Alike
+            # is by repr, which tells 5 from 5.0 and True from 1 (dict equality does not, and
+            # each of them alone may be valid or not).
+            parsed, last_repr, last = [], None, None
             for item in raw:
-                if last is None or item != last_raw:
-                    last, last_raw = RequestParams.parse(item, self.vocab_size), item
+                text = repr(item)
+                if last is None or text != last_repr:
+                    last, last_repr = RequestParams.parse(item, self.vocab_size), text
                 parsed.append(last)
             return parsed
         params = RequestParams.parse(raw, self.vocab_size)

@@ -53,7 +53,7 @@ def token_versions(mask: list[int], runs: object, where: str) -> list[int] | Non
 
 def _parse_line(path: Path, number: int, line: str) -> Sequence:
     where = f"{path}:{number}"
-    item = parse_record(line, where, _REQUIRED, BatchError)
+    item = parse_record(line, where, _REQUIRED, BatchError, own=True)
     tokens, mask, logprobs = item["tokens"], item["loss_mask"], item["logprobs"]
     if not (isinstance(tokens, list) and isinstance(mask, list) and isinstance(logprobs, list)):
         raise BatchError(f"{where}: tokens, loss_mask and logprobs must be lists")

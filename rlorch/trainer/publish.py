@@ -70,6 +70,8 @@ class HFWriter:
         self._learned = False
 
     def write(self, target: Path, state_dict: dict) -> None:
+        """Write ``state_dict`` as an HF directory into ``target``, which is new or emptied (the
+        first write takes every file in it for the model's own)."""
         layout = self._layout
         if layout is None or not _fits(layout, state_dict):
             # save_pretrained takes entries out of the dict it is given as it writes them.
