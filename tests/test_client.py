@@ -8,6 +8,7 @@ and resubmits a request whose finish_reason type is "abort" (a pause) to the sam
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -267,15 +268,7 @@ def test_generate_batch_falls_back_to_separate_requests_where_the_batch_form_is_
             "output_token_logprobs": [[-0.5, 3, None]] * count}})
 
     async def scenario():
-        app = web.Application()
-        app.router.add_post("/generate", single_only)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        engine = SGLangEngine(f"127.0.0.1:{port}")
-        try:
+        async with _generate_stand_in(single_only) as engine:
             requests = [GroupRequest([1, 2], SamplingParams(max_new_tokens=2), 2, "a"),
                         GroupRequest([3], SamplingParams(max_new_tokens=2), 1, "b")]
             first = await engine.generate_batch(requests)
@@ -283,9 +276,6 @@ def test_generate_batch_falls_back_to_separate_requests_where_the_batch_form_is_
             sent = len(seen)
             second = await engine.generate_batch(requests)
             return first, second, batch_form, sent, len(seen) - sent
-        finally:
-            await engine.close()
-            await runner.cleanup()
 
     first, second, batch_form, sent, later = run(scenario())
     assert not batch_form and sent == 1 + 3 and later == 3
@@ -311,23 +301,31 @@ def test_a_refused_continuation_fails_with_the_servers_message():
             "output_token_logprobs": [[-0.5, 3, None]]}} for rid in body["rid"]])
 
     async def scenario():
-        app = web.Application()
-        app.router.add_post("/generate", refuses_continuations)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        engine = SGLangEngine(f"127.0.0.1:{port}")
-        try:
+        async with _generate_stand_in(refuses_continuations) as engine:
             with pytest.raises(EngineError) as caught:
                 await engine.generate_batch([GroupRequest([1, 2], SamplingParams(max_new_tokens=4), 2, "a")])
             return str(caught.value), engine.batch_form
-        finally:
-            await engine.close()
-            await runner.cleanup()
 
     message, batch_form = run(scenario())
     assert "min_new_tokens exceeds max_new_tokens" in message and batch_form
     assert len(seen) == 2 and seen[1]["input_ids"] == [[1, 2, 3], [1, 2, 3]]
     assert [p["max_new_tokens"] for p in seen[1]["sampling_params"]] == [3, 3]
+
+
+@contextlib.asynccontextmanager
+async def _generate_stand_in(handler):
+    """A client of a local HTTP server whose /generate is ``handler``."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_post("/generate", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    engine = SGLangEngine(f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+    try:
+        yield engine
+    finally:
+        await engine.close()
+        await runner.cleanup()
