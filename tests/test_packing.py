@@ -79,6 +79,15 @@ def run_to_the_end(pack: Packs, groups: int, **settings) -> tuple[Dispatcher, li
     return asyncio.run(scenario())
 
 
+async def started_on_hold(pack, **kwargs):
+    """A started dispatcher whose packs the engine holds, once its first packs are sent."""
+    pack.hold.clear()
+    d = dispatcher(pack, **kwargs)
+    await d.start()
+    await asyncio.sleep(0.05)
+    return d
+
+
 def test_admitted_groups_share_packs_of_at_most_pack_groups_and_each_is_accounted():
     pack = Packs()
 
@@ -91,12 +100,9 @@ def test_admitted_groups_share_packs_of_at_most_pack_groups_and_each_is_accounte
 
 def test_a_pack_holds_only_what_the_gate_admits_now():
     pack = Packs()
-    pack.hold.clear()
 
     async def scenario():
-        d = dispatcher(pack, prompts=10, capacity=3 * GROUP)
-        await d.start()
-        await asyncio.sleep(0.05)
+        d = await started_on_hold(pack, prompts=10, capacity=3 * GROUP)
         first = list(pack.calls), d.in_flight, d.gate.running
         pack.hold.set()
         await drain(d, 10)
@@ -144,12 +150,9 @@ def test_a_pack_that_fails_every_retry_rejects_each_group_and_keeps_every_prompt
 
 def test_checkpoint_state_lists_every_prompt_of_a_pack_in_flight_and_cancel_returns_them():
     pack = Packs()
-    pack.hold.clear()
 
     async def scenario():
-        d = dispatcher(pack, prompts=6, capacity=5 * GROUP)
-        await d.start()
-        await asyncio.sleep(0.05)
+        d = await started_on_hold(pack, prompts=6, capacity=5 * GROUP)
         state = d.state()
         abandoned = await d.cancel_in_flight()
         return d, state, abandoned
