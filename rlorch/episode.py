@@ -172,11 +172,7 @@ class EpisodeWork:
         requests = self._requests(prompts)
         if not self.batched:
             return await gather_all(*(self._episodes(p, r) for p, r in zip(prompts, requests)))
-        if len(requests) == 1:
-            r = requests[0]
-            answers = [await self.engine.generate_group(r.input_ids, r.params, r.n, r.rid)]
-        else:
-            answers = await self.engine.generate_batch(requests)
+        answers = await self.engine.generate_batch(requests)
         return self._single_turn(prompts, requests, answers)
 
     def _requests(self, prompts: list[Prompt]) -> list[GroupRequest]:

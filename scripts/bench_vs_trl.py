@@ -3,7 +3,10 @@ process) on the same model, prompts, reward and batch shape, and print both.
 
 Both train the tiny default model (created locally) on the default task (3-digit reversal,
 partial-credit reward from the environment's own ``score``): 16 prompts x 8 samples per step,
-3 new tokens, temperature 1.2, learning rate 1e-3, no KL term, ``--steps`` steps. The runs
+3 new tokens, temperature 1.2, learning rate 1e-3, no KL term, ``--steps`` steps. TRL saves no
+checkpoint (``save_strategy="no"``); rlorch saves only its final one. rlorch runs one engine
+beside its trainer (``RLORCH_LAYOUT``), a process per core on a 2-core machine, whose batch holds
+a whole step's samples (the CPU default's two engines suit machines with cores to spare). The runs
 alternate (rlorch, TRL, rlorch, ...) for ``--pairs`` pairs; the script prints each side's median
 wall time of the whole command (start-up included) and its steady samples/s (trained samples per
 second between the 10th step and the last), and the machine it ran on.
@@ -31,6 +34,9 @@ from pathlib import Path
 
 PROMPTS_PER_STEP, GROUP, NEW_TOKENS, TEMPERATURE, LR = 16, 8, 3, 1.2, 1e-3
 STEADY_FROM = 10
+RLORCH_LAYOUT = ["inference.num_servers=1", f"inference.cpu.max_batch={PROMPTS_PER_STEP * GROUP}"]
+"""rlorch's deployment for this machine class (see the module doc); the final checkpoint only
+is ``trainer.checkpoint_every`` = the run's steps."""
 
 
 def run_rlorch(root: Path, steps: int) -> dict:
@@ -38,7 +44,8 @@ def run_rlorch(root: Path, steps: int) -> dict:
     command = [sys.executable, "-m", "rlorch.cli", "train", f"train.steps={steps}", f"run.dir={run_dir}",
                "run.progress=false", "eval.enabled=false", f"rollout.batch_size={PROMPTS_PER_STEP * GROUP}",
                f"rollout.group_size={GROUP}", f"rollout.max_new_tokens={NEW_TOKENS}",
-               f"rollout.temperature={TEMPERATURE}", f"trainer.lr={LR}"]
+               f"rollout.temperature={TEMPERATURE}", f"trainer.lr={LR}", f"trainer.checkpoint_every={steps}",
+               *RLORCH_LAYOUT]
     started = time.monotonic()
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.monotonic() - started
@@ -116,6 +123,7 @@ def main() -> None:
             results["trl"].append(run_trl(args.trl_python, args.steps, args.trl_threads))
     print(f"machine: {platform.machine()} {os.cpu_count()} CPUs, {platform.platform()}, "
           f"python {platform.python_version()}, load average {os.getloadavg()[0]:.2f}")
+    print(f"rlorch layout: {' '.join(RLORCH_LAYOUT)} trainer.checkpoint_every={args.steps}")
     for name, runs in results.items():
         wall = statistics.median(r["wall_s"] for r in runs)
         steady = statistics.median(r["steady_samples_s"] for r in runs)

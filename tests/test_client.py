@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import math
 
 import pytest
 
@@ -310,6 +312,30 @@ def test_a_refused_continuation_fails_with_the_servers_message():
     assert "min_new_tokens exceeds max_new_tokens" in message and batch_form
     assert len(seen) == 2 and seen[1]["input_ids"] == [[1, 2, 3], [1, 2, 3]]
     assert [p["max_new_tokens"] for p in seen[1]["sampling_params"]] == [3, 3]
+
+
+def test_bodies_keep_what_orjson_cannot_carry():
+    """A request's integer past 64 bits goes out exact (orjson refuses it), and an answer's NaN
+    (which orjson refuses to read) comes back as a number."""
+    from aiohttp import web
+
+    seen = []
+
+    async def answers_nan(request: web.Request) -> web.Response:
+        seen.append(json.loads(await request.read()))
+        answers = [{"text": "", "output_ids": [7], "meta_info": {
+            "id": rid, "finish_reason": {"type": "length", "length": 1}, "weight_version": "3",
+            "output_token_logprobs": [[float("nan"), 7, None]]}} for rid in seen[-1]["rid"]]
+        return web.Response(text=json.dumps(answers), content_type="application/json")
+
+    async def scenario():
+        async with _generate_stand_in(answers_nan) as engine:
+            engine.extra_params = {"custom_seed": 2**64 + 1}
+            return await engine.generate_batch([GroupRequest([1, 2], SamplingParams(max_new_tokens=1), 2, "a")])
+
+    (group,) = run(scenario())
+    assert [g.output_ids for g in group] == [[7], [7]] and all(math.isnan(g.logprobs[0]) for g in group)
+    assert [p["custom_seed"] for p in seen[0]["sampling_params"]] == [2**64 + 1] * 2
 
 
 @contextlib.asynccontextmanager

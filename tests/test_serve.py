@@ -122,6 +122,9 @@ def test_text_input_and_greedy_determinism(server):
     ({"input_ids": [[1, 2], [3, 4]], "sampling_params": [{"ignore_eos": True}, {"ignore_eos": 1}]}, "ignore_eos"),
     ({"input_ids": [[1, 2], [1, True]]}, "integers"),
     ({"input_ids": [[1, 2], [1, -1]]}, "token ids"),
+    # An integer past 64 bits stays an integer, and NaN a number: each is refused for what it is.
+    ({"input_ids": [1, 2**64 + 1]}, "token ids"),
+    ({"input_ids": [1, 2], "sampling_params": {"temperature": float("nan")}}, "temperature"),
 ])
 def test_bad_generate_requests_get_400_and_server_keeps_serving(server, payload, fragment):
     status, body = call(server, "/generate", payload)

@@ -230,6 +230,22 @@ def test_a_handed_off_state_dict_does_not_follow_the_next_optimizer_step():
     assert state["other"] is detached["other"]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_weight_check_finds_any_non_finite_value_and_passes_empty_shards(dtype):
+    import torch
+
+    from rlorch.trainer.fsdp import all_finite
+
+    dtype = getattr(torch, dtype)
+    weights = [torch.randn(64, 3).to(dtype), torch.empty(0, dtype=dtype), torch.full((5,), 3e38).to(dtype)]
+    assert all_finite(weights) and all_finite([]) and all_finite([torch.empty(0)])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        spoiled = [w.clone() for w in weights]
+        spoiled[0][17, 1] = bad
+        assert not all_finite(spoiled), bad
+    assert not all_finite([torch.randn(4), torch.tensor([1.0, float("nan")], dtype=dtype)])
+
+
 @pytest.mark.slow
 def test_a_single_rank_checkpoint_resumes_on_two_ranks(tmp_path):
     """One rank trains the plain module; its DCP checkpoint reshards onto two FSDP ranks, which

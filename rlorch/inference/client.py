@@ -30,6 +30,7 @@ import uuid
 from typing import Any, Callable, Optional, Sequence
 
 import aiohttp
+import orjson
 
 from rlorch.lifecycle import gather_all
 from rlorch.types import Generation, GroupRequest, SamplingParams, VersionStamps
@@ -136,13 +137,19 @@ class SGLangEngine:
         if not body:
             return status, None
         try:
+            return status, orjson.loads(body)
+        except ValueError:
+            pass
+        try:  # what orjson refuses but Python's parser reads (NaN, Infinity)
             return status, json.loads(body)
         except ValueError:
             return status, body.decode(errors="replace")
 
     async def _send(self, session: aiohttp.ClientSession, method: str, path: str, timeout: float,
                     payload: Any) -> tuple[int, bytes]:
-        async with session.request(method, self.url + path, json=payload, headers=self._headers,
+        data = None if payload is None else _dumps(payload)
+        headers = self._headers if data is None else {**self._headers, "Content-Type": "application/json"}
+        async with session.request(method, self.url + path, data=data, headers=headers,
                                    timeout=aiohttp.ClientTimeout(total=timeout)) as response:
             return response.status, await response.read()
 
@@ -436,3 +443,12 @@ def _segment(answer: dict, *, aborted: bool) -> tuple[list[int], list[float]]:
     if entries is None:
         raise EngineError("response has no meta_info.output_token_logprobs (return_logprob ignored?)")
     return [int(e[1]) for e in entries], [float(e[0]) for e in entries]
+
+
+def _dumps(payload: Any) -> bytes:
+    """A request body: orjson, or Python's encoder for what orjson refuses (an integer past 64
+    bits, which the server then refuses with its own message)."""
+    try:
+        return orjson.dumps(payload)
+    except TypeError:
+        return json.dumps(payload).encode()

@@ -16,6 +16,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -23,6 +24,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
+import orjson
 from aiohttp import web
 
 from rlorch.lifecycle import cancel_and_wait
@@ -78,12 +80,27 @@ async def _json_body(request: web.Request, *, empty_ok: bool = False) -> dict:
     if not raw.strip() and empty_ok:
         return {}
     try:
-        body = json.loads(raw) if len(raw) < 1 << 20 else await asyncio.to_thread(json.loads, raw)
+        body = _loads(raw) if len(raw) < 1 << 20 else await asyncio.to_thread(_loads, raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise RequestError(f"invalid JSON body: {err}") from err
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+_LONG_NUMBER = re.compile(rb"\d{19}")
+
+
+def _loads(raw: bytes) -> Any:
+    """A JSON body, parsed by orjson where that is exact. orjson reads an integer past 64 bits
+    as a float and refuses NaN and Infinity; a body with a 19-digit run, or one it refuses, goes
+    to Python's parser, so every body means what it says and bad ones get its error message."""
+    if not _LONG_NUMBER.search(raw):
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(raw)
 
 
 class CpuServer:
@@ -227,9 +244,10 @@ class CpuServer:
             raise
         except GenerationFailed as err:
             return _error(str(err), status=500)
-        logprobs = body.get("return_logprob", False)
-        answers = [self._answer(seq, bool(logprobs)) for seq in seqs]
-        return web.json_response(answers if batched or len(seqs) > 1 else answers[0])
+        answers = self._answers(seqs, bool(body.get("return_logprob", False)))
+        # orjson, as SGLang answers /generate (a non-finite float goes out as null, as there).
+        return web.Response(body=orjson.dumps(answers if batched or len(seqs) > 1 else answers[0]),
+                            content_type="application/json")
 
     def _parse_generate(self, body: dict) -> tuple[list[list[int]], list[RequestParams], list[str], bool]:
         text, input_ids = body.get("text"), body.get("input_ids")
@@ -311,17 +329,38 @@ class CpuServer:
             raise RequestError("rid must be a string or a list of strings")
         return [f"{rid}_{i}" for i in range(count)] if batched else [rid]
 
-    def _answer(self, seq: Sequence, logprobs: bool) -> dict:
-        text = seq.text if seq.text is not None else self._decode(
-            seq.output_ids, seq.params.skip_special_tokens)
-        meta = {"id": seq.rid, "finish_reason": seq.finish, "prompt_tokens": len(seq.prompt),
-                "completion_tokens": len(seq.output_ids), "cached_tokens": 0,
-                "weight_version": seq.weight_version, "total_retractions": 0,
-                "e2e_latency": seq.finished_at - seq.created}
-        if logprobs:
-            meta["input_token_logprobs"] = []
-            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.logprobs, seq.output_ids)]
-        return {"text": text, "output_ids": seq.output_ids, "meta_info": meta}
+    def _answers(self, seqs: list[Sequence], logprobs: bool) -> list[dict]:
+        texts = self._texts(seqs)
+        answers = []
+        for seq, text in zip(seqs, texts):
+            meta = {"id": seq.rid, "finish_reason": seq.finish, "prompt_tokens": len(seq.prompt),
+                    "completion_tokens": len(seq.output_ids), "cached_tokens": 0,
+                    "weight_version": seq.weight_version, "total_retractions": 0,
+                    "e2e_latency": seq.finished_at - seq.created}
+            if logprobs:
+                meta["input_token_logprobs"] = []
+                meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.logprobs, seq.output_ids)]
+            answers.append({"text": text, "output_ids": seq.output_ids, "meta_info": meta})
+        return answers
+
+    def _texts(self, seqs: list[Sequence]) -> list[str]:
+        """Each sequence's text: the one its stop string cut, else its tokens decoded. A fast
+        tokenizer that cleans up no spaces decodes exactly what its backend does, so a batch's
+        texts take one backend call per ``skip_special_tokens`` setting instead of one each."""
+        texts: list[Optional[str]] = [seq.text for seq in seqs]
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        batched = backend is not None and not getattr(self.tokenizer, "clean_up_tokenization_spaces", True)
+        for skip in (True, False):
+            rows = [i for i, seq in enumerate(seqs) if texts[i] is None and seq.params.skip_special_tokens is skip]
+            if not rows:
+                continue
+            if batched:
+                decoded = backend.decode_batch([seqs[i].output_ids for i in rows], skip_special_tokens=skip)
+            else:
+                decoded = [self._decode(seqs[i].output_ids, skip) for i in rows]
+            for i, text in zip(rows, decoded):
+                texts[i] = text
+        return texts
 
     # ---- weights and flow control ---------------------------------------------------------
 
