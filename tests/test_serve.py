@@ -293,6 +293,33 @@ def test_pause_in_place_keeps_requests_until_continue_or_abort(server):
     assert dropped["meta_info"]["finish_reason"]["type"] == "abort"
 
 
+def test_an_unpaused_weight_update_waits_for_the_running_batch_only(server, model_dir):
+    """Without a pause, an update waits for the batch decoding when it came (SGLang: for the
+    running requests): requests that arrive meanwhile neither join that batch nor start before
+    the load, so they are decoded by the new weights, and a stream of them cannot hold it off."""
+    long = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
+    short = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+
+    async def scenario():
+        start = stats(server)["generated_tokens"]
+        running = asyncio.ensure_future(_post_all(server, [long]))
+        await _wait_for(lambda: stats(server)["generated_tokens"] >= start + 2)
+        update = asyncio.ensure_future(asyncio.to_thread(
+            call, server, "/update_weights_from_disk", {"model_path": str(model_dir), "weight_version": "9"}))
+        await asyncio.sleep(0.05)
+        arrivals = [asyncio.ensure_future(_post_all(server, [short])) for _ in range(3)]
+        status, body = await update
+        return (await running)[0], [(await a)[0] for a in arrivals], status, body
+
+    try:
+        before, after, status, body = asyncio.run(scenario())
+    finally:
+        call(server, "/update_weight_version", {"new_version": "0"})
+    assert status == 200 and body["success"] is True
+    assert before["meta_info"]["weight_version"] == "0" and before["meta_info"]["finish_reason"]["type"] == "length"
+    assert [a["meta_info"]["weight_version"] for a in after] == ["9"] * 3
+
+
 def test_arrivals_join_a_running_batch_without_changing_greedy_outputs(server):
     greedy = {"temperature": 0, "ignore_eos": True}
     long_prompt, wide, narrow = PROMPT, list(range(4, 16)), [20, 21]

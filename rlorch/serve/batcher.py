@@ -12,7 +12,8 @@ Invariants:
   and the event loop stays free to answer HTTP (pause, abort, health) during decoding.
 - A batch holds the model lock from prefill to its last step: every token of a response was made
   by the weights named in its ``weight_version``. A weight load takes the lock, so an update that
-  does not abort waits for the running batch to finish.
+  does not abort waits for the running batch to finish; while one waits, no sequence joins that
+  batch or starts another, so arrivals cannot hold it off and are decoded by the new weights.
 - Pause (mode ``abort``) is honoured between decode steps: running and queued sequences return
   their partial output with finish type ``abort``; new submissions wait until ``resume``.
 """
@@ -93,6 +94,9 @@ class Batcher:
         self._idle = asyncio.Event()
         self._idle.set()
         self._lock = asyncio.Lock()
+        self._updates_waiting = 0
+        self._no_update_waiting = asyncio.Event()
+        self._no_update_waiting.set()
         self.pause_mode: Optional[str] = None
         self._held = 0
         self.counters = collections.Counter({key: 0 for key in (
@@ -168,10 +172,18 @@ class Batcher:
         model thread under the model lock, then take ``version``."""
         if abort_all:
             self.abort(all_requests=True, message="Abort: weight update (abort_all_requests).")
-        async with self._lock:
-            await self.run_on_model_thread(load)
-            if version is not None:
-                self.weight_version = version
+        self._updates_waiting += 1
+        self._no_update_waiting.clear()
+        try:
+            async with self._lock:
+                await self.run_on_model_thread(load)
+                if version is not None:
+                    self.weight_version = version
+        finally:
+            self._updates_waiting -= 1
+            if not self._updates_waiting:
+                self._no_update_waiting.set()
+                self._wake.set()
         self.counters["weight_updates"] += 1
 
     async def run_on_model_thread(self, fn: Callable[[], Any]) -> Any:
@@ -193,6 +205,9 @@ class Batcher:
             await self._wake.wait()
             self._wake.clear()
             while self._waiting and not self.paused:
+                if self._updates_waiting:
+                    await self._no_update_waiting.wait()
+                    continue
                 batch = [self._waiting.popleft() for _ in range(min(self.max_batch, len(self._waiting)))]
                 self._idle.clear()
                 try:
@@ -240,7 +255,7 @@ class Batcher:
         """Prefill waiting sequences that fit beside ``running`` rows; return their rows, the
         indices still unfinished after their first token, and those first tokens."""
         room = self.max_batch - running
-        if not (self._waiting and room > 0) or self.paused:
+        if not (self._waiting and room > 0) or self.paused or self._updates_waiting:
             return None
         if self._can_join and not _joinable(batch.cache):
             self._can_join = False
