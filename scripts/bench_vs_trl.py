@@ -1,15 +1,16 @@
-"""Benchmark rlorch (asynchronous, the CPU default) against TRL's GRPOTrainer (synchronous, one
-process) on the same model, prompts, reward and batch shape, and print both.
+"""Benchmark rlorch (asynchronous: a CPU engine and the FSDP trainer) against TRL's GRPOTrainer
+(synchronous, one process) on the same model, prompts, reward and batch shape, and print both.
 
 Both train the tiny default model (created locally) on the default task (3-digit reversal,
 partial-credit reward from the environment's own ``score``): 16 prompts x 8 samples per step,
 3 new tokens, temperature 1.2, learning rate 1e-3, no KL term, ``--steps`` steps. TRL saves no
 checkpoint (``save_strategy="no"``); rlorch saves only its final one. rlorch runs one engine
-beside its trainer (``RLORCH_LAYOUT``), a process per core on a 2-core machine, whose batch holds
-a whole step's samples (the CPU default's two engines suit machines with cores to spare). The runs
-alternate (rlorch, TRL, rlorch, ...) for ``--pairs`` pairs; the script prints each side's median
-wall time of the whole command (start-up included) and its steady samples/s (trained samples per
-second between the 10th step and the last), and the machine it ran on.
+beside its trainer (``RLORCH_LAYOUT``), a process per core on a 2-core machine, and sends it a
+step's samples per call, which its batch holds whole (3-token generations all end together, so
+smaller packs gain nothing; the CPU default's two engines suit machines with cores to spare).
+The runs alternate (rlorch, TRL, rlorch, ...) for ``--pairs`` pairs; the script prints each
+side's median wall time of the whole command (start-up included) and its steady samples/s
+(trained samples per second between the 10th step and the last), and the machine it ran on.
 
 TRL is an optional extra, never installed in CI: install it into its own environment and pass
 its interpreter, e.g.
@@ -34,7 +35,8 @@ from pathlib import Path
 
 PROMPTS_PER_STEP, GROUP, NEW_TOKENS, TEMPERATURE, LR = 16, 8, 3, 1.2, 1e-3
 STEADY_FROM = 10
-RLORCH_LAYOUT = ["inference.num_servers=1", f"inference.cpu.max_batch={PROMPTS_PER_STEP * GROUP}"]
+RLORCH_LAYOUT = ["inference.num_servers=1", f"inference.cpu.max_batch={PROMPTS_PER_STEP * GROUP}",
+                 f"rollout.pack_samples={PROMPTS_PER_STEP * GROUP}"]
 """rlorch's deployment for this machine class (see the module doc); the final checkpoint only
 is ``trainer.checkpoint_every`` = the run's steps."""
 
