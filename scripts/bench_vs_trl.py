@@ -37,8 +37,8 @@ PROMPTS_PER_STEP, GROUP, NEW_TOKENS, TEMPERATURE, LR = 16, 8, 3, 1.2, 1e-3
 STEADY_FROM = 10
 RLORCH_LAYOUT = ["inference.num_servers=1", f"inference.cpu.max_batch={PROMPTS_PER_STEP * GROUP}",
                  f"rollout.pack_samples={PROMPTS_PER_STEP * GROUP}"]
-"""rlorch's deployment for this machine class (see the module doc); the final checkpoint only
-is ``trainer.checkpoint_every`` = the run's steps."""
+"""rlorch's deployment for this machine class (see the module doc). Besides, ``trainer.checkpoint_every``
+is the run's steps: its final checkpoint is its only one."""
 
 
 def run_rlorch(root: Path, steps: int) -> dict:

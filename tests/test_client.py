@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 
 import pytest
 
@@ -314,27 +313,31 @@ def test_a_refused_continuation_fails_with_the_servers_message():
     assert [p["max_new_tokens"] for p in seen[1]["sampling_params"]] == [3, 3]
 
 
-def test_bodies_keep_what_orjson_cannot_carry():
-    """A request's integer past 64 bits goes out exact (orjson refuses it), and an answer's NaN
-    (which orjson refuses to read) comes back as a number."""
+@pytest.mark.parametrize("logprob", [None, float("nan")])
+def test_bodies_keep_what_orjson_cannot_carry(logprob):
+    """A request's integer past 64 bits goes out exact (orjson refuses it); an answer's NaN
+    (which orjson refuses to read) is read, and like SGLang's null for a non-finite logprob it
+    fails the call naming it."""
     from aiohttp import web
 
     seen = []
 
-    async def answers_nan(request: web.Request) -> web.Response:
+    async def answers_non_finite(request: web.Request) -> web.Response:
         seen.append(json.loads(await request.read()))
         answers = [{"text": "", "output_ids": [7], "meta_info": {
             "id": rid, "finish_reason": {"type": "length", "length": 1}, "weight_version": "3",
-            "output_token_logprobs": [[float("nan"), 7, None]]}} for rid in seen[-1]["rid"]]
+            "output_token_logprobs": [[logprob, 7, None]]}} for rid in seen[-1]["rid"]]
         return web.Response(text=json.dumps(answers), content_type="application/json")
 
     async def scenario():
-        async with _generate_stand_in(answers_nan) as engine:
+        async with _generate_stand_in(answers_non_finite) as engine:
             engine.extra_params = {"custom_seed": 2**64 + 1}
-            return await engine.generate_batch([GroupRequest([1, 2], SamplingParams(max_new_tokens=1), 2, "a")])
+            with pytest.raises(EngineError) as caught:
+                await engine.generate_batch([GroupRequest([1, 2], SamplingParams(max_new_tokens=1), 2, "a")])
+            return str(caught.value)
 
-    (group,) = run(scenario())
-    assert [g.output_ids for g in group] == [[7], [7]] and all(math.isnan(g.logprobs[0]) for g in group)
+    message = run(scenario())
+    assert "non-finite behaviour logprob" in message and ("nan" in message or "None" in message), message
     assert [p["custom_seed"] for p in seen[0]["sampling_params"]] == [2**64 + 1] * 2
 
 

@@ -133,6 +133,33 @@ def test_bad_generate_requests_get_400_and_server_keeps_serving(server, payload,
     assert generate(server, input_ids=PROMPT, sampling_params={"max_new_tokens": 1})["output_ids"]
 
 
+def test_a_request_id_orjson_cannot_write_is_answered_escaped(server):
+    """A rid with a lone surrogate is a JSON string Python reads; its answer goes out escaped."""
+    out = generate(server, input_ids=PROMPT, rid="a\ud800", sampling_params={"max_new_tokens": 1})
+    assert out["meta_info"]["id"] == "a\ud800" and len(out["output_ids"]) == 1
+
+
+def test_batch_texts_are_what_the_tokenizer_decodes(model_dir):
+    """Answers' texts, decoded together per skip_special_tokens setting, equal each sequence's
+    own decode; a text a stop string cut is kept."""
+    from rlorch.serve.batcher import Sequence
+    from rlorch.serve.sampling import RequestParams
+
+    engine = CpuServer(model_dir, threads=1)
+    assert engine._decode_batch is not None, "the default tokenizer takes the batch path"
+    special = engine.tokenizer.all_special_ids
+    outputs = [[5, 6, special[0], 7], [special[-1], 8], [], [9, 10, 11], [special[0]]]
+    seqs = []
+    for index, ids in enumerate(outputs):
+        params = RequestParams.parse({"skip_special_tokens": index % 2 == 0}, engine.vocab_size)
+        seqs.append(Sequence(rid=str(index), prompt=PROMPT, params=params, done=None, output_ids=ids))
+    seqs[3].text = "cut"
+    expected = [engine.tokenizer.decode(ids, skip_special_tokens=index % 2 == 0) for index, ids in enumerate(outputs)]
+    expected[3] = "cut"
+    assert engine._texts(seqs) == expected
+    assert engine.tokenizer.decode(outputs[1], skip_special_tokens=True) != expected[1], "the setting matters"
+
+
 def test_invalid_json_and_bad_checkpoint_get_400(server, tmp_path):
     status, body = call(server, "/generate", raw=b"{not json")
     assert status == 400 and "JSON" in body["error"]["message"]
@@ -294,9 +321,9 @@ def test_pause_in_place_keeps_requests_until_continue_or_abort(server):
 
 
 def test_an_unpaused_weight_update_waits_for_the_running_batch_only(server, model_dir):
-    """Without a pause, an update waits for the batch decoding when it came (SGLang: for the
-    running requests): requests that arrive meanwhile neither join that batch nor start before
-    the load, so they are decoded by the new weights, and a stream of them cannot hold it off."""
+    """Without a pause, an update waits for the batch decoding when it came: requests that
+    arrive meanwhile neither join that batch nor start before the load, so they are decoded by
+    the new weights, and a stream of them cannot hold it off."""
     long = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
     short = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
 
@@ -306,7 +333,7 @@ def test_an_unpaused_weight_update_waits_for_the_running_batch_only(server, mode
         await _wait_for(lambda: stats(server)["generated_tokens"] >= start + 2)
         update = asyncio.ensure_future(asyncio.to_thread(
             call, server, "/update_weights_from_disk", {"model_path": str(model_dir), "weight_version": "9"}))
-        await asyncio.sleep(0.05)
+        await _wait_for(lambda: stats(server)["num_updates_waiting"] == 1)
         arrivals = [asyncio.ensure_future(_post_all(server, [short])) for _ in range(3)]
         status, body = await update
         return (await running)[0], [(await a)[0] for a in arrivals], status, body

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import uuid
 from typing import Any, Callable, Optional, Sequence
 
@@ -442,12 +443,18 @@ def _segment(answer: dict, *, aborted: bool) -> tuple[list[int], list[float]]:
         return [], []
     if entries is None:
         raise EngineError("response has no meta_info.output_token_logprobs (return_logprob ignored?)")
-    return [int(e[1]) for e in entries], [float(e[0]) for e in entries]
+    logprobs = [e[0] for e in entries]
+    if not all(isinstance(lp, (int, float)) and math.isfinite(lp) for lp in logprobs):
+        # SGLang writes a non-finite float as null: a sampled token's logprob never is one
+        # unless the weights are broken.
+        raise EngineError(f"response {meta.get('id')!r} carries a non-finite behaviour logprob: {logprobs}")
+    return [int(e[1]) for e in entries], [float(lp) for lp in logprobs]
 
 
 def _dumps(payload: Any) -> bytes:
-    """A request body: orjson, or Python's encoder for what orjson refuses (an integer past 64
-    bits, which the server then refuses with its own message)."""
+    """A request body: orjson (which writes a non-finite float as null; configured sampling
+    settings are finite), or Python's encoder for what orjson refuses (an integer past 64 bits,
+    which the server then refuses with its own message)."""
     try:
         return orjson.dumps(payload)
     except TypeError:

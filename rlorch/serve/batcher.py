@@ -191,7 +191,8 @@ class Batcher:
 
     def stats(self) -> dict:
         return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._waiting),
-                "num_held_reqs": self._held, "paused": self.paused, "weight_version": self.weight_version,
+                "num_held_reqs": self._held, "num_updates_waiting": self._updates_waiting,
+                "paused": self.paused, "weight_version": self.weight_version,
                 **self.counters}
 
     def close(self) -> None:

@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import orjson
 from aiohttp import web
@@ -39,6 +39,22 @@ _PAUSE_MODES = ("abort", "in_place", "retract")
 _INT = {int}
 HEALTH_CHECK_TIMEOUT = 20.0
 """Seconds ``/health_generate`` waits for its one token (SGLang's ``HEALTH_CHECK_TIMEOUT``)."""
+
+
+def _decode_batch(tokenizer) -> Optional[Callable[..., list[str]]]:
+    """The tokenizer's Rust backend ``decode_batch`` where it decodes exactly what
+    ``tokenizer.decode`` does: a fast tokenizer that cleans up no spaces and whose class changes
+    neither ``decode`` nor ``_decode`` (some rewrite the backend's text); else None."""
+    from transformers import PreTrainedTokenizerBase
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    fast = next((c for c in type(tokenizer).__mro__ if c.__name__ in ("TokenizersBackend", "PreTrainedTokenizerFast")
+                 and "_decode" in vars(c)), None)
+    if fast is None or type(tokenizer)._decode is not fast._decode or type(tokenizer).decode is not PreTrainedTokenizerBase.decode:
+        return None
+    return backend.decode_batch
 
 
 def rlorch_version() -> str:
@@ -88,19 +104,31 @@ async def _json_body(request: web.Request, *, empty_ok: bool = False) -> dict:
     return body
 
 
-_LONG_NUMBER = re.compile(rb"\d{19}")
+_LONG_NUMBER = re.compile(rb"[\[,:\s]-?\d{19}")
+"""Where a JSON number of 19 digits or more may start (after ``[``, ``,``, ``:`` or a space)."""
 
 
 def _loads(raw: bytes) -> Any:
     """A JSON body, parsed by orjson where that is exact. orjson reads an integer past 64 bits
-    as a float and refuses NaN and Infinity; a body with a 19-digit run, or one it refuses, goes
-    to Python's parser, so every body means what it says and bad ones get its error message."""
+    as a float and refuses NaN and Infinity; a body with a number of 19 digits or more, or one it
+    refuses, goes to Python's parser, so every body means what it says and bad ones get its
+    error message."""
     if not _LONG_NUMBER.search(raw):
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
             pass
     return json.loads(raw)
+
+
+def _dumps(answer: Any) -> bytes:
+    """An answer's JSON: orjson, as SGLang answers /generate (a non-finite float goes out as
+    null, as there), or Python's encoder for what orjson refuses (a request id that is not valid
+    UTF-8, which it escapes)."""
+    try:
+        return orjson.dumps(answer)
+    except TypeError:
+        return json.dumps(answer).encode()
 
 
 class CpuServer:
@@ -127,6 +155,7 @@ class CpuServer:
         self.model_path = str(model_path)
         self.dtype = getattr(torch, dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self._decode_batch = _decode_batch(self.tokenizer)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).eval()
         config = self.model.config
         self.vocab_size = config.vocab_size
@@ -245,8 +274,7 @@ class CpuServer:
         except GenerationFailed as err:
             return _error(str(err), status=500)
         answers = self._answers(seqs, bool(body.get("return_logprob", False)))
-        # orjson, as SGLang answers /generate (a non-finite float goes out as null, as there).
-        return web.Response(body=orjson.dumps(answers if batched or len(seqs) > 1 else answers[0]),
+        return web.Response(body=_dumps(answers if batched or len(seqs) > 1 else answers[0]),
                             content_type="application/json")
 
     def _parse_generate(self, body: dict) -> tuple[list[list[int]], list[RequestParams], list[str], bool]:
@@ -344,18 +372,16 @@ class CpuServer:
         return answers
 
     def _texts(self, seqs: list[Sequence]) -> list[str]:
-        """Each sequence's text: the one its stop string cut, else its tokens decoded. A fast
-        tokenizer that cleans up no spaces decodes exactly what its backend does, so a batch's
-        texts take one backend call per ``skip_special_tokens`` setting instead of one each."""
+        """Each sequence's text: the one its stop string cut, else its tokens decoded, by one
+        backend call per ``skip_special_tokens`` setting where that decodes exactly as the
+        tokenizer does (see :func:`_decode_batch`), else one decode each."""
         texts: list[Optional[str]] = [seq.text for seq in seqs]
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        batched = backend is not None and not getattr(self.tokenizer, "clean_up_tokenization_spaces", True)
         for skip in (True, False):
             rows = [i for i, seq in enumerate(seqs) if texts[i] is None and seq.params.skip_special_tokens is skip]
             if not rows:
                 continue
-            if batched:
-                decoded = backend.decode_batch([seqs[i].output_ids for i in rows], skip_special_tokens=skip)
+            if self._decode_batch is not None:
+                decoded = self._decode_batch([seqs[i].output_ids for i in rows], skip_special_tokens=skip)
             else:
                 decoded = [self._decode(seqs[i].output_ids, skip) for i in rows]
             for i, text in zip(rows, decoded):

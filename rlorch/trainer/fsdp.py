@@ -404,7 +404,7 @@ def _check_finite(worker: Worker, step: int, record: dict) -> None:
 def all_finite(tensors: list[torch.Tensor]) -> bool:
     """Whether every value of ``tensors`` (on one device) is finite. A tensor's max-abs norm is
     non-finite exactly when one of its values is (NaN propagates through the max, which never
-    overflows): one fused kernel per dtype instead of one check per tensor."""
+    overflows): one reduction per tensor and no boolean masks (on CUDA, one kernel for all)."""
     present = [tensor for tensor in tensors if tensor.numel()]  # a rank's shard may be empty
     if not present:
         return True
