@@ -50,9 +50,10 @@ def _decode_batch(tokenizer) -> Optional[Callable[..., list[str]]]:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return None
-    fast = next((c for c in type(tokenizer).__mro__ if c.__name__ in ("TokenizersBackend", "PreTrainedTokenizerFast")
+    kind = type(tokenizer)
+    fast = next((c for c in kind.__mro__ if c.__name__ in ("TokenizersBackend", "PreTrainedTokenizerFast")
                  and "_decode" in vars(c)), None)
-    if fast is None or type(tokenizer)._decode is not fast._decode or type(tokenizer).decode is not PreTrainedTokenizerBase.decode:
+    if fast is None or kind._decode is not fast._decode or kind.decode is not PreTrainedTokenizerBase.decode:
         return None
     return backend.decode_batch
 
