@@ -1,11 +1,39 @@
-"""Reading JSONL records with errors that name the file and line."""
+"""JSON in and out: records of JSONL files with errors that name the file and line, and the
+fast codec (orjson) wherever it says exactly what Python's own would."""
 
 from __future__ import annotations
 
 import json
-from typing import Iterable
+import re
+from typing import Any, Iterable
 
 import orjson
+
+_LONG_NUMBER = re.compile(rb"[\[,:\s]-?\d{19}")
+"""Where a JSON number of 19 digits or more may start (after ``[``, ``,``, ``:`` or a space)."""
+
+
+def dumps(value: Any) -> bytes:
+    """``value`` as JSON: orjson, which writes a non-finite float as null (as SGLang's server
+    does), or Python's encoder for what orjson refuses (an integer past 64 bits, a string that
+    is not valid UTF-8), which keeps the integer exact and escapes the string."""
+    try:
+        return orjson.dumps(value)
+    except TypeError:
+        return json.dumps(value).encode()
+
+
+def loads(raw: bytes | str, *, exact: bool = True) -> Any:
+    """JSON text, parsed by orjson where that reads what the text says, else by Python's parser:
+    text orjson refuses (NaN, Infinity) and, when ``exact``, text with a number of 19 digits or
+    more, which orjson would read as a float (without ``exact``: text whose writer never puts
+    such an integer in it). Bad text raises Python's parser's error."""
+    if not (exact and _LONG_NUMBER.search(raw if isinstance(raw, bytes) else raw.encode())):
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(raw)
 
 
 def parse_record(line: str, where: str, required: Iterable[str], error: type[Exception], *,
@@ -18,7 +46,7 @@ def parse_record(line: str, where: str, required: Iterable[str], error: type[Exc
     (NaN, Infinity) goes to the standard parser too, which takes it or names the fault.
     """
     try:
-        item = _parse(line, own)
+        item = loads(line, exact=False) if own else json.loads(line)
     except json.JSONDecodeError as err:
         raise error(f"{where}: not valid JSON ({err.msg})") from err
     if not isinstance(item, dict):
@@ -28,11 +56,3 @@ def parse_record(line: str, where: str, required: Iterable[str], error: type[Exc
         raise error(f"{where}: missing key(s) {', '.join(map(repr, missing))}")
     return item
 
-
-def _parse(line: str, own: bool) -> object:
-    if own:
-        try:
-            return orjson.loads(line)
-        except orjson.JSONDecodeError:
-            pass
-    return json.loads(line)

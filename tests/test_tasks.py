@@ -185,3 +185,17 @@ def test_own_lines_read_by_the_fast_parser_keep_the_standard_parsers_errors_and_
     for bad, message in (("{not json", "f:1: not valid JSON"), ("[1]", "f:1: expected a JSON object")):
         with pytest.raises(ValueError, match=message):
             parse_record(bad, "f:1", (), ValueError, own=True)
+
+
+def test_the_fast_codec_says_exactly_what_pythons_json_says():
+    """orjson where it is exact; Python's codec for big integers, NaN and strings orjson cannot
+    write, which it keeps exact or escapes."""
+    from rlorch.jsonlines import dumps, loads
+
+    big, text = 2**64 + 1, '{"ids": [1, 18446744073709551617], "t": NaN}'
+    value = loads(text.encode())
+    assert value["ids"] == [1, big] and type(value["ids"][1]) is int and value["t"] != value["t"]
+    assert loads(b'{"rid": "g1-0.4f1e2d3c1234567890123456789a", "x": 1.5}')["x"] == 1.5
+    assert json.loads(dumps({"seed": big, "rid": "a\ud800"})) == {"seed": big, "rid": "a\ud800"}
+    with pytest.raises(json.JSONDecodeError):
+        loads(b"{not json")

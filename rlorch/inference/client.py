@@ -24,15 +24,14 @@ once on a fresh connection when the server drops one, before calling the server 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import uuid
 from typing import Any, Callable, Optional, Sequence
 
 import aiohttp
-import orjson
 
+from rlorch.jsonlines import dumps, loads
 from rlorch.lifecycle import gather_all
 from rlorch.types import Generation, GroupRequest, SamplingParams, VersionStamps
 
@@ -137,18 +136,14 @@ class SGLangEngine:
             raise EngineUnavailable(f"{self.name} {method} {path} failed: {reason}", partial) from err
         if not body:
             return status, None
-        try:
-            return status, orjson.loads(body)
-        except ValueError:
-            pass
-        try:  # what orjson refuses but Python's parser reads (NaN, Infinity)
-            return status, json.loads(body)
+        try:  # answers hold no integer past 64 bits: orjson reads them as written
+            return status, loads(body, exact=False)
         except ValueError:
             return status, body.decode(errors="replace")
 
     async def _send(self, session: aiohttp.ClientSession, method: str, path: str, timeout: float,
                     payload: Any) -> tuple[int, bytes]:
-        data = None if payload is None else _dumps(payload)
+        data = None if payload is None else dumps(payload)
         headers = self._headers if data is None else {**self._headers, "Content-Type": "application/json"}
         async with session.request(method, self.url + path, data=data, headers=headers,
                                    timeout=aiohttp.ClientTimeout(total=timeout)) as response:
@@ -450,12 +445,3 @@ def _segment(answer: dict, *, aborted: bool) -> tuple[list[int], list[float]]:
         raise EngineError(f"response {meta.get('id')!r} carries a non-finite behaviour logprob: {logprobs}")
     return [int(e[1]) for e in entries], [float(lp) for lp in logprobs]
 
-
-def _dumps(payload: Any) -> bytes:
-    """A request body: orjson (which writes a non-finite float as null; configured sampling
-    settings are finite), or Python's encoder for what orjson refuses (an integer past 64 bits,
-    which the server then refuses with its own message)."""
-    try:
-        return orjson.dumps(payload)
-    except TypeError:
-        return json.dumps(payload).encode()

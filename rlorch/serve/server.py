@@ -16,7 +16,6 @@ import hmac
 import json
 import logging
 import os
-import re
 import signal
 import threading
 import time
@@ -24,9 +23,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import orjson
 from aiohttp import web
 
+from rlorch.jsonlines import dumps, loads
 from rlorch.lifecycle import cancel_and_wait
 from rlorch.serve.batcher import Batcher, GenerationFailed, LoadError, Sequence
 from rlorch.serve.sampling import RequestError, RequestParams
@@ -97,39 +96,12 @@ async def _json_body(request: web.Request, *, empty_ok: bool = False) -> dict:
     if not raw.strip() and empty_ok:
         return {}
     try:
-        body = _loads(raw) if len(raw) < 1 << 20 else await asyncio.to_thread(_loads, raw)
+        body = loads(raw) if len(raw) < 1 << 20 else await asyncio.to_thread(loads, raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise RequestError(f"invalid JSON body: {err}") from err
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
     return body
-
-
-_LONG_NUMBER = re.compile(rb"[\[,:\s]-?\d{19}")
-"""Where a JSON number of 19 digits or more may start (after ``[``, ``,``, ``:`` or a space)."""
-
-
-def _loads(raw: bytes) -> Any:
-    """A JSON body, parsed by orjson where that is exact. orjson reads an integer past 64 bits
-    as a float and refuses NaN and Infinity; a body with a number of 19 digits or more, or one it
-    refuses, goes to Python's parser, so every body means what it says and bad ones get its
-    error message."""
-    if not _LONG_NUMBER.search(raw):
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            pass
-    return json.loads(raw)
-
-
-def _dumps(answer: Any) -> bytes:
-    """An answer's JSON: orjson, as SGLang answers /generate (a non-finite float goes out as
-    null, as there), or Python's encoder for what orjson refuses (a request id that is not valid
-    UTF-8, which it escapes)."""
-    try:
-        return orjson.dumps(answer)
-    except TypeError:
-        return json.dumps(answer).encode()
 
 
 class CpuServer:
@@ -275,7 +247,8 @@ class CpuServer:
         except GenerationFailed as err:
             return _error(str(err), status=500)
         answers = self._answers(seqs, bool(body.get("return_logprob", False)))
-        return web.Response(body=_dumps(answers if batched or len(seqs) > 1 else answers[0]),
+        # orjson, as SGLang answers /generate (a non-finite float goes out as null, as there).
+        return web.Response(body=dumps(answers if batched or len(seqs) > 1 else answers[0]),
                             content_type="application/json")
 
     def _parse_generate(self, body: dict) -> tuple[list[list[int]], list[RequestParams], list[str], bool]:
