@@ -11,8 +11,8 @@ import importlib
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
 
-from rlorch.config import Config, InferenceBackend, TrainerBackend
-from rlorch.rundir import RunDir
+from rlorch.config.schema import Config, InferenceBackend, TrainerBackend
+from rlorch.rundir.layout import RunDir
 from rlorch.types import Engine, PolicyVersion, Trainer
 
 InferenceStarter = Callable[[Config, RunDir, PolicyVersion], Awaitable[tuple[Engine, Any]]]
@@ -20,8 +20,8 @@ InferenceStarter = Callable[[Config, RunDir, PolicyVersion], Awaitable[tuple[Eng
 TrainerFactory = Callable[[Config, RunDir, Optional[Path], int], Trainer]
 """``(config, run_dir, resume checkpoint or None, start step) -> trainer`` (not started)."""
 
-INFERENCE_MODULES = {InferenceBackend.sim: "rlorch.inference.sim", InferenceBackend.cpu: "rlorch.inference.launcher",
-                     InferenceBackend.sglang: "rlorch.inference.launcher"}
+INFERENCE_MODULES = {InferenceBackend.sim: "rlorch.inference.sim", InferenceBackend.cpu: "rlorch.inference.servers",
+                     InferenceBackend.sglang: "rlorch.inference.servers"}
 TRAINER_MODULES = {TrainerBackend.sim: "rlorch.trainer.sim", TrainerBackend.fsdp: "rlorch.trainer.process"}
 
 _inference: dict[InferenceBackend, InferenceStarter] = {}

@@ -42,8 +42,8 @@ def _config_or_exit(overrides: list[str]):
     from rich.console import Console
     from rich.markup import escape
 
-    from rlorch.compose import compose
-    from rlorch.config import ConfigError
+    from rlorch.config.compose import compose
+    from rlorch.config.schema import ConfigError
 
     try:
         return compose(overrides)
@@ -57,8 +57,8 @@ def _preflight_or_exit(config) -> None:
     from rich.console import Console
     from rich.markup import escape
 
-    from rlorch.config import ConfigError
-    from rlorch.preflight import preflight
+    from rlorch.config.schema import ConfigError
+    from rlorch.config.preflight import preflight
 
     try:
         preflight(config)
@@ -79,8 +79,8 @@ def train(overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_H
         warm_up_early(overrides or [])
     config = _config_or_exit(overrides or [])
     if dry_run:
-        from rlorch.config import ConfigError
-        from rlorch.placement import print_plan
+        from rlorch.config.schema import ConfigError
+        from rlorch.launch.placement import print_plan
 
         try:
             print_plan(config)
@@ -126,8 +126,8 @@ def validate_config(
     """Compose and check a config; print the resolved summary, or name the key at fault."""
     from rich.console import Console
 
-    from rlorch.config import warnings_for
-    from rlorch.summary import config_summary
+    from rlorch.config.schema import warnings_for
+    from rlorch.config.summary import config_summary
 
     config = _config_or_exit(overrides or [])
     _preflight_or_exit(config)
@@ -147,8 +147,8 @@ def report(run_dir: str = typer.Argument(..., help="A run directory (holds metri
     """Write a run's pictures (PNGs) and report.md into RUN_DIR/report/."""
     from pathlib import Path
 
-    from rlorch.report import write_report
-    from rlorch.rundir import RunDir
+    from rlorch.reporting.report import write_report
+    from rlorch.rundir.layout import RunDir
 
     try:
         path = write_report(RunDir(Path(run_dir)))

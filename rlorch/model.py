@@ -34,7 +34,7 @@ def resolve_model_path(path: Optional[str]) -> Path:
     if path:
         resolved = Path(path).expanduser()
         if not (resolved / "config.json").is_file():
-            from rlorch.config import ConfigError
+            from rlorch.config.schema import ConfigError
 
             raise ConfigError("model.path", f"{resolved} is not an HF model directory (no config.json)")
         return resolved

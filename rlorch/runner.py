@@ -2,7 +2,7 @@
 
 It makes the run directory, writes the resolved config, starts the engines and the trainer,
 builds the orchestrator, installs the signal handlers; what the operator sees (phases, progress,
-the end-of-run report) is :mod:`rlorch.progress`.
+the end-of-run report) is :mod:`rlorch.reporting.progress`.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from typing import Any, Optional
 
 from rich.console import Console
 
-from rlorch.config import Config, ConfigError
-from rlorch.progress import Phases, print_report, progress_logger
-from rlorch.rundir import RunDir, parse_step, save_config, write_json_atomic
-from rlorch.runlock import RunLock, set_aside_failed_start
-from rlorch.signals import SignalRelay, startup_summary
-from rlorch.startup import StartupClock
+from rlorch.config.schema import Config, ConfigError
+from rlorch.reporting.progress import Phases, print_report, progress_logger
+from rlorch.rundir.layout import RunDir, parse_step, save_config, write_json_atomic
+from rlorch.launch.runlock import RunLock, set_aside_failed_start
+from rlorch.launch.signals import SignalRelay, startup_summary
+from rlorch.launch.startup import StartupClock
 from rlorch.types import PolicyVersion
 
 EXIT_INTERRUPTED = {"SIGINT": 130, "SIGTERM": 143}
@@ -46,7 +46,7 @@ def new_run_dir(config: Config) -> RunDir:
 
 
 def run_training(config: Config, overrides: list[str]) -> int:
-    from rlorch.preflight import preflight
+    from rlorch.config.preflight import preflight
 
     try:
         preflight(config)
@@ -64,7 +64,7 @@ def run_training(config: Config, overrides: list[str]) -> int:
         save_config(config, run_dir.config)
         _warm_up(config)
         console.print(f"run directory: [bold]{run_dir.root}[/]", highlight=False)
-        from rlorch.config import warnings_for
+        from rlorch.config.schema import warnings_for
 
         for warning in warnings_for(config):
             console.print(f"[yellow]warning[/] {warning}", highlight=False)
@@ -72,9 +72,9 @@ def run_training(config: Config, overrides: list[str]) -> int:
 
 
 def resume_training(checkpoint: str, overrides: list[str]) -> int:
-    from rlorch import resume
-    from rlorch.config_keys import check_overrides
-    from rlorch.resume_forms import finished_run, locate_checkpoint
+    from rlorch.rundir import resume
+    from rlorch.config.keys import check_overrides
+    from rlorch.rundir.targets import finished_run, locate_checkpoint
 
     try:
         check_overrides(overrides)
@@ -97,10 +97,10 @@ def resume_training(checkpoint: str, overrides: list[str]) -> int:
 
 
 def _warm_up(config: Config) -> None:
-    """Start the fork server early when rlorch processes will be launched (rlorch.forkserver);
+    """Start the fork server early when rlorch processes will be launched (rlorch.launch.forkserver);
     stop one :func:`warm_up_early` started for a run that launches none."""
-    from rlorch import forkserver
-    from rlorch.config import InferenceBackend, TrainerBackend
+    from rlorch.launch import forkserver
+    from rlorch.config.schema import InferenceBackend, TrainerBackend
 
     if config.inference.backend == InferenceBackend.cpu or config.trainer.backend == TrainerBackend.fsdp:
         forkserver.warm_up()
@@ -120,7 +120,7 @@ def warm_up_early(overrides: list[str]) -> None:
 
     if os.environ.get("RLORCH_CONF_DIR") or any(o.lstrip("+~").startswith(_OTHER_LAUNCH) for o in overrides):
         return
-    from rlorch import forkserver
+    from rlorch.launch import forkserver
 
     forkserver.warm_up()
 
@@ -130,11 +130,11 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
     started = clock.origin
     signals = SignalRelay()
     from rlorch.backends import make_trainer
-    from rlorch.episode import PromptSource, make_work, reward_override
+    from rlorch.tasks.episode import PromptSource, make_work, reward_override
     from rlorch.inference.weight_transfer import join_weight_group
     from rlorch.orchestrator.loop import Orchestrator
-    from rlorch.resume import step_of
-    from rlorch.tasks import make_environment
+    from rlorch.rundir.resume import step_of
+    from rlorch.tasks.registry import make_environment
 
     phases = Phases(console)
     policy = PolicyVersion(0)
@@ -151,7 +151,7 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
         prompts = PromptSource(env, tokenizer=tokenizer, seed=config.run.seed)
         resume = None
         if checkpoint is not None:
-            from rlorch.resume import read_state, weights_of
+            from rlorch.rundir.resume import read_state, weights_of
 
             resume = read_state(checkpoint, prompts.make)
             prompts.position = resume.prompt_position
@@ -233,7 +233,7 @@ def _report(summary: dict, run_dir: RunDir, config: Config, phases: dict) -> int
         console.print(f"[bold red]summary not saved[/] {run_dir.summary}: {err}", highlight=False)
     report = None
     if config.run.report and summary.get("admitted"):
-        from rlorch.report import write_report
+        from rlorch.reporting.report import write_report
 
         try:
             report = write_report(run_dir)

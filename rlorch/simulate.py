@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from rlorch.config import Config, ConfigError, to_plain
+from rlorch.config.schema import Config, ConfigError, to_plain
 from rlorch.orchestrator.gate import CapacityGate
 from rlorch.types import PolicyVersion
 
@@ -27,8 +27,8 @@ USED_KEYS = ("conf", "rollout.max_staleness", "rollout.batch_size", "rollout.max
 
 def check_used(overrides: list[str]) -> None:
     """Refuse a key the simulation would ignore (a sweep of it would print identical rows)."""
-    from rlorch.compose import config_groups
-    from rlorch.config_keys import check_overrides, override_key
+    from rlorch.config.compose import config_groups
+    from rlorch.config.keys import check_overrides, override_key
 
     check_overrides([item for item in overrides if override_key(item) != "conf"], groups=config_groups())
     for item in overrides:
@@ -149,7 +149,7 @@ def _with_single_rollouts(overrides: list[str]) -> list[str]:
 
 def simulate(overrides: list[str]) -> list[SimResult]:
     """One simulated run per combination of the comma-list sweeps in ``overrides``."""
-    from rlorch.compose import compose, expand_sweeps
+    from rlorch.config.compose import compose, expand_sweeps
 
     check_used(overrides)
     try:
@@ -261,7 +261,7 @@ def simulate_command(overrides: list[str], *, json_lines: bool, plot: Optional[s
 
     try:
         if plot:
-            from rlorch.preflight import writable_file
+            from rlorch.config.preflight import writable_file
 
             writable_file(plot, "--plot")
         results = simulate(overrides)

@@ -373,3 +373,15 @@ def is_correct(env: Environment, completion: str, answer: Any, reward: float) ->
 def max_reward(env: Environment) -> float:
     """The best score an episode can earn (``max_reward`` attribute, default 1)."""
     return float(getattr(env, "max_reward", 1.0))
+
+
+@dataclass
+class DispatcherState:
+    """The dispatcher's unfinished work at one moment, as a checkpoint saves it."""
+
+    finished: list[list[Rollout]]
+    """Finished groups not yet taken, oldest first."""
+    in_flight: list[Prompt]
+    failed: list[Prompt]
+    """Prompts whose group failed every retry."""
+    queued: list[Prompt]

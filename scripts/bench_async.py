@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rlorch.compose import compose
+from rlorch.config.compose import compose
 from rlorch.runner import run_training
 
 

@@ -24,8 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlorch.compose import compose
-from rlorch.config import RolloutConfig
+from rlorch.config.compose import compose
+from rlorch.config.schema import RolloutConfig
 from rlorch.orchestrator.dispatcher import Dispatcher
 from rlorch.orchestrator.gate import CapacityGate
 from rlorch.runner import run_training

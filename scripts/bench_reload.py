@@ -26,12 +26,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlorch.config import Config, InferenceBackend
-from rlorch.inference.launcher import start_engines
-from rlorch.rundir import RunDir
+from rlorch.config.schema import Config, InferenceBackend
+from rlorch.inference.servers import start_engines
+from rlorch.rundir.layout import RunDir
 from rlorch.trainer.broadcast import Broadcaster, _free_port
 from rlorch.trainer.publish import HFWriter, publish
-from rlorch.weight_group import GroupSpec
+from rlorch.launch.weight_group import GroupSpec
 
 
 def make_model(target: Path, hidden: int, layers: int):

@@ -20,8 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlorch.config import Config, InferenceBackend
-from rlorch.inference.launcher import start_engines
+from rlorch.config.schema import Config, InferenceBackend
+from rlorch.inference.servers import start_engines
 from rlorch.model import resolve_model_path
 from rlorch.types import SamplingParams
 

@@ -74,9 +74,9 @@ def trl_worker(steps: int) -> None:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlorch.compose import compose
+    from rlorch.config.compose import compose
     from rlorch.model import ensure_default_model
-    from rlorch.tasks import make_environment
+    from rlorch.tasks.registry import make_environment
 
     env = make_environment(compose([]))
     path = ensure_default_model()

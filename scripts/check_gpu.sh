@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared check for a GPU machine: installs the sglang extra, prints the launch plan, then runs
-# the tiny default on SGLang with the FSDP2 trainer on CUDA/NCCL, placed by rlorch.placement
+# the tiny default on SGLang with the FSDP2 trainer on CUDA/NCCL, placed by rlorch.launch.placement
 # (servers first, then the trainer), for 20 steps. Prints reload latency, trained tokens/s and
 # PASS/FAIL; exits non-zero on FAIL.
 # Usage: bash scripts/check_gpu.sh [RUN_DIR] [extra overrides...]

@@ -10,8 +10,8 @@ from rlorch.orchestrator.dispatcher import Dispatcher, GenerationFailed
 from rlorch.orchestrator.gate import CapacityGate
 from rlorch.orchestrator.sinks import TrainSink, Verdict, group_advantages, zero_variance_filter
 from rlorch.orchestrator.watcher import WeightWatcher, WatcherStalled
-from rlorch.config import WatcherConfig
-from rlorch.rundir import PUBLISHED, RunDir, mark
+from rlorch.config.schema import WatcherConfig
+from rlorch.rundir.layout import PUBLISHED, RunDir, mark
 from rlorch.types import Origin, PolicyVersion, Prompt, Rollout, VersionStamps, head_ages
 
 

@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from rlorch.cli import app
-from rlorch.compose import compose, presets
-from rlorch.config import Config, ConfigError, Correction
+from rlorch.config.compose import compose, presets
+from rlorch.config.schema import Config, ConfigError, Correction
 
 runner = CliRunner()
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import faults  # noqa: E402
 
-from rlorch.config import ConfigError  # noqa: E402
+from rlorch.config.schema import ConfigError  # noqa: E402
 
 pytestmark = pytest.mark.faults
 
@@ -112,7 +112,7 @@ def test_a_truncated_trainer_state_is_named_with_its_exception(tmp_path):
 
 
 def test_the_run_lock_names_its_holder_and_is_taken_over_after_it(tmp_path):
-    from rlorch.runlock import RunLock
+    from rlorch.launch.runlock import RunLock
 
     with RunLock(tmp_path) as held:
         assert RunLock(tmp_path).holder() == os.getpid()
@@ -232,7 +232,8 @@ def test_serve_refuses_an_oversized_body_and_times_out_slow_and_idle_clients(mod
 
 
 def test_serve_checks_sizes_before_reading_or_tokenising(model_dir):
-    from rlorch.serve.server import MAX_BODY_BYTES, CpuServer, ServerThread
+    from rlorch.serve.http import MAX_BODY_BYTES
+    from rlorch.serve.server import CpuServer, ServerThread
 
     server = CpuServer(model_dir, threads=1)
     thread = ServerThread(server)
@@ -277,7 +278,7 @@ def test_serve_with_an_api_key_refuses_requests_without_it(model_dir):
 
 def test_launched_engines_get_a_fresh_key_kept_out_of_logs_and_ps(model_dir, tmp_path):
     from rlorch.inference.client import EngineError, SGLangEngine
-    from rlorch.inference.launcher import start_engines
+    from rlorch.inference.servers import start_engines
     from test_pool import cpu_config
 
     async def scenario():
@@ -311,7 +312,7 @@ def test_the_guard_takes_a_launched_server_down_with_its_orchestrator(tmp_path):
     server = [sys.executable, "-c", f"import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); "
                                     "time.sleep(120)"]
     orchestrator = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    guard = subprocess.Popen([sys.executable, "-m", "rlorch.inference.guard", *server], start_new_session=True,
+    guard = subprocess.Popen([sys.executable, "-m", "rlorch.launch.guard", *server], start_new_session=True,
                              env={**os.environ, ORCHESTRATOR_PID_ENV: str(orchestrator.pid)})
     faults.wait_for(lambda: marker.exists() and marker.read_text(), 30, "the guarded server")
     server_pid = int(marker.read_text())
@@ -321,7 +322,7 @@ def test_the_guard_takes_a_launched_server_down_with_its_orchestrator(tmp_path):
     faults.wait_for(lambda: not process_alive(server_pid), 10, "the server to die with its orchestrator")
 
     marker.unlink()
-    guard = subprocess.Popen([sys.executable, "-m", "rlorch.inference.guard", *server], start_new_session=True,
+    guard = subprocess.Popen([sys.executable, "-m", "rlorch.launch.guard", *server], start_new_session=True,
                              env={**os.environ, ORCHESTRATOR_PID_ENV: str(os.getpid())})
     faults.wait_for(lambda: marker.exists() and marker.read_text(), 30, "the guarded server")
     os.killpg(guard.pid, signal.SIGTERM)

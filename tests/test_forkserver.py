@@ -11,7 +11,7 @@ import sys
 import time
 import urllib.request
 
-from rlorch import forkserver
+from rlorch.launch import forkserver
 
 
 def test_forked_command_runs_as_python_m_with_its_env_log_and_status(tmp_path):
@@ -78,7 +78,7 @@ def test_an_engine_forked_from_the_server_shares_its_imports_and_serves_like_one
     """The engine's imports are the server's pages, shared rather than copied (a process that
     imported them itself holds them all privately), and what it serves is what the same
     engine answers in this process."""
-    from rlorch.inference.launcher import free_port
+    from rlorch.inference.servers import free_port
     from rlorch.serve.server import CpuServer, ServerThread
 
     port = free_port()
@@ -108,7 +108,7 @@ def test_preload_imports_what_a_child_needs_and_freezes_it():
     """In a fresh interpreter (this one has imported most of it already)."""
     code = """
 import gc, json, sys
-from rlorch import forkserver
+from rlorch.launch import forkserver
 wanted = ("torch", "transformers.modeling_utils", "aiohttp.web", "hydra.compose", "omegaconf",
           "rlorch.serve.server", "rlorch.trainer.fsdp")
 before = {"loaded": [m for m in wanted if m in sys.modules], "frozen": gc.get_freeze_count()}
@@ -127,8 +127,8 @@ def test_a_server_started_for_a_run_that_launches_nothing_is_discarded():
     default backends; one started for a run that then launches nothing is stopped, and one
     that has forked processes stays (it reports their exits)."""
     code = """
-from rlorch import forkserver
-from rlorch.compose import compose
+from rlorch.launch import forkserver
+from rlorch.config.compose import compose
 from rlorch.runner import _warm_up, warm_up_early
 seen = []
 for overrides in (["inference=sim"], ["trainer=sim"], ["conf=sim"], ["inference.backend=sim"]):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rlorch.compose import compose
+from rlorch.config.compose import compose
 from rlorch.runner import resume_training, run_training
 
 
@@ -204,7 +204,7 @@ def test_a_group_that_fails_every_retry_stops_the_run_and_keeps_its_prompt(tmp_p
 
 
 def test_a_prompt_that_cannot_be_made_fails_the_run_instead_of_hanging(tmp_path, monkeypatch):
-    from rlorch.episode import PromptSource
+    from rlorch.tasks.episode import PromptSource
 
     original = PromptSource.make
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlorch.config import Correction
+from rlorch.config.schema import Correction
 from rlorch.trainer.loss import LossStats, policy_loss, token_logprobs
 
 ARGS = dict(clip_eps=0.2, is_cap=2.0)

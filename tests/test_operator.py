@@ -13,11 +13,11 @@ import pytest
 from typer.testing import CliRunner
 
 from rlorch.cli import app
-from rlorch.compose import compose
-from rlorch.config import ConfigError
+from rlorch.config.compose import compose
+from rlorch.config.schema import ConfigError
 from rlorch.orchestrator.idle import IdleClock, IdleShares
-from rlorch.report import HEIGHT, IMAGES, WIDTH
-from rlorch.resume_forms import locate_checkpoint
+from rlorch.reporting.report import HEIGHT, IMAGES, WIDTH
+from rlorch.rundir.targets import locate_checkpoint
 from rlorch.runner import resume_training, run_training
 
 FAST = ["inference.sim.latency=[0.005,0.005]", "trainer.sim.step_time=0.01"]
@@ -262,7 +262,7 @@ def test_in_a_terminal_the_live_display_leaves_its_last_state_on_screen():
 
     from rich.console import Console
 
-    from rlorch.progress import LiveProgress, progress_logger
+    from rlorch.reporting.progress import LiveProgress, progress_logger
 
     screen = io.StringIO()
     console = Console(file=screen, force_terminal=True, width=160)

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from rlorch.compose import compose
-from rlorch.config import ConfigError
+from rlorch.config.compose import compose
+from rlorch.config.schema import ConfigError
 from rlorch.orchestrator.dispatcher import Dispatcher, GenerationFailed
 from rlorch.orchestrator.gate import CapacityGate
-from rlorch.rundir import RunDir
+from rlorch.rundir.layout import RunDir
 from rlorch.runner import run_training
 from rlorch.types import Origin, PolicyVersion, Prompt, Rollout, VersionStamps
 

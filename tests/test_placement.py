@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from rlorch.compose import compose
-from rlorch.config import ConfigError
-from rlorch.placement import launch_plan, place
+from rlorch.config.compose import compose
+from rlorch.config.schema import ConfigError
+from rlorch.launch.placement import launch_plan, place
 from rlorch.trainer.process import trainer_command
 
 

@@ -14,9 +14,9 @@ import signal
 
 import pytest
 
-from rlorch.config import Config, InferenceBackend
+from rlorch.config.schema import Config, InferenceBackend
 from rlorch.inference.client import EngineError, SGLangEngine
-from rlorch.inference.launcher import LaunchError, start_engines
+from rlorch.inference.servers import LaunchError, start_engines
 from rlorch.inference.pool import EnginePool
 from rlorch.serve.server import CpuServer, ServerThread, rlorch_version
 from rlorch.types import Engine, SamplingParams
@@ -139,7 +139,7 @@ def test_down_server_rejoins_synced_to_the_current_version(model_dir, perturbed_
 
 
 def test_server_versions_are_recorded_and_a_mismatch_is_refused(model_dir, tmp_path):
-    from rlorch.inference.launcher import ServerProcess, record_versions
+    from rlorch.inference.servers import ServerProcess, record_versions
 
     thread = ServerThread(CpuServer(model_dir, threads=1))
 
@@ -162,7 +162,7 @@ def test_server_versions_are_recorded_and_a_mismatch_is_refused(model_dir, tmp_p
 
 
 def test_server_commands(tmp_path):
-    from rlorch.inference.launcher import server_command
+    from rlorch.inference.servers import server_command
 
     config = cpu_config(1)
     config.inference.launch_args = ["inference.cpu.max_batch=8"]

@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from rlorch.cli import app
-from rlorch.compose import compose
+from rlorch.config.compose import compose
 from rlorch.simulate import SimParams, run_gate
 
 runner = CliRunner()

@@ -67,7 +67,7 @@ def test_a_wheel_installed_elsewhere_finds_its_presets_and_runs(tmp_path):
     assert installed.returncode == 0, installed.stderr
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    where = subprocess.run([str(python), "-c", "import rlorch, rlorch.compose as c; print(rlorch.__file__); "
+    where = subprocess.run([str(python), "-c", "import rlorch, rlorch.config.compose as c; print(rlorch.__file__); "
                             "print(c.conf_dir())"], capture_output=True, text=True, cwd=elsewhere)
     package, presets = where.stdout.split()
     assert package.startswith(str(venv)) and presets.startswith(str(venv)), where.stdout

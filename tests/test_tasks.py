@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from rlorch.compose import compose
-from rlorch.config import ConfigError
-from rlorch.tasks import make_environment, names
+from rlorch.config.compose import compose
+from rlorch.config.schema import ConfigError
+from rlorch.tasks.registry import make_environment, names
 from rlorch.tasks.digits import digit_credit
 from rlorch.tasks.jsonl import DataError
 from rlorch.types import Environment
@@ -124,7 +124,7 @@ def test_a_held_out_split_smaller_than_the_eval_set_is_evaluated_whole_in_draw_o
 
 
 def test_sim_token_ids_are_one_per_character_for_any_text():
-    from rlorch.episode import encode_text
+    from rlorch.tasks.episode import encode_text
 
     for text in ("", "4071=", "no=", "naïve €", "".join(map(chr, range(200)))):
         assert encode_text(None, text) == [1 + (ord(c) % 60) for c in text]

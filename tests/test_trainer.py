@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rlorch.compose import compose
-from rlorch.rundir import COMPLETE, PUBLISHED, RunDir, save_config, write_atomic
+from rlorch.config.compose import compose
+from rlorch.rundir.layout import COMPLETE, PUBLISHED, RunDir, save_config, write_atomic
 
 
 def _make_run(root: Path, *overrides: str) -> tuple[RunDir, object]:

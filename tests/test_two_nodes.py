@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from rlorch.compose import compose
-from rlorch.inference.launcher import free_port
-from rlorch.rundir import RunDir, load_config, save_config
+from rlorch.config.compose import compose
+from rlorch.inference.servers import free_port
+from rlorch.rundir.layout import RunDir, load_config, save_config
 from rlorch.trainer.process import trainer_command
 
 STEPS = 3

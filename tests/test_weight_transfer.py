@@ -11,12 +11,12 @@ import pytest
 from rlorch.inference.client import EngineError, SGLangEngine
 from rlorch.inference.pool import EnginePool
 from rlorch.orchestrator.watcher import WeightWatcher
-from rlorch.config import WatcherConfig
-from rlorch.rundir import RunDir
+from rlorch.config.schema import WatcherConfig
+from rlorch.rundir.layout import RunDir
 from rlorch.serve.server import CpuServer, ServerThread
 from rlorch.trainer.broadcast import Broadcaster, _free_port
 from rlorch.types import PolicyVersion, SamplingParams
-from rlorch.weight_group import GroupSpec
+from rlorch.launch.weight_group import GroupSpec
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 4]]
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
@@ -140,8 +140,8 @@ def test_engine_refuses_bad_group_requests(server):
 
 
 def test_distributed_transfer_needs_real_backends():
-    from rlorch.compose import compose
-    from rlorch.config import ConfigError
+    from rlorch.config.compose import compose
+    from rlorch.config.schema import ConfigError
 
     with pytest.raises(ConfigError) as err:
         compose(["conf=sim", "inference.weight_transfer=distributed"])
@@ -150,7 +150,7 @@ def test_distributed_transfer_needs_real_backends():
 
 
 def test_summary_says_where_the_start_went(tmp_path):
-    from rlorch.compose import compose
+    from rlorch.config.compose import compose
     from rlorch.runner import run_training
 
     config = compose(["conf=sim", f"run.dir={tmp_path / 'run'}", "run.progress=false", "train.steps=3"])

@@ -12,8 +12,8 @@ import random
 from typing import Sequence
 
 from rlorch.backends import inference_backend
-from rlorch.config import Config, InferenceBackend, SimEngineConfig
-from rlorch.rundir import RunDir
+from rlorch.config.schema import Config, InferenceBackend, SimEngineConfig
+from rlorch.rundir.layout import RunDir
 from rlorch.types import Generation, GroupRequest, PolicyVersion, SamplingParams, VersionStamps
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import logging
 
-from rlorch.config import Config, WeightTransfer
-from rlorch.rundir import RunDir
+from rlorch.config.schema import Config, WeightTransfer
+from rlorch.rundir.layout import RunDir
 
 log = logging.getLogger("rlorch.weight_transfer")
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import shutil
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
-from rlorch.orchestrator.dispatcher import DispatcherState
-from rlorch.orchestrator.ledger import Ledger, ResumeState, regroup
-from rlorch.rundir import CheckpointDir, RunDir, write_json_atomic
-from rlorch.types import Batch, Prompt, Rollout
+from rlorch.rundir.layout import CheckpointDir, RunDir, write_json_atomic
+from rlorch.rundir.state import ResumeState, regroup
+from rlorch.types import Batch, DispatcherState, Prompt, Rollout
 
 
 @dataclass
@@ -26,9 +25,10 @@ class Unfinished:
     sink_groups: list[list[Rollout]]
     parked: Optional[Batch]
 
-    def groups(self, ledger: Ledger, step: int) -> list[list[Rollout]]:
-        """Finished rollouts that checkpoint ``step`` has not trained, oldest first."""
-        groups = ledger.shipped_after(step)
+    def groups(self, shipped_after: list[list[Rollout]]) -> list[list[Rollout]]:
+        """Finished rollouts that a checkpoint has not trained, oldest first, given the groups
+        shipped after it."""
+        groups = list(shipped_after)
         if self.parked is not None:
             groups.extend(regroup(self.parked.rollouts))
         return groups + self.sink_groups + self.dispatcher.finished
@@ -38,11 +38,12 @@ class Snapshots:
     """Which checkpoints have their orchestrator state, and writing it.
 
     ``unfinished()`` reads the components' state at the moment of a snapshot; ``empty_batches()``
-    is the train sink's count of this life. After each snapshot the resumable checkpoints beyond
+    is the train sink's count of this life; ``ledger`` is the run's ledger (shipped batches and
+    the accounting). After each snapshot the resumable checkpoints beyond
     the newest ``keep`` are deleted, except every ``keep_every``-th step (0: none kept that way).
     """
 
-    def __init__(self, run_dir: RunDir, *, ledger: Ledger, group_size: int, unfinished: Callable[[], Unfinished],
+    def __init__(self, run_dir: RunDir, *, ledger: Any, group_size: int, unfinished: Callable[[], Unfinished],
                  prompt_position: Callable[[], int], empty_batches: Callable[[], int], keep: int = 0,
                  keep_every: int = 0):
         self.run_dir, self.ledger, self.group_size = run_dir, ledger, group_size
@@ -76,7 +77,7 @@ class Snapshots:
         by a shutdown (already counted as requeued); without it, the prompts in flight now are
         the ones a resume runs again, counted as requeued here."""
         unfinished = self.unfinished()
-        untrained = unfinished.groups(self.ledger, step)
+        untrained = unfinished.groups(self.ledger.shipped_after(step))
         state = unfinished.dispatcher
         in_flight = state.in_flight if abandoned is None else abandoned
         totals = self.ledger.totals(step=step, untrained=sum(len(g) for g in untrained),
@@ -96,7 +97,7 @@ class Snapshots:
         """The summary's accounting at the checkpoint the run ended on (``lost`` must be 0)."""
         step = self.final if self.final is not None else version
         unfinished = self.unfinished()
-        untrained = sum(len(g) for g in unfinished.groups(self.ledger, step))
+        untrained = sum(len(g) for g in unfinished.groups(self.ledger.shipped_after(step)))
         return {"steps": step, **self.ledger.account(
             step=step, untrained=untrained, failed_prompts=len(unfinished.dispatcher.failed),
             empty_batches=self.empty_batches(), saved=self.final is not None),

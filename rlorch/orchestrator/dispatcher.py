@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from dataclasses import dataclass
 from itertools import islice
 from typing import Awaitable, Callable, Iterator, Optional
 
 from rlorch.lifecycle import cancel_and_wait, gather_all
-from rlorch.types import Admission, Prompt, Rollout
+from rlorch.types import Admission, DispatcherState, Prompt, Rollout
 
 Work = Callable[[Prompt], Awaitable[list[Rollout]]]
 PackWork = Callable[[list[Prompt]], Awaitable[list[list[Rollout]]]]
@@ -34,16 +33,6 @@ PackWork = Callable[[list[Prompt]], Awaitable[list[list[Rollout]]]]
 
 class GenerationFailed(RuntimeError):
     pass
-
-
-@dataclass
-class DispatcherState:
-    finished: list[list[Rollout]]
-    """Finished groups not yet taken, oldest first."""
-    in_flight: list[Prompt]
-    failed: list[Prompt]
-    """Prompts whose group failed every retry."""
-    queued: list[Prompt]
 
 
 class Dispatcher:

@@ -9,21 +9,21 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable, Optional
 
-from rlorch.config import EvalConfig
+from rlorch.config.schema import EvalConfig
 from rlorch.lifecycle import cancel_and_wait
-from rlorch.orchestrator.sinks import EvalSink
 from rlorch.types import Prompt
 
 
 class Evaluations:
-    def __init__(self, config: EvalConfig, *, work: Callable, prompts: Any, write: Callable[[dict], None],
-                 request_timeout: float):
+    def __init__(self, config: EvalConfig, *, work: Callable, prompts: Any, sink: Any,
+                 write: Callable[[dict], None], request_timeout: float):
         self.config = config
         self.work = work
         self.prompts = prompts
         self.write = write
         self.request_timeout = request_timeout
-        self.sink = EvalSink()
+        self.sink = sink
+        """The eval sink: rollouts of one evaluation to its record."""
         self.done: set[int] = set()
         self.tasks: set[asyncio.Task] = set()
         self._prompts: Optional[list[Prompt]] = None

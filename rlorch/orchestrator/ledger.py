@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable
 
-from rlorch.types import Batch, Prompt, Rollout
+from rlorch.rundir.state import regroup
+from rlorch.types import Batch, Rollout
 
 
 class Fate(str, enum.Enum):
@@ -33,41 +33,6 @@ COUNTERS = ("admitted", "trained", "filtered", "dropped_stale", "requeued", "reg
 """What ``totals`` holds; ``regenerated``, ``stale_tokens`` and ``empty_batches`` are counts of
 events, not of fates (the train sink counts this life's empty batches; the ledger adds them to
 those of earlier lives)."""
-
-
-@dataclass
-class ResumeState:
-    """What a checkpoint carries for the orchestrator (its ``orchestrator.json``)."""
-
-    step: int
-    prompt_position: int
-    untrained: list[list[Rollout]]
-    pending_prompts: list[Prompt]
-    totals: dict = field(default_factory=dict)
-
-    def to_json(self) -> dict:
-        return {"step": self.step, "prompt_position": self.prompt_position, "totals": self.totals,
-                "untrained": [[r.to_json() for r in group] for group in self.untrained],
-                "pending_prompts": [{"group_id": p.group_id, "attempt": p.attempt} for p in self.pending_prompts]}
-
-    @classmethod
-    def from_json(cls, data: dict, make_prompt: Callable[[int], Prompt]) -> "ResumeState":
-        prompts = []
-        for item in data["pending_prompts"]:
-            prompt = make_prompt(item["group_id"])
-            prompt.attempt = item.get("attempt", 0)
-            prompts.append(prompt)
-        return cls(step=data["step"], prompt_position=data["prompt_position"], totals=data.get("totals", {}),
-                   untrained=[[Rollout.from_json(r) for r in group] for group in data["untrained"]],
-                   pending_prompts=prompts)
-
-
-def regroup(rollouts: Iterable[Rollout]) -> list[list[Rollout]]:
-    """Rollouts back into their groups (a group is one prompt's samples of one attempt)."""
-    groups: dict[tuple, list[Rollout]] = {}
-    for rollout in rollouts:
-        groups.setdefault((rollout.group_id, rollout.attempt), []).append(rollout)
-    return list(groups.values())
 
 
 class Ledger:

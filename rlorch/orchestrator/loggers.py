@@ -127,7 +127,7 @@ class FanOut:
 
 def make_loggers(config: Any, run_dir: Any) -> FanOut:
     """JSONL into ``metrics.jsonl``, plus TensorBoard and W&B when ``metrics.*`` turns them on."""
-    from rlorch.config import to_plain
+    from rlorch.config.schema import to_plain
 
     metrics = config.metrics
     loggers: list[Logger] = [JsonlLogger(run_dir.metrics)]

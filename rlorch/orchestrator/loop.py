@@ -16,22 +16,23 @@ import asyncio
 import time
 from typing import Any, Optional
 
-from rlorch.config import Config, Enforce
+from rlorch.config.schema import Config, Enforce
 from rlorch.lifecycle import cancel_and_wait
 from rlorch.orchestrator.checkpoints import Snapshots, Unfinished
 from rlorch.orchestrator.dispatcher import Dispatcher, Work
 from rlorch.orchestrator.evaluation import Evaluations
 from rlorch.orchestrator.gate import CapacityGate
 from rlorch.orchestrator.idle import IdleClock, IdleShares
-from rlorch.orchestrator.ledger import Fate, Ledger, ResumeState
+from rlorch.orchestrator.ledger import Fate, Ledger
+from rlorch.rundir.state import ResumeState
 from rlorch.orchestrator.loggers import make_loggers
 from rlorch.orchestrator.metrics import MetricsLoop
 from rlorch.orchestrator.runstats import RunStats
-from rlorch.orchestrator.sinks import KEPT, TrainSink, Verdict
+from rlorch.orchestrator.sinks import KEPT, EvalSink, TrainSink, Verdict
 from rlorch.orchestrator.steps import StepRecords
 from rlorch.orchestrator.stops import Converged, RunFailed, StopKind, StopReason
 from rlorch.orchestrator.watcher import WeightWatcher
-from rlorch.rundir import RunDir, write_atomic, write_json_atomic
+from rlorch.rundir.layout import RunDir, write_atomic, write_json_atomic
 from rlorch.types import Batch, Engine, PolicyVersion, Rollout, Trainer, max_reward
 
 
@@ -79,7 +80,7 @@ class Orchestrator:
             "sink": self.sink.gauges, "loop": lambda: {"step": self.shipped, "parked_s_total": round(self.parked_s, 4),
                                                        "admitted_total": self.dispatcher.admitted},
             "engines": lambda: {f"engines_{key}": value for key, value in engines.gauges().items()}})
-        self.evaluations = Evaluations(config.eval, work=work, prompts=prompts, write=self.metrics.write,
+        self.evaluations = Evaluations(config.eval, work=work, prompts=prompts, sink=EvalSink(), write=self.metrics.write,
                                        request_timeout=r.request_timeout)
         self.ledger = Ledger(group_size=r.group_size, admissions=lambda: self.gate.submitted,
                              restored=resume.totals if resume else None)
@@ -97,7 +98,7 @@ class Orchestrator:
         self.stop_reason: Optional[StopReason] = None
         self.started = started if started is not None else time.monotonic()
         self.startup: Any = None
-        """The runner's start-up clock (rlorch.startup.StartupClock): ``startup_s`` in the summary."""
+        """The runner's start-up clock (rlorch.launch.startup.StartupClock): ``startup_s`` in the summary."""
         self.first_step_at: Optional[float] = None
 
     # wiring ----------------------------------------------------------------------------------

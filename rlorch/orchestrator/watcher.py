@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-from rlorch.config import WatcherConfig
+from rlorch.config.schema import WatcherConfig
 from rlorch.lifecycle import cancel_and_wait
 from rlorch.types import Engine, PolicyVersion
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import os
 import signal
@@ -25,9 +24,10 @@ from typing import Any, Callable, Optional
 
 from aiohttp import web
 
-from rlorch.jsonlines import dumps, loads
+from rlorch.jsonlines import dumps
 from rlorch.lifecycle import cancel_and_wait
 from rlorch.serve.batcher import Batcher, GenerationFailed, LoadError, Sequence
+from rlorch.serve.http import BODY_TIMEOUT_KEY, BODY_TIMEOUT_S, IDLE_TIMEOUT_S, MAX_BODY_BYTES, json_body
 from rlorch.serve.sampling import RequestError, RequestParams
 
 log = logging.getLogger("rlorch.serve")
@@ -68,40 +68,6 @@ def rlorch_version() -> str:
 
 def _error(message: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
-
-
-MAX_BODY_BYTES = 16 * 1024 * 1024
-"""The largest request body accepted (413 above it, before reading it)."""
-BODY_TIMEOUT_S = 10.0
-"""By default a request body must arrive within this many seconds (408 otherwise): a slow or
-stalled client cannot hold a connection and its buffer."""
-IDLE_TIMEOUT_S = 75.0
-"""By default a connection with no request for this long is closed (longer than the client's
-own 60 s keep-alive, so the client closes first and never reuses a connection being closed)."""
-_BODY_TIMEOUT = web.AppKey("body_timeout", float)
-
-
-async def _json_body(request: web.Request, *, empty_ok: bool = False) -> dict:
-    """The request's JSON object; a body over MAX_BODY_BYTES or slower than BODY_TIMEOUT_S
-    raises the aiohttp error that answers it (413, 408), and a large one is parsed off the
-    event loop."""
-    if (request.content_length or 0) > MAX_BODY_BYTES:
-        raise web.HTTPRequestEntityTooLarge(MAX_BODY_BYTES, request.content_length)
-    timeout = request.app.get(_BODY_TIMEOUT, BODY_TIMEOUT_S)
-    try:
-        raw = await asyncio.wait_for(request.read(), timeout)
-    except asyncio.TimeoutError:
-        raise web.HTTPRequestTimeout(text=f"request body not received within {timeout:g}s",
-                                     headers={"Connection": "close"}) from None
-    if not raw.strip() and empty_ok:
-        return {}
-    try:
-        body = loads(raw) if len(raw) < 1 << 20 else await asyncio.to_thread(loads, raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise RequestError(f"invalid JSON body: {err}") from err
-    if not isinstance(body, dict):
-        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
-    return body
 
 
 class CpuServer:
@@ -180,7 +146,7 @@ class CpuServer:
             web.post("/flush_cache", self.flush_cache),
         ]
         app.add_routes(routes + self.weight_sync.routes())
-        app[_BODY_TIMEOUT] = self.body_timeout
+        app[BODY_TIMEOUT_KEY] = self.body_timeout
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -228,7 +194,7 @@ class CpuServer:
 
     async def generate(self, request: web.Request) -> web.Response:
         try:
-            body = await _json_body(request)
+            body = await json_body(request)
             prompts, params, rids, batched = await asyncio.to_thread(self._parse_generate, body)
         except RequestError as err:
             return _error(str(err))
@@ -371,7 +337,7 @@ class CpuServer:
                                      status=400)
 
         try:
-            body = await _json_body(request)
+            body = await json_body(request)
         except RequestError as err:
             return failed(str(err))
         path, fmt, version = body.get("model_path"), body.get("load_format"), body.get("weight_version")
@@ -394,7 +360,7 @@ class CpuServer:
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         try:
-            body = await _json_body(request, empty_ok=True)
+            body = await json_body(request, empty_ok=True)
         except RequestError as err:
             return _error(str(err))
         mode = body.get("mode", "abort")
@@ -409,7 +375,7 @@ class CpuServer:
 
     async def abort_request(self, request: web.Request) -> web.Response:
         try:
-            body = await _json_body(request)
+            body = await json_body(request)
         except RequestError as err:
             return _error(str(err))
         rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
@@ -420,7 +386,7 @@ class CpuServer:
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         try:
-            body = await _json_body(request)
+            body = await json_body(request)
         except RequestError as err:
             return _error(str(err))
         version = body.get("new_version")
@@ -561,7 +527,7 @@ def serve_command(config, *, host: str, port: int, weight_version: str = "0",
                   parent: Optional[int] = None, api_key: Optional[str] = None) -> int:
     """Run the CPU engine until SIGINT/SIGTERM (or until process ``parent`` is gone); the exit
     status (2 for a bad model path)."""
-    from rlorch.config import ConfigError
+    from rlorch.config.schema import ConfigError
     from rlorch.model import resolve_model_path
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

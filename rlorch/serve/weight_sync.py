@@ -2,7 +2,7 @@
 ``/update_weights_from_distributed`` and ``/destroy_weights_update_group``, same fields and
 answers.
 
-The engine joins the trainer's group (see :mod:`rlorch.weight_group`) with gloo, since it runs
+The engine joins the trainer's group (see :mod:`rlorch.launch.weight_group`) with gloo, since it runs
 on CPU. An update checks ``names``/``dtypes``/``shapes`` against the served model, receives every
 tensor in ``names`` order into fresh buffers, and only then copies them into the model (under
 the model lock, like a load from disk), so a failed transfer leaves the live weights as they
@@ -18,8 +18,9 @@ from typing import Any
 from aiohttp import web
 
 from rlorch.serve.batcher import load_tensors
+from rlorch.serve.http import json_body
 from rlorch.serve.sampling import RequestError
-from rlorch.weight_group import DEFAULT_GROUP_NAME, GroupSpec, broadcast, open_group, parse_dtype
+from rlorch.launch.weight_group import DEFAULT_GROUP_NAME, GroupSpec, broadcast, open_group, parse_dtype
 
 log = logging.getLogger("rlorch.serve")
 
@@ -93,9 +94,7 @@ class WeightSync:
                 web.post("/destroy_weights_update_group", self.destroy_group)]
 
     async def _body(self, request: web.Request, *, empty_ok: bool = False) -> dict:
-        from rlorch.serve.server import _json_body
-
-        return await _json_body(request, empty_ok=empty_ok)
+        return await json_body(request, empty_ok=empty_ok)
 
     async def init_group(self, request: web.Request) -> web.Response:
         try:

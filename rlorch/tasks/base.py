@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TypeVar
 
-from rlorch.config import ConfigError
+from rlorch.config.schema import ConfigError
 from rlorch.types import Conversation
 
 P = TypeVar("P")

@@ -16,8 +16,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-from rlorch.config import Config
-from rlorch.tasks import register
+from rlorch.config.schema import Config
 from rlorch.tasks.base import require, task_params
 from rlorch.types import Conversation
 
@@ -88,6 +87,5 @@ class CalculatorTask:
         return completion.strip() == answer
 
 
-@register("calculator")
 def calculator_task(config: Config) -> CalculatorTask:
     return CalculatorTask(task_params(CalculatorParams, config.task.params))

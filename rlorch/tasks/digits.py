@@ -16,8 +16,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Callable
 
-from rlorch.config import Config
-from rlorch.tasks import register
+from rlorch.config.schema import Config
 from rlorch.tasks.base import SingleTurn, require, task_params
 from rlorch.types import Conversation
 
@@ -154,7 +153,6 @@ class DigitTask(SingleTurn):
         return clean_completion(completion) == answer
 
 
-@register("reverse")
 def reverse_task(config: Config) -> DigitTask:
     return DigitTask.from_params("reverse", _reverse, task_params(DigitParams, config.task.params))
 
@@ -184,12 +182,10 @@ class RetryTask(DigitTask):
         return self.score(completion, answer)
 
 
-@register("reverse_retry")
 def reverse_retry_task(config: Config) -> RetryTask:
     params = task_params(RetryParams, config.task.params)
     return RetryTask.from_params("reverse_retry", _reverse, params, max_turns=params.max_turns)
 
 
-@register("sort")
 def sort_task(config: Config) -> DigitTask:
     return DigitTask.from_params("sort", _sort, task_params(DigitParams, config.task.params))

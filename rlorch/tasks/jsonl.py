@@ -13,9 +13,8 @@ from pathlib import Path
 from functools import lru_cache
 from typing import Any
 
-from rlorch.config import Config, ConfigError
+from rlorch.config.schema import Config, ConfigError
 from rlorch.jsonlines import parse_record
-from rlorch.tasks import register
 from rlorch.tasks.base import SingleTurn
 
 
@@ -72,7 +71,6 @@ def _order(size: int, seed: int, epoch: int) -> tuple[int, ...]:
     return tuple(order)
 
 
-@register("jsonl")
 def jsonl_task(config: Config) -> JsonlTask:
     if not config.data.path:
         raise ConfigError("data.path", "the jsonl task needs data.path")

@@ -19,9 +19,9 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from rlorch.config import InferenceBackend, WeightTransfer
-from rlorch.rundir import RunDir, parse_step, write_json_atomic
-from rlorch.weight_group import GroupSpec, broadcast, dtype_name, open_group
+from rlorch.config.schema import InferenceBackend, WeightTransfer
+from rlorch.rundir.layout import RunDir, parse_step, write_json_atomic
+from rlorch.launch.weight_group import GroupSpec, broadcast, dtype_name, open_group
 
 
 def engine_count(config) -> int:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from rlorch.rundir import COMPLETE, PUBLISHED, CheckpointDir, RunDir, mark, write_json_atomic
+from rlorch.rundir.layout import COMPLETE, PUBLISHED, CheckpointDir, RunDir, mark, write_json_atomic
 
 STATE_FILE = "trainer_state.json"
 

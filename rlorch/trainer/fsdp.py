@@ -1,6 +1,6 @@
 """The FSDP2 trainer worker: ``torchrun ... -m rlorch.trainer.fsdp --run-dir RUN_DIR [--resume CKPT]``.
 
-It talks to the orchestrator only through the run directory (see :mod:`rlorch.rundir`): it reads
+It talks to the orchestrator only through the run directory (see :mod:`rlorch.rundir.layout`): it reads
 batch N from ``rollouts/step_N.jsonl``, takes one optimizer step, appends a line to
 ``trainer/metrics.jsonl``, publishes version N into ``weights/`` and writes full checkpoints.
 
@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlorch.lifecycle import orchestrator_pid, watch_parents
 from rlorch.model import resolve_model_path
-from rlorch.rundir import RunDir, load_config, write_json_atomic
+from rlorch.rundir.layout import RunDir, load_config, write_json_atomic
 from rlorch.trainer import checkpoint
 from rlorch.trainer.broadcast import Broadcaster, plan
 from rlorch.trainer.batch import BatchError, micro_batches, minibatch_slices, read_batch

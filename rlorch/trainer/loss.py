@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from rlorch.config import Correction
+from rlorch.config.schema import Correction
 
 
 

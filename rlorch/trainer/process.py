@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from rlorch import forkserver
+from rlorch.launch import forkserver
 from rlorch.backends import trainer_backend
-from rlorch.config import Config, TrainerBackend
+from rlorch.config.schema import Config, TrainerBackend
 from rlorch.lifecycle import ORCHESTRATOR_PID_ENV, kill_group, process_alive
-from rlorch.rundir import RunDir
+from rlorch.rundir.layout import RunDir
 from rlorch.types import Batch
 
 
@@ -82,7 +82,7 @@ class TorchrunTrainer:
         self.run_dir.stop_file.unlink(missing_ok=True)
         shutil.rmtree(self.run_dir.trainer_workers, ignore_errors=True)
         command = trainer_command(self.config, self.run_dir.root, self.resume)
-        from rlorch.placement import trainer_env
+        from rlorch.launch.placement import trainer_env
 
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                "PYTHONUNBUFFERED": "1", ORCHESTRATOR_PID_ENV: str(os.getpid()), **trainer_env(self.config)}

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from rlorch.rundir import PUBLISHED, RunDir, fsync_dir, mark, step_name
+from rlorch.rundir.layout import PUBLISHED, RunDir, fsync_dir, mark, step_name
 
 STAGING_PREFIX = ".staging-"
 

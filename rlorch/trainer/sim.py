@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Optional
 
 from rlorch.backends import trainer_backend
-from rlorch.config import Config, TrainerBackend
+from rlorch.config.schema import Config, TrainerBackend
 from rlorch.lifecycle import cancel_and_wait
-from rlorch.rundir import COMPLETE, PUBLISHED, CheckpointDir, RunDir, step_name
+from rlorch.rundir.layout import COMPLETE, PUBLISHED, CheckpointDir, RunDir, step_name
 from rlorch.types import Batch
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from rlorch.compose import compose
+from rlorch.config.compose import compose
 from rlorch.inference.client import SGLangEngine
-from rlorch.inference.launcher import server_command
+from rlorch.inference.servers import server_command
 from rlorch.inference.pool import EnginePool
 from rlorch.inference.routed import RoutedServer
 from rlorch.types import SamplingParams

@@ -10,7 +10,7 @@ import random
 from dataclasses import replace
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from rlorch.config import Config, InferenceBackend, SimReward
+from rlorch.config.schema import Config, InferenceBackend, SimReward
 from rlorch.lifecycle import gather_all
 from rlorch.tasks.base import is_single_turn
 from rlorch.types import (Engine, Environment, Generation, GroupRequest, Origin, Prompt, Rollout, SamplingParams,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from rlorch.config import Config, ConfigError, InferenceBackend, TrainerBackend
+from rlorch.config.schema import Config, ConfigError, InferenceBackend, TrainerBackend
 
 
 @dataclass
@@ -108,7 +108,7 @@ def trainer_env(config: Config) -> dict[str, str]:
 def launch_plan(config: Config, *, run_dir: Path) -> list[dict]:
     """One record per process the run would start: ``role``, ``node``, ``command`` (a shell
     line), ``env`` (what it changes). Starts nothing; ports of launched servers are placeholders."""
-    from rlorch.inference.launcher import server_command
+    from rlorch.inference.servers import server_command
     from rlorch.trainer.process import trainer_command
 
     placement = place(config, visible_gpus(config))

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlorch.config import Config, ConfigError
+from rlorch.config.schema import Config, ConfigError
 
 
 def preflight(config: Config) -> None:
     """Raise :class:`ConfigError` naming the key (and file and line) of the first problem."""
-    from rlorch.tasks import make_environment
+    from rlorch.tasks.registry import make_environment
     from rlorch.tasks.jsonl import DataError
 
     if config.model.path and config.inference.backend.generates_model_tokens:

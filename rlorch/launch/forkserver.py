@@ -42,7 +42,7 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distri
            "hydra._internal.core_plugins.file_config_source", "hydra._internal.core_plugins.structured_config_source",
            "hydra._internal.core_plugins.basic_launcher", "hydra._internal.core_plugins.basic_sweeper",
            "rich.console", "rich.markup",
-           "rlorch.cli", "rlorch.compose", "rlorch.config", "rlorch.config_keys", "rlorch.model",
+           "rlorch.cli", "rlorch.config.compose", "rlorch.config.schema", "rlorch.config.keys", "rlorch.model",
            "rlorch.serve.server", "rlorch.serve.batcher", "rlorch.serve.weight_sync", "rlorch.trainer.fsdp")
 """Every module a child would otherwise import before it serves or trains: the engine's and the
 trainer's own, and what composing their config takes (Hydra, OmegaConf, the CLI's error
@@ -98,7 +98,7 @@ class ForkServer:
 
     def __init__(self):
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
-        self.process = subprocess.Popen([sys.executable, "-m", "rlorch.forkserver"], stdin=subprocess.PIPE,
+        self.process = subprocess.Popen([sys.executable, "-m", "rlorch.launch.forkserver"], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, env=env, text=True, bufsize=1,
                                         start_new_session=True)
         self.exits: dict[int, int] = {}

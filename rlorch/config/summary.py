@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from rlorch.config import Config
+from rlorch.config.schema import Config
 
 
 def config_summary(config: Config) -> Table:

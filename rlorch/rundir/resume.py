@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from rlorch.checkcheckpoint import check_checkpoint
-from rlorch.config import Config, ConfigError
-from rlorch.rundir import CheckpointDir, RunDir, load_config, parse_step, save_config
+from rlorch.rundir.validation import check_checkpoint
+from rlorch.config.schema import Config, ConfigError
+from rlorch.rundir.layout import CheckpointDir, RunDir, load_config, parse_step, save_config
 
 
 def step_of(checkpoint: Path) -> int:
@@ -83,7 +83,7 @@ def supersede(run_dir: RunDir, step: int, stamp: str) -> None:
 
 def read_state(checkpoint: Path, make_prompt: Callable):
     """The orchestrator's state saved with ``checkpoint``."""
-    from rlorch.orchestrator.ledger import ResumeState
+    from rlorch.rundir.state import ResumeState
 
     data = json.loads(CheckpointDir(checkpoint).state.read_text())
     return ResumeState.from_json(data, make_prompt)

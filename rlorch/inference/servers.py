@@ -7,7 +7,7 @@
 - With ``inference.router``: generation goes through that sglang-router, control to the servers
   (launched or at ``addresses``) behind it (see :mod:`rlorch.inference.routed`).
 
-Launched servers are placed on GPUs by :mod:`rlorch.placement` (``CUDA_VISIBLE_DEVICES``).
+Launched servers are placed on GPUs by :mod:`rlorch.launch.placement` (``CUDA_VISIBLE_DEVICES``).
 
 Each launched server logs to ``log_dir/server-<i>.log``. The pool is returned only once every
 server answers ``/health_generate``; a server that exits or misses ``inference.ready_timeout``
@@ -32,13 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from rlorch import forkserver
+from rlorch.launch import forkserver
 from rlorch.backends import inference_backend
-from rlorch.config import Config, InferenceBackend
+from rlorch.config.schema import Config, InferenceBackend
 from rlorch.inference.client import SGLangEngine
 from rlorch.inference.pool import EnginePool
 from rlorch.lifecycle import ORCHESTRATOR_PID_ENV, cancel_and_wait
-from rlorch.rundir import RunDir
+from rlorch.rundir.layout import RunDir
 from rlorch.types import PolicyVersion
 
 LOG_TAIL_LINES = 40
@@ -101,7 +101,7 @@ def server_command(config, *, model_path: Path, port: int, host: str = "127.0.0.
     """The command line of one launched server."""
     build = SERVER_COMMANDS.get(config.inference.backend)
     if build is None:
-        raise ValueError(f"inference.backend={config.inference.backend.value!r} is not launched by rlorch.inference.launcher")
+        raise ValueError(f"inference.backend={config.inference.backend.value!r} is not launched by rlorch.inference.servers")
     return build(config, model_path=model_path, port=port, host=host)
 
 
@@ -110,12 +110,12 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
     log_dir.mkdir(parents=True, exist_ok=True)
     inference = config.inference
     if inference.backend not in SERVER_COMMANDS:
-        raise ValueError(f"inference.backend={inference.backend.value!r} is not launched by rlorch.inference.launcher")
+        raise ValueError(f"inference.backend={inference.backend.value!r} is not launched by rlorch.inference.servers")
     if inference.addresses:
         api_key = os.environ.get(API_KEY_ENV) or None
         servers = [ServerProcess(i, a, None, None) for i, a in enumerate(inference.addresses)]
     else:
-        from rlorch.placement import server_env
+        from rlorch.launch.placement import server_env
 
         api_key = secrets.token_urlsafe(24)
         servers = [_spawn(config, i, log_dir=log_dir, model_path=model_path, api_key=api_key,
@@ -182,7 +182,7 @@ def _spawn(config, index: int, *, log_dir: Path, model_path: Path, api_key: str,
     if config.inference.backend is InferenceBackend.sglang:
         # SGLang does not watch its orchestrator: the guard takes it down with it.
         env[ORCHESTRATOR_PID_ENV] = str(os.getpid())
-        command = [sys.executable, "-m", "rlorch.inference.guard", *command, "--api-key", api_key]
+        command = [sys.executable, "-m", "rlorch.launch.guard", *command, "--api-key", api_key]
         shown += ["--api-key", "***"]
     with open(log, "ab") as handle:
         handle.write(f"$ {' '.join(shown)}\n".encode())

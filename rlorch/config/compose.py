@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from rlorch.config import Config, ConfigError
+from rlorch.config.schema import Config, ConfigError
 
 SCHEMA_NAME = "rlorch_schema"
 DEFAULT_PRESET = "config"
@@ -27,9 +27,9 @@ def conf_dir() -> Path:
     override = os.environ.get("RLORCH_CONF_DIR")
     if override:
         return Path(override)
-    here = Path(__file__).resolve().parent
-    packaged = here / "conf"
-    return packaged if packaged.is_dir() else here.parent / "conf"
+    package = Path(__file__).resolve().parent.parent
+    packaged = package / "conf"
+    return packaged if packaged.is_dir() else package.parent / "conf"
 
 
 def presets() -> list[str]:
@@ -77,7 +77,7 @@ def _user_yaml_dir(path: Path) -> tuple[str, str]:
         raise ConfigError("conf", f"{path} is not valid YAML: {err}") from err
     if not OmegaConf.is_dict(loaded):
         raise ConfigError("conf", f"{path} must hold a mapping of config sections")
-    from rlorch.config_keys import check_preset
+    from rlorch.config.keys import check_preset
 
     check_preset(OmegaConf.to_container(loaded), str(path))
     workdir = Path(tempfile.mkdtemp(prefix="rlorch-conf-"))
@@ -105,7 +105,7 @@ def _explain(err: Exception, preset: str) -> ConfigError:
                                    "or a path to a .yaml file)")
     match = re.search(r"Key '([^']+)' is not in struct", text)
     if match:
-        from rlorch.config_keys import suggest
+        from rlorch.config.keys import suggest
 
         full = re.search(r"full_key: (\S+)", text)
         name = full.group(1) if full else match.group(1)
@@ -134,7 +134,7 @@ def compose(overrides: list[str] | None = None) -> Config:
     for item in rest:
         if "=" not in item:
             raise ConfigError(item, "overrides are key=value (e.g. rollout.max_staleness=2)")
-    from rlorch.config_keys import check_overrides
+    from rlorch.config.keys import check_overrides
 
     check_overrides(rest, groups=config_groups())
     try:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from rlorch.rundir import RunDir
+from rlorch.rundir.layout import RunDir
 
 FIGSIZE = (10.0, 4.0)
 DPI = 100

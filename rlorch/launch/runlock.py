@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from rlorch.config import ConfigError
+from rlorch.config.schema import ConfigError
 
 LOCK_NAME = "LOCK"
 
@@ -78,7 +78,7 @@ def set_aside_failed_start(root: Path) -> bool:
     import shutil
     import time
 
-    from rlorch.rundir import RunDir
+    from rlorch.rundir.layout import RunDir
 
     run = RunDir(root)
     started = any(run.rollouts.glob("step_*")) or any(run.checkpoints.glob("step_*"))

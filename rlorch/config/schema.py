@@ -263,7 +263,7 @@ class InferenceConfig:
     """Tensor-parallel size of each launched SGLang server (--tp-size): GPUs per server."""
     gpus: list[int] = field(default_factory=list)
     """GPU ids for the launched servers (num_servers x tp_size of them, in order); empty: the
-    first ones visible (see rlorch.placement)."""
+    first ones visible (see rlorch.launch.placement)."""
     launch_args: list[str] = field(default_factory=list)
     """Extra arguments for each launched server (e.g. ["--mem-fraction-static", "0.8"])."""
     expect_version: Optional[str] = None
@@ -317,7 +317,7 @@ class FsdpConfig:
     """Sequences per forward/backward pass."""
     gpus: list[int] = field(default_factory=list)
     """GPU ids for the trainer processes on this node (nproc of them); empty: the ones after
-    the servers' (see rlorch.placement)."""
+    the servers' (see rlorch.launch.placement)."""
     nnodes: int = 1
     """Trainer nodes (torchrun --nnodes); every node runs `rlorch train` with its node_rank."""
     node_rank: int = 0

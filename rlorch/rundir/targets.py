@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from rlorch.config import Config, ConfigError
-from rlorch.rundir import RunDir, parse_step, step_name
+from rlorch.config.schema import Config, ConfigError
+from rlorch.rundir.layout import RunDir, parse_step, step_name
 
 
 def locate_checkpoint(path: Path) -> Path:

@@ -13,7 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
-from rlorch.rundir import CheckpointDir, RunDir
+from rlorch.rundir.layout import CheckpointDir, RunDir
 
 
 def check_checkpoint(path: Path, run_dir: RunDir, step: int, config) -> Optional[str]:
@@ -38,7 +38,7 @@ def _load_json(path: Path) -> tuple[Optional[dict], Optional[str]]:
 
 
 def _check_state(path: Path, step: int) -> Optional[str]:
-    from rlorch.orchestrator.ledger import ResumeState
+    from rlorch.rundir.state import ResumeState
 
     data, problem = _load_json(path)
     if problem is not None:
@@ -53,7 +53,7 @@ def _check_state(path: Path, step: int) -> Optional[str]:
 
 
 def _check_trainer(trainer_dir: Path, step: int, config) -> Optional[str]:
-    from rlorch.config import TrainerBackend
+    from rlorch.config.schema import TrainerBackend
 
     path = trainer_dir / "trainer_state.json"
     data, problem = _load_json(path)

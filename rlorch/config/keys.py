@@ -14,7 +14,7 @@ import functools
 import typing
 from typing import Any, Iterable, Iterator
 
-from rlorch.config import Config, ConfigError
+from rlorch.config.schema import Config, ConfigError
 
 FREE_FORM = ("task.params",)
 """Sections whose keys are not in the schema."""

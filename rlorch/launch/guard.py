@@ -1,4 +1,4 @@
-"""``python -m rlorch.inference.guard COMMAND...``: run a launched server that cannot watch the
+"""``python -m rlorch.launch.guard COMMAND...``: run a launched server that cannot watch the
 orchestrator itself (SGLang), and take it down with its orchestrator.
 
 ``rlorch serve`` watches the orchestrator's pid on its own (``--parent-pid``); a third-party
@@ -21,7 +21,7 @@ from rlorch.lifecycle import orchestrator_pid, watch_parents
 
 def main(argv: list[str]) -> int:
     if not argv:
-        print("usage: python -m rlorch.inference.guard COMMAND [ARG ...]", file=sys.stderr)
+        print("usage: python -m rlorch.launch.guard COMMAND [ARG ...]", file=sys.stderr)
         return 2
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)

@@ -240,7 +240,7 @@ def load_config(path: Path):
     """Load a resolved config written by :func:`save_config` back into a validated Config."""
     from omegaconf import OmegaConf
 
-    from rlorch.config import Config, ConfigError
+    from rlorch.config.schema import Config, ConfigError
 
     if not path.is_file():
         raise ConfigError("run.dir", f"no resolved config at {path}")

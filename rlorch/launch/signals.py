@@ -12,7 +12,7 @@ import asyncio
 import signal
 from typing import Callable, Optional
 
-from rlorch.rundir import RunDir, write_json_atomic
+from rlorch.rundir.layout import RunDir, write_json_atomic
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
