@@ -80,7 +80,7 @@ def train(overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_H
     config = _config_or_exit(overrides or [])
     if dry_run:
         from rlorch.config.schema import ConfigError
-        from rlorch.launch.placement import print_plan
+        from rlorch.launch.plan import print_plan
 
         try:
             print_plan(config)

@@ -129,7 +129,7 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
     clock = StartupClock()
     started = clock.origin
     signals = SignalRelay()
-    from rlorch.backends import make_trainer
+    from rlorch.backends import make_launcher, make_trainer
     from rlorch.tasks.episode import PromptSource, make_work, reward_override
     from rlorch.inference.weight_transfer import join_weight_group
     from rlorch.orchestrator.loop import Orchestrator
@@ -141,8 +141,10 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
     engines, tokenizer, trainer, orchestrator, view = None, None, None, None, None
     try:
         env = make_environment(config)
-        trainer = make_trainer(config, run_dir, checkpoint, step_of(checkpoint) if checkpoint else 0)
-        launched, trainer_started = await _start_concurrently(config, run_dir, policy, trainer, clock, phases)
+        launcher = make_launcher()
+        trainer = make_trainer(config, run_dir, checkpoint, step_of(checkpoint) if checkpoint else 0, launcher)
+        launched, trainer_started = await _start_concurrently(config, run_dir, policy, trainer, launcher, clock,
+                                                              phases)
         if not isinstance(launched, BaseException):
             engines, tokenizer = launched
         for outcome in (launched, trainer_started):
@@ -161,8 +163,7 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
         work = make_work(config, engine=engines, tokenizer=tokenizer, env=env,
                          override=reward_override(config, config.run.seed))
         orchestrator = Orchestrator(config, run_dir=run_dir, policy=policy, engines=engines, trainer=trainer,
-                                    work=work, prompts=prompts, resume=resume, started=started)
-        orchestrator.startup = clock
+                                    work=work, prompts=prompts, resume=resume, startup=clock)
         signals.forward_to(orchestrator.request_shutdown)
         # The loop allocates a few small objects per rollout and may hold 10^5 in flight: freeze
         # what start-up built and collect the young generation less often, so collection cost
@@ -196,7 +197,7 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
     return _report(summary, run_dir, config, phases.timings)
 
 
-async def _start_concurrently(config: Config, run_dir: RunDir, policy: PolicyVersion, trainer: Any,
+async def _start_concurrently(config: Config, run_dir: RunDir, policy: PolicyVersion, trainer: Any, launcher: Any,
                               clock: StartupClock, phases: Phases) -> tuple[Any, Any]:
     """Start the engines and the trainer at once (each is seconds of imports and model loading,
     independent of the other); return each outcome, an exception for a start that failed, so
@@ -210,7 +211,7 @@ async def _start_concurrently(config: Config, run_dir: RunDir, policy: PolicyVer
         with phases.phase("engines", f"starting {count} {inference.backend.value} engine{'s' * (count > 1)}",
                           "engines ready"):
             async with clock.part("engines"):
-                return await start_inference(config, run_dir, policy)
+                return await start_inference(config, run_dir, policy, launcher)
 
     async def trainer_start():
         with phases.phase("trainer", f"starting the {config.trainer.backend.value} trainer", "trainer ready"):

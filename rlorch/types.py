@@ -385,3 +385,11 @@ class DispatcherState:
     failed: list[Prompt]
     """Prompts whose group failed every retry."""
     queued: list[Prompt]
+
+
+class Fate(str, enum.Enum):
+    """What became of admitted rollouts, as the loop reports it."""
+
+    filtered = "filtered"
+    dropped_stale = "dropped_stale"
+    requeued = "requeued"

@@ -347,7 +347,7 @@ def test_step_records_wait_for_their_trainer_line_joined_by_step(tmp_path):
     records = StepRecords(lines)
     for step in (1, 2, 3):
         records.shipped(Batch(step=step, rollouts=[rollout(step, 1.0, [[step - 1, 2]])], advantages=[0.0]),
-                        admitted=1, parked_s=0.0)
+                        admitted_total=1, parked_s=0.0)
     lines.write_text(json.dumps({"step": 1, "loss": 0.5, "grad_norm": 1.0}) + "\n")
     first = records.ready(2)
     assert [r["step"] for r in first] == [1] and first[0]["loss"] == 0.5

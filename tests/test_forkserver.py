@@ -78,7 +78,7 @@ def test_an_engine_forked_from_the_server_shares_its_imports_and_serves_like_one
     """The engine's imports are the server's pages, shared rather than copied (a process that
     imported them itself holds them all privately), and what it serves is what the same
     engine answers in this process."""
-    from rlorch.inference.servers import free_port
+    from rlorch.launch.local import free_port
     from rlorch.serve.server import CpuServer, ServerThread
 
     port = free_port()

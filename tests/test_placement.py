@@ -10,8 +10,9 @@ import pytest
 
 from rlorch.config.compose import compose
 from rlorch.config.schema import ConfigError
-from rlorch.launch.placement import launch_plan, place
-from rlorch.trainer.process import trainer_command
+from rlorch.launch.placement import place
+from rlorch.launch.plan import launch_plan
+from rlorch.launch.trainer_command import trainer_command
 
 
 def plan(*overrides: str) -> list[dict]:

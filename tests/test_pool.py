@@ -139,13 +139,14 @@ def test_down_server_rejoins_synced_to_the_current_version(model_dir, perturbed_
 
 
 def test_server_versions_are_recorded_and_a_mismatch_is_refused(model_dir, tmp_path):
-    from rlorch.inference.servers import ServerProcess, record_versions
+    from rlorch.inference.servers import record_versions
+    from rlorch.launch.base import Launched
 
     thread = ServerThread(CpuServer(model_dir, threads=1))
 
     async def scenario():
         engine = SGLangEngine(thread.address)
-        servers = [ServerProcess(0, thread.address, None, None)]
+        servers = [Launched("server", 0, thread.address, None)]
         try:
             await record_versions(servers, [engine], tmp_path / "servers.json", rlorch_version())
             with pytest.raises(LaunchError, match="expect_version"):
@@ -162,7 +163,7 @@ def test_server_versions_are_recorded_and_a_mismatch_is_refused(model_dir, tmp_p
 
 
 def test_server_commands(tmp_path):
-    from rlorch.inference.servers import server_command
+    from rlorch.launch.server_command import server_command
 
     config = cpu_config(1)
     config.inference.launch_args = ["inference.cpu.max_batch=8"]

@@ -1,5 +1,6 @@
-"""The import graph: orchestrator components never import each other or the loop, and nothing
-the runner drives imports the runner."""
+"""The import graph: no cycles anywhere in rlorch, orchestrator components never import each other
+or the loop, launch's command builders never import each other, nothing the runner drives imports
+the runner, and the top level stays small."""
 
 from __future__ import annotations
 
@@ -12,30 +13,115 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "rlorch"
-COMPONENTS = {"gate", "dispatcher", "sinks", "watcher", "metrics"}
-"""Orchestrator components; the loop and its bookkeeping helpers (ledger, steps, checkpoints,
-evaluation) wire them and may import them."""
+COMPONENTS = {"dispatcher", "sinks", "gate", "watcher", "metrics", "ledger", "checkpoints", "evaluation", "steps",
+              "stops", "filing", "shipping", "idle", "runstats", "loggers"}
+"""Orchestrator components: none imports another or the loop; ``loop.py`` wires them."""
+TOP_LEVEL_LIMIT = 10
 
 
-def imports_of(path: Path) -> set[str]:
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, root: Path = PACKAGE) -> set[str]:
+    """Every module ``path`` imports, at module level or inside a function, absolute or relative,
+    as dotted names (``from a import b`` yields ``a`` and ``a.b``)."""
+    package = module_name(path, root)
+    if path.name != "__init__.py":
+        package = package.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
     return found
 
 
-def test_components_import_no_other_component_and_not_the_loop():
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package's own modules it imports (importing ``a.b`` runs ``a`` first)."""
+    modules = {module_name(path, root): path for path in root.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for target in imports_of(path, root):
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of two or more modules, each as one cycle through it."""
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            members = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                members.append(member)
+                if member == node:
+                    break
+            if len(members) > 1:
+                cycles.append(_one_cycle(graph, set(members)))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def _one_cycle(graph: dict[str, set[str]], members: set[str]) -> list[str]:
+    start = min(members)
+    path, seen, node = [start], {start}, start
+    while True:
+        node = min(n for n in graph[node] if n in members)
+        if node in seen:
+            return path[path.index(node):] + [node]
+        path.append(node)
+        seen.add(node)
+
+
+def test_no_import_cycles():
+    cycles = find_cycles(import_graph())
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_orchestrator_components_import_no_other_component_and_not_the_loop():
     orchestrator = PACKAGE / "orchestrator"
     for name in COMPONENTS:
-        forbidden = {f"rlorch.orchestrator.{other}" for other in (COMPONENTS - {name})}
-        forbidden |= {f"rlorch.orchestrator.{helper}" for helper in
-                      ("loop", "ledger", "steps", "checkpoints", "evaluation")}
+        forbidden = {f"rlorch.orchestrator.{other}" for other in (COMPONENTS - {name}) | {"loop"}}
         bad = imports_of(orchestrator / f"{name}.py") & forbidden
         assert not bad, f"orchestrator/{name}.py imports {sorted(bad)}"
+
+
+def test_launch_command_builders_do_not_import_each_other_and_the_plan_imports_neither():
+    launch = PACKAGE / "launch"
+    builders = {"server_command", "trainer_command"}
+    for name in builders:
+        other = f"rlorch.launch.{(builders - {name}).pop()}"
+        assert other not in imports_of(launch / f"{name}.py"), f"launch/{name}.py imports {other}"
+    placement = imports_of(launch / "placement.py")
+    assert not placement & {f"rlorch.launch.{b}" for b in builders}, "launch/placement.py imports a builder"
 
 
 def test_nothing_below_the_runner_imports_it():
@@ -45,10 +131,48 @@ def test_nothing_below_the_runner_imports_it():
         assert "rlorch.runner" not in imports_of(path), f"{path.relative_to(PACKAGE)} imports rlorch.runner"
 
 
-def test_the_import_check_would_catch_a_component_importing_another(tmp_path):
-    module = tmp_path / "sinks.py"
-    module.write_text("from rlorch.orchestrator.gate import CapacityGate\nimport rlorch.orchestrator.loop\n")
-    assert {"rlorch.orchestrator.gate", "rlorch.orchestrator.loop"} <= imports_of(module)
+def test_every_orchestrator_module_is_a_component_or_the_loop():
+    modules = {p.stem for p in (PACKAGE / "orchestrator").glob("*.py")} - {"__init__", "loop"}
+    assert modules == COMPONENTS, f"not covered by the import rule: {sorted(modules - COMPONENTS)}"
+    assert (PACKAGE / "orchestrator" / "loop.py").read_text().count("\n") <= 300
+
+
+def test_top_level_is_small_and_every_package_says_what_it_owns():
+    top = sorted(p.stem for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= TOP_LEVEL_LIMIT, f"{len(top)} top-level modules: {top}"
+    for init in PACKAGE.rglob("__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and len(doc) > 40, f"{init.relative_to(PACKAGE.parent)} has no docstring saying what it owns"
+
+
+def _write_package(root: Path, modules: dict[str, str]) -> Path:
+    package = root / "rlorch"
+    for name, source in modules.items():
+        path = package / (name.replace(".", "/") + ".py")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source)
+    return package
+
+
+def test_the_cycle_check_names_a_cycle_made_by_a_function_level_or_relative_import(tmp_path):
+    package = _write_package(tmp_path, {
+        "__init__": "",
+        "launch/__init__": "",
+        "launch/placement": "def plan():\n    from rlorch.launch.server_command import build\n",
+        "launch/server_command": "from .placement import plan\n",
+        "config": "X = 1\n",
+    })
+    assert find_cycles(import_graph(package)) == [
+        ["rlorch.launch.placement", "rlorch.launch.server_command", "rlorch.launch.placement"]]
+
+
+def test_the_component_rule_catches_a_component_importing_another(tmp_path):
+    package = _write_package(tmp_path, {
+        "__init__": "", "orchestrator/__init__": "",
+        "orchestrator/checkpoints": "def f():\n    from rlorch.orchestrator.dispatcher import Dispatcher\n",
+        "orchestrator/evaluation": "from . import sinks\n"})
+    assert "rlorch.orchestrator.dispatcher" in imports_of(package / "orchestrator" / "checkpoints.py", package)
+    assert "rlorch.orchestrator.sinks" in imports_of(package / "orchestrator" / "evaluation.py", package)
 
 
 @pytest.mark.slow

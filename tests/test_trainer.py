@@ -45,7 +45,7 @@ def _write_batch(run: RunDir, step: int, lines: list[dict] | None = None) -> Non
 
 
 def _launch(config, run: RunDir, resume: Path | None = None) -> subprocess.Popen:
-    from rlorch.trainer.process import trainer_command
+    from rlorch.launch.trainer_command import trainer_command
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen(trainer_command(config, run.root, resume), env=env,
@@ -63,7 +63,7 @@ def _metrics(run: RunDir) -> list[dict]:
 
 
 def test_trainer_command_standalone_unless_rendezvous(tmp_path):
-    from rlorch.trainer.process import trainer_command
+    from rlorch.launch.trainer_command import trainer_command
 
     config = compose(["trainer.fsdp.nproc=2"])
     command = trainer_command(config, tmp_path, tmp_path / "checkpoints" / "step_000002")

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from rlorch.config.compose import compose
-from rlorch.inference.servers import free_port
+from rlorch.launch.local import free_port
 from rlorch.rundir.layout import RunDir, load_config, save_config
-from rlorch.trainer.process import trainer_command
+from rlorch.launch.trainer_command import trainer_command
 
 STEPS = 3
 LOSS_TOLERANCE = 1e-4

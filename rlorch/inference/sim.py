@@ -99,5 +99,6 @@ class SimEngine:
 
 
 @inference_backend(InferenceBackend.sim)
-async def start_sim(config: Config, run_dir: RunDir, policy: PolicyVersion) -> tuple[SimEngine, None]:
+async def start_sim(config: Config, run_dir: RunDir, policy: PolicyVersion, launcher: object) -> tuple[SimEngine, None]:
+    """An in-process engine: nothing for the launcher to start."""
     return SimEngine(config.inference.sim, policy=policy, seed=config.run.seed), None

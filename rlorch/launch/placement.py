@@ -1,4 +1,4 @@
-"""Which GPUs each process of a run gets, and the launch plan ``rlorch train --dry-run`` prints.
+"""Which GPUs each process of a run gets: the plan as data, read by the command builders.
 
 Default split of the node's GPUs (``run.gpus``, else the visible count): launched SGLang servers
 first, ``inference.tp_size`` consecutive GPUs each, then the trainer's ``trainer.fsdp.nproc``.
@@ -13,11 +13,7 @@ agent; every other node runs one torchrun agent with its ``--node-rank``.
 
 from __future__ import annotations
 
-import os
-import shlex
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Optional
 
 from rlorch.config.schema import Config, ConfigError, InferenceBackend, TrainerBackend
 
@@ -90,55 +86,16 @@ def place(config: Config, gpus: int) -> Placement:
                      trainer=trainer_ids)
 
 
-def _visible(ids: list[int]) -> dict[str, str]:
+def visible_env(ids: list[int]) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))} if ids else {}
 
 
 def server_env(config: Config, index: int) -> dict[str, str]:
     """The environment launched server ``index`` gets on top of the runner's."""
     placement = place(config, visible_gpus(config))
-    return _visible(placement.servers[index]) if index < len(placement.servers) else {}
+    return visible_env(placement.servers[index]) if index < len(placement.servers) else {}
 
 
 def trainer_env(config: Config) -> dict[str, str]:
     """The environment this node's torchrun agent gets on top of the runner's."""
-    return _visible(place(config, visible_gpus(config)).trainer)
-
-
-def launch_plan(config: Config, *, run_dir: Path) -> list[dict]:
-    """One record per process the run would start: ``role``, ``node``, ``command`` (a shell
-    line), ``env`` (what it changes). Starts nothing; ports of launched servers are placeholders."""
-    from rlorch.inference.servers import server_command
-    from rlorch.trainer.process import trainer_command
-
-    placement = place(config, visible_gpus(config))
-    fsdp = config.trainer.fsdp
-    plan = [{"role": "orchestrator", "node": 0, "command": "rlorch train (this process)", "env": {}}]
-    if config.inference.addresses:
-        plan += [{"role": "server", "node": None, "command": f"(running at {a})", "env": {}}
-                 for a in config.inference.addresses]
-    elif config.inference.backend in (InferenceBackend.cpu, InferenceBackend.sglang):
-        model = Path(config.model.path) if config.model.path else Path("<default model>")
-        for i in range(config.inference.num_servers):
-            command = server_command(config, model_path=model, port=30000 + i)
-            env = _visible(placement.servers[i]) if i < len(placement.servers) else {}
-            plan.append({"role": f"server-{i}", "node": 0, "command": shlex.join(command), "env": env})
-    if config.inference.router:
-        plan.append({"role": "router", "node": None, "command": f"(running at {config.inference.router})",
-                     "env": {}})
-    if config.trainer.backend is TrainerBackend.fsdp:
-        for node in range(fsdp.nnodes):
-            command = trainer_command(config, run_dir, node_rank=node)
-            env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **_visible(placement.trainer)}
-            plan.append({"role": "trainer", "node": node, "command": shlex.join(command), "env": env})
-    else:
-        plan.append({"role": "trainer", "node": 0, "command": f"(in process: trainer={config.trainer.backend.value})",
-                     "env": {}})
-    return plan
-
-
-def print_plan(config: Config, run_dir: Optional[Path] = None) -> None:
-    import json
-
-    for record in launch_plan(config, run_dir=run_dir or Path(config.run.dir or "<run dir>")):
-        print(json.dumps(record))
+    return visible_env(place(config, visible_gpus(config)).trainer)

@@ -35,6 +35,8 @@ class StartupClock:
     origin: float = field(default_factory=time.monotonic)
     before: Optional[float] = field(default_factory=process_age)
     parts: dict = field(default_factory=dict)
+    first_step_at: Optional[float] = None
+    """Monotonic time of step 1's record (None until it is written)."""
 
     @asynccontextmanager
     async def part(self, name: str):
@@ -48,10 +50,16 @@ class StartupClock:
         """``name`` = seconds from the runner's start to now."""
         self.parts[name] = round(time.monotonic() - self.origin, 3)
 
-    def summary(self, first_step_at: Optional[float]) -> dict:
-        """The ``startup`` record; ``first_step_at`` is the monotonic time of step 1's record."""
+    def first_step(self, loop_started: float) -> None:
+        """The first step record is written now (later calls change nothing)."""
+        if self.first_step_at is None:
+            self.first_step_at = time.monotonic()
+            self.parts["first_step"] = round(self.first_step_at - loop_started, 3)
+
+    def summary(self) -> dict:
+        """The ``startup`` record."""
         record = {"process": None if self.before is None else round(self.before, 3), **self.parts}
-        if first_step_at is not None:
-            since_runner = first_step_at - self.origin
+        if self.first_step_at is not None:
+            since_runner = self.first_step_at - self.origin
             record["total"] = round(since_runner + (self.before or 0.0), 3)
         return record

@@ -58,5 +58,15 @@ class Evaluations:
                 "eval_step_first": first["step"] if first else None,
                 "eval_step_last": last["step"] if last else None}
 
+    async def finish(self, step: int, alarm: asyncio.Task, check: Callable[[], None]) -> None:
+        """Evaluate version ``step`` and wait for every evaluation still running; ``check`` runs
+        whenever ``alarm`` fires first (it raises to give up)."""
+        self.start(step)
+        pending = set(self.tasks)
+        while pending:
+            _, pending = await asyncio.wait(pending | {alarm}, return_when=asyncio.FIRST_COMPLETED)
+            pending.discard(alarm)
+            check()
+
     async def stop(self, timeout: Optional[float] = None) -> None:
         await cancel_and_wait(*self.tasks, timeout=timeout)

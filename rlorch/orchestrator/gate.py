@@ -142,6 +142,14 @@ class CapacityGate:
         admitted = self.submitted - self.rejected
         return admitted if limit is not None and admitted > limit else None
 
+    def resume_alarm(self) -> Optional[str]:
+        """:meth:`resume_overshoot` as the message the run fails with, or None."""
+        overshoot = self.resume_overshoot()
+        if overshoot is None:
+            return None
+        return (f"resume alarm: {overshoot} rollouts admitted before the first step after resume, more than "
+                f"(S+1)*B = {self.pending_limit}: the staleness bound is lost")
+
     def gauges(self) -> dict:
         counts = self.counts()
         return {"capacity": counts.capacity, "gate_running": counts.running, "gate_accepted": counts.accepted,

@@ -77,3 +77,23 @@ class IdleShares:
 
 def _share(idle: float, span: float) -> float:
     return round(min(1.0, idle / span), 4) if span > 0 else 0.0
+
+
+class LoopIdle:
+    """The loop's two idle clocks as it starts them: the trainer waiting for its first batch, the
+    engines with no work yet. Shares are measured from :meth:`start` (the loop's start)."""
+
+    def __init__(self) -> None:
+        self.trainer, self.engines = IdleClock(), IdleClock()
+        self.trainer.set("waiting", True)
+        self.engines.set("no_work", True)
+        self.shares: IdleShares | None = None
+
+    def start(self) -> None:
+        self.shares = IdleShares(trainer=self.trainer, engines=self.engines)
+
+    def interval(self) -> dict:
+        return self.shares.interval() if self.shares is not None else {}
+
+    def overall(self) -> dict:
+        return self.shares.overall() if self.shares is not None else {}

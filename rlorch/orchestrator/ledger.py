@@ -12,20 +12,11 @@ Counts persist across resumes: the checkpoint's ``totals`` are this life's start
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 from typing import Callable
 
 from rlorch.rundir.state import regroup
-from rlorch.types import Batch, Rollout
-
-
-class Fate(str, enum.Enum):
-    """What became of admitted rollouts, as the loop reports it."""
-
-    filtered = "filtered"
-    dropped_stale = "dropped_stale"
-    requeued = "requeued"
+from rlorch.types import Batch, Fate, Rollout
 
 
 COUNTERS = ("admitted", "trained", "filtered", "dropped_stale", "requeued", "regenerated", "stale_tokens",

@@ -17,50 +17,49 @@ import time
 from typing import Any, Optional
 
 from rlorch.config.schema import Config, Enforce
+from rlorch.launch.startup import StartupClock
 from rlorch.lifecycle import cancel_and_wait
 from rlorch.orchestrator.checkpoints import Snapshots, Unfinished
 from rlorch.orchestrator.dispatcher import Dispatcher, Work
 from rlorch.orchestrator.evaluation import Evaluations
+from rlorch.orchestrator.filing import Filing
 from rlorch.orchestrator.gate import CapacityGate
-from rlorch.orchestrator.idle import IdleClock, IdleShares
-from rlorch.orchestrator.ledger import Fate, Ledger
-from rlorch.rundir.state import ResumeState
+from rlorch.orchestrator.idle import LoopIdle
+from rlorch.orchestrator.ledger import Ledger
 from rlorch.orchestrator.loggers import make_loggers
 from rlorch.orchestrator.metrics import MetricsLoop
 from rlorch.orchestrator.runstats import RunStats
+from rlorch.orchestrator.shipping import Shipping
 from rlorch.orchestrator.sinks import KEPT, EvalSink, TrainSink, Verdict
 from rlorch.orchestrator.steps import StepRecords
 from rlorch.orchestrator.stops import Converged, RunFailed, StopKind, StopReason
 from rlorch.orchestrator.watcher import WeightWatcher
 from rlorch.rundir.layout import RunDir, write_atomic, write_json_atomic
-from rlorch.types import Batch, Engine, PolicyVersion, Rollout, Trainer, max_reward
+from rlorch.rundir.state import ResumeState
+from rlorch.types import Batch, Engine, Fate, PolicyVersion, Rollout, Trainer, max_reward
 
 
 class Orchestrator:
     def __init__(self, config: Config, *, run_dir: RunDir, policy: PolicyVersion, engines: Engine,
                  trainer: Trainer, work: Work, prompts: Any, resume: Optional[ResumeState] = None,
-                 started: Optional[float] = None):
+                 startup: StartupClock):
         self.config, self.run_dir, self.policy, self.engines = config, run_dir, policy, engines
         self.trainer, self.work, self.prompts, self.resume = trainer, work, prompts, resume
         r = config.rollout
         self.batch_size = r.batch_size
         self.ship_side = r.enforce is Enforce.ship
-        # Ship-side gating counts batches shipped rather than versions trained: at most (S+1)*B
-        # rollouts wait unshipped, and parking keeps shipping within S versions of the trainer,
-        # so generation never waits on the trainer at admission and age stays bounded by 2S+2.
-        self.shipped_handle = PolicyVersion(0)
-        self.trainer_clock, self.engine_clock = IdleClock(), IdleClock()
-        self.trainer_clock.set("waiting", True)
-        self.engine_clock.set("no_work", True)
-        self.idle: Optional[IdleShares] = None
-        self.stats = RunStats()
+        self.shipping = Shipping(policy=policy, max_staleness=r.max_staleness, park=self.ship_side,
+                                 poll_interval=config.watcher.poll_interval, persist=self._persist,
+                                 on_shipped=self._on_shipped, check=self._check_alarm)
+        self.idle = LoopIdle()
+        self.stats = RunStats(idle=self.idle, startup=startup)
         self.gate = CapacityGate(max_staleness=r.max_staleness, batch_size=r.batch_size,
                                  max_concurrent=r.max_concurrent,
-                                 policy=self.shipped_handle if self.ship_side else policy)
+                                 policy=self.shipping.shipped_handle if self.ship_side else policy)
         self.dispatcher = Dispatcher(gate=self.gate, work=work, prompts=iter(prompts), group_size=r.group_size,
                                      queue_size=r.queue_size, max_buffered=r.max_buffered,
                                      request_timeout=r.request_timeout, max_retries=r.max_retries,
-                                     on_idle=self.engine_clock.set, pack=getattr(work, "pack", None),
+                                     on_idle=self.idle.engines.set, pack=getattr(work, "pack", None),
                                      # Multi-turn episodes share no engine call: packed, they would
                                      # only share one timeout, one retry and the slowest's latency.
                                      pack_groups=r.pack_groups if getattr(work, "batched", True) else 1)
@@ -70,46 +69,39 @@ class Orchestrator:
                               filter_budget=r.filter_budget * r.batch_size)
         self.version_changed = asyncio.Event()
         self.watcher = WeightWatcher(config.watcher, policy=policy, engines=engines,
-                                     published=run_dir.published_weights,
-                                     offers=run_dir.broadcast_offers,
-                                     expecting=lambda: self.shipped > self.policy.value,
+                                     published=run_dir.published_weights, offers=run_dir.broadcast_offers,
+                                     expecting=lambda: self.shipping.shipped > self.policy.value,
                                      on_version=self._on_version, on_error=self._on_watcher_error,
-                                     on_idle=self.engine_clock.set)
+                                     on_idle=self.idle.engines.set)
         self.metrics = MetricsLoop(loggers=make_loggers(config, run_dir), interval=config.metrics.interval, gauges={
             "dispatcher": self.dispatcher.gauges, "watcher": self.watcher.gauges, "gate": self.gate.gauges,
-            "sink": self.sink.gauges, "loop": lambda: {"step": self.shipped, "parked_s_total": round(self.parked_s, 4),
-                                                       "admitted_total": self.dispatcher.admitted},
+            "sink": self.sink.gauges, "loop": lambda: {**self.shipping.gauges(), "admitted_total": self.dispatcher.admitted},
             "engines": lambda: {f"engines_{key}": value for key, value in engines.gauges().items()}})
-        self.evaluations = Evaluations(config.eval, work=work, prompts=prompts, sink=EvalSink(), write=self.metrics.write,
-                                       request_timeout=r.request_timeout)
+        self.evaluations = Evaluations(config.eval, work=work, prompts=prompts, sink=EvalSink(),
+                                       write=self.metrics.write, request_timeout=r.request_timeout)
         self.ledger = Ledger(group_size=r.group_size, admissions=lambda: self.gate.submitted,
                              restored=resume.totals if resume else None)
         self.steps = StepRecords(run_dir.trainer_metrics)
+        self.filing = Filing(sink=self.sink, ledger=self.ledger, gate=self.gate, dispatcher=self.dispatcher,
+                             prompts=prompts, max_regenerations=r.max_regenerations,
+                             max_empty_batches=config.train.max_empty_batches, on_guard=self._on_guard,
+                             kept=KEPT, stale=Verdict.stale)
         self.snapshots = Snapshots(run_dir, ledger=self.ledger, group_size=r.group_size,
                                    unfinished=lambda: Unfinished(self.dispatcher.state(), self.sink.pending_groups(),
-                                                                 self.parked),
+                                                                 self.shipping.parked),
                                    prompt_position=lambda: prompts.position,
                                    empty_batches=lambda: self.sink.totals.empty_batches,
                                    keep=config.trainer.keep_checkpoints, keep_every=config.trainer.keep_checkpoints_every)
-        self.shipped, self.parked_s, self._park_last = 0, 0.0, 0.0
-        self.admitted_at_last_step = 0
-        self.parked: Optional[Batch] = None
         self.alarm = asyncio.Event()
         self.stop_reason: Optional[StopReason] = None
-        self.started = started if started is not None else time.monotonic()
-        self.startup: Any = None
-        """The runner's start-up clock (rlorch.launch.startup.StartupClock): ``startup_s`` in the summary."""
-        self.first_step_at: Optional[float] = None
 
     # wiring ----------------------------------------------------------------------------------
     def _on_version(self, version: int) -> None:
         # Checked before the dispatcher can run: the admissions made on the resumed version alone.
-        overshoot = self.gate.resume_overshoot()
-        if overshoot is not None:
-            self._raise_alarm(StopReason(StopKind.resume_alarm, (
-                f"resume alarm: {overshoot} rollouts admitted before the first step after resume, more than "
-                f"(S+1)*B = {self.gate.pending_limit}: the staleness bound is lost")))
-        self.trainer_clock.set("waiting", self.policy.value >= self.shipped)
+        alarm = self.gate.resume_alarm()
+        if alarm is not None:
+            self._raise_alarm(StopReason(StopKind.resume_alarm, alarm))
+        self.idle.trainer.set("waiting", self.policy.value >= self.shipping.shipped)
         self.dispatcher.notify()
         self.version_changed.set()
 
@@ -124,75 +116,47 @@ class Orchestrator:
     def request_shutdown(self, signal_name: str) -> None:
         self._raise_alarm(StopReason(StopKind.signal, signal_name))
 
-    @property
-    def last_step_record(self) -> dict:
-        return self.steps.last
-
     def _restore(self) -> None:
         state = self.resume
         if state is None:
             return
         self.policy.bump(state.step)
-        self.shipped = state.step
-        self.shipped_handle.bump(state.step)
+        self.shipping.restore(state.step)
         self.gate.on_version_recovered(state.step, buffered=sum(len(group) for group in state.untrained))
         for group in state.untrained:
-            self._file(group, state.step + 1)
+            self.filing.file(group, state.step + 1)
         self.dispatcher.restore(state.pending_prompts)
         if not self.ship_side:
             self.gate.arm_resume_check(self.gate.pending_limit)
         self.snapshots.resumed_at(state.step)
 
-    def _file(self, group: list[Rollout], step: int) -> None:
-        """Hand a finished group to the sink; a rejected one leaves the gate's accounting."""
-        verdict = self.sink.add(group, step)
-        if verdict is KEPT:
-            return
-        if verdict is Verdict.stale:
-            self._stale(group)
-        else:
-            self.ledger.record(Fate.filtered, len(group))
-            self.gate.on_discarded(len(group))
-            self.dispatcher.notify()
-            self._check_empty()
-
-    def _stale(self, group: list[Rollout]) -> None:
-        """Strict mode: a group too old to train is regenerated, or dropped after max_regenerations."""
-        self.ledger.record(Fate.dropped_stale, len(group))
-        self.ledger.note("stale_tokens", sum(r.generated_tokens for r in group))
-        self.gate.on_discarded(len(group))
-        attempt = max(r.attempt for r in group)
-        if attempt < self.config.rollout.max_regenerations:
-            prompt = self.prompts.make(group[0].group_id)
-            prompt.attempt = attempt + 1
-            self.ledger.note("regenerated")
-            self.dispatcher.requeue(prompt)
+    def _on_guard(self, verdict: Verdict, message: str) -> None:
+        """A solved task ends the run well; a collapsed policy or a flat reward fails it."""
+        if verdict is Verdict.solved:
+            raise Converged(message)
+        raise RunFailed(StopReason(StopKind.empty_batches, message))
 
     # the loop --------------------------------------------------------------------------------
     def _admission_room(self) -> int:
         """Admit only what the remaining steps need (the drain budget); the dispatcher applies
         the backpressure bound (rollout.max_buffered) to its own queue."""
         buffered = self.sink.buffered + self.dispatcher.out_rollouts
-        parked = len(self.parked.rollouts) if self.parked is not None else 0
-        remaining = (self.config.train.steps - self.shipped) * self.batch_size - parked
+        remaining = (self.config.train.steps - self.shipping.shipped) * self.batch_size - self.shipping.parked_rollouts
         return remaining - (buffered + self.dispatcher.in_flight)
 
     async def run(self) -> dict:
         self.loop_started = time.monotonic()
-        self.idle = IdleShares(trainer=self.trainer_clock, engines=self.engine_clock)
+        self.idle.start()
         self.dispatcher.admission_room = self._admission_room
         self._restore()
         self.metrics.write({"kind": "start", "version": self.policy.value, "resumed": self.resume is not None,
                             "pending_limit": self.gate.pending_limit})
         alarm_task = asyncio.create_task(self.alarm.wait())
         helpers = [asyncio.create_task(self._health_loop()), asyncio.create_task(self._bookkeeping_loop())]
-        helpers[1].add_done_callback(self._on_bookkeeping_done)
         await self.metrics.start()
         if self.config.eval.enabled:
-            evaluated = time.monotonic()
-            await self.evaluations.run(self.policy.value)
-            if self.startup is not None:
-                self.startup.parts["eval"] = round(time.monotonic() - evaluated, 3)
+            async with self.stats.startup.part("eval"):
+                await self.evaluations.run(self.policy.value)
         await self.watcher.start()
         await self.dispatcher.start()
         status, error = "completed", None
@@ -208,10 +172,8 @@ class Orchestrator:
             await self._shutdown()
         finally:
             await cancel_and_wait(alarm_task, *helpers)
-            await self.evaluations.stop()
-            await self.dispatcher.stop()
-            await self.watcher.stop()
-            await self.metrics.stop()
+            for component in (self.evaluations, self.dispatcher, self.watcher, self.metrics):
+                await component.stop()
         summary = self._summary(status, error)
         write_json_atomic(self.run_dir.summary, summary)
         self.metrics.write({"kind": "summary", **summary})
@@ -228,28 +190,20 @@ class Orchestrator:
                 self._raise_alarm(StopReason(StopKind.bookkeeping, self.metrics.failure))
 
     async def _bookkeeping_loop(self) -> None:
-        """After each version bump: the resume check, step records, evaluations, snapshots."""
-        while True:
-            await self.version_changed.wait()
-            self.version_changed.clear()
-            self._after_version()
-
-    def _on_bookkeeping_done(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            error = task.exception()
+        """After each version bump: step records, evaluations, snapshots. A failure stops the run."""
+        try:
+            while True:
+                await self.version_changed.wait()
+                self.version_changed.clear()
+                self._after_version()
+        except Exception as error:
             self._raise_alarm(StopReason(StopKind.bookkeeping, f"bookkeeping failed: {type(error).__name__}: {error}"))
 
     def _after_version(self, evaluate: bool = True, final: bool = False) -> None:
         extra = {"version": self.policy.value, **self.dispatcher.gauges(), "reload_s": self.watcher.reload_s}
         records = self.steps.ready(self.policy.value, extra, final=final)
-        idle = self.idle.interval() if records and self.idle is not None else {}
+        self.stats.stamp(records, loop_started=self.loop_started)
         for record in records:
-            record.update(idle, wall_s=round(time.monotonic() - self.started, 3))
-            self.stats.add(record)
-            if self.first_step_at is None:
-                self.first_step_at = time.monotonic()
-                if self.startup is not None:
-                    self.startup.parts["first_step"] = round(self.first_step_at - self.loop_started, 3)
             self.metrics.write(record)
             if evaluate and self.evaluations.due(record["step"]):
                 self.evaluations.start(record["step"])
@@ -280,85 +234,46 @@ class Orchestrator:
         sink, dispatcher = self.sink, self.dispatcher
         while not (sink.ready() or sink.over_budget()):
             group = dispatcher.try_get()
-            self._file(group if group is not None else await self._next_group(alarm_task), step)
+            self.filing.file(group if group is not None else await self._next_group(alarm_task), step)
 
     async def _train(self, alarm_task: asyncio.Task) -> None:
-        while self.shipped < self.config.train.steps:
+        while self.shipping.shipped < self.config.train.steps:
             self._check_alarm()
-            step = self.shipped + 1
+            step = self.shipping.shipped + 1
             for stale in self.sink.restale(step):
-                self._stale(stale)
+                self.filing.stale(stale)
             await self._fill(step, alarm_task)
             batch = self.sink.emit(step)
             if not batch.trainable:
-                self.ledger.record(Fate.filtered, len(batch.rollouts))
-                self.gate.on_discarded(len(batch.rollouts))
-                self.dispatcher.notify()
-                self._check_empty()
+                self.filing.filtered(len(batch.rollouts))
                 continue
             if len(batch.rollouts) < self.batch_size:
                 self.gate.on_short_batch(self.batch_size - len(batch.rollouts))
-            self.parked = batch
-            if self.ship_side:
-                await self._park(step)
-            await self._persist(batch)
-            self.parked = None
-            self._ship(batch)
+            await self.shipping.ship(batch)
             await self.trainer.submit(batch)
-
-    def _check_empty(self) -> None:
-        """A solved task ends the run well; a collapsed policy or a flat reward fails it."""
-        stop = self.sink.guard(self.config.train.max_empty_batches)
-        if stop is not None and stop[0] is Verdict.solved:
-            raise Converged(stop[1])
-        if stop is not None:
-            raise RunFailed(StopReason(StopKind.empty_batches, stop[1]))
-
-    async def _park(self, step: int) -> None:
-        """Ship-side gating: hold batch ``step`` until the trainer is within S versions of it."""
-        target = step - 1 - self.config.rollout.max_staleness
-        started = time.monotonic()
-        await self._wait_version(target)
-        self._park_last = time.monotonic() - started
-        self.parked_s += self._park_last
 
     async def _persist(self, batch: Batch) -> None:
         """Put the batch file on disk, the fsyncs off the event loop so generation goes on
         meanwhile; until it is shipped the batch is held as parked (a checkpoint lists it)."""
         await asyncio.to_thread(write_atomic, self.run_dir.batch(batch.step), batch.to_jsonl())
 
-    def _ship(self, batch: Batch) -> None:
-        self.shipped = batch.step
-        self.trainer_clock.set("waiting", False)
-        self.shipped_handle.bump(batch.step)
+    def _on_shipped(self, batch: Batch, parked_s: float) -> None:
+        self.idle.trainer.set("waiting", False)
         self.ledger.ship(batch)
-        admitted = self.dispatcher.admitted
-        self.steps.shipped(batch, admitted=admitted - self.admitted_at_last_step, parked_s=self._park_last)
-        self._park_last = 0.0
-        self.admitted_at_last_step = admitted
+        self.steps.shipped(batch, admitted_total=self.dispatcher.admitted, parked_s=parked_s)
         self.dispatcher.notify()
 
     # checkpoints, drain, shutdown ------------------------------------------------------------
-    async def _wait_version(self, version: int) -> None:
-        while self.policy.value < version:
-            self._check_alarm()
-            await asyncio.sleep(self.config.watcher.poll_interval)
-
     async def _drain(self, alarm_task: asyncio.Task) -> None:
         """At the step target (or converged): admit nothing more, let in-flight work finish,
         wait for the trainer, evaluate the final version and checkpoint it all."""
         await self.dispatcher.stop_admitting()
         while not await self.dispatcher.wait_idle(0.2):
             self._check_alarm()
-        await self._wait_version(self.shipped)
+        await self.shipping.wait_version(self.shipping.shipped)
         await self.trainer.stop(self.config.run.shutdown_timeout)
         self._after_version(final=True)
-        self.evaluations.start(self.policy.value)
-        pending = set(self.evaluations.tasks)
-        while pending:
-            _, pending = await asyncio.wait(pending | {alarm_task}, return_when=asyncio.FIRST_COMPLETED)
-            pending.discard(alarm_task)
-            self._check_alarm()
+        await self.evaluations.finish(self.policy.value, alarm_task, self._check_alarm)
         self.snapshots.finish(self.policy.value, abandoned=[])
 
     async def _shutdown(self) -> None:
@@ -370,24 +285,16 @@ class Orchestrator:
         self.ledger.record(Fate.requeued, len(abandoned) * self.config.rollout.group_size)
         await self.trainer.stop(max(0.5, deadline - time.monotonic()))
         await self.watcher.stop()
-        try:
-            await asyncio.wait_for(self.watcher.poll_once(), max(0.5, deadline - time.monotonic()))
-        except (asyncio.TimeoutError, OSError, RuntimeError):
-            pass
+        await self.watcher.last_poll(max(0.5, deadline - time.monotonic()))
         self._after_version(evaluate=False, final=True)
         # The trainer may be ahead of the engines (a reload failed): its checkpoints up to the
         # last shipped batch are complete states of this run and get theirs too.
-        self.snapshots.finish(max(self.policy.value, self.shipped), abandoned=abandoned)
+        self.snapshots.finish(max(self.policy.value, self.shipping.shipped), abandoned=abandoned)
 
     def _summary(self, status: str, error: Optional[str]) -> dict:
         reason = self.stop_reason
-        loop_s = time.monotonic() - self.loop_started
-        report = self.stats.summary(loop_s=loop_s, startup_s=self.loop_started - self.started,
-                                    idle=self.idle.overall() if self.idle else {})
         return {"status": status, "error": error, "reason": str(reason) if reason else None,
                 "stop": reason.kind.value if reason else None, "version": self.policy.value,
                 **self.snapshots.account(self.policy.value), "short_batches": self.sink.totals.short_batches,
-                "parked_s": round(self.parked_s, 4),
-                **self.evaluations.summary(), "wall_s": round(time.monotonic() - self.started, 3),
-                "loop_s": round(loop_s, 3), **report,
-                "startup": self.startup.summary(self.first_step_at) if self.startup is not None else None}
+                "parked_s": round(self.shipping.parked_s, 4), **self.evaluations.summary(),
+                **self.stats.summary(loop_started=self.loop_started)}

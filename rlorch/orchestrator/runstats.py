@@ -6,18 +6,32 @@ accounting beside them (admitted, trained, ...) covers the whole run.
 
 from __future__ import annotations
 
-from typing import Optional
+import time
+from typing import Any, Optional
 
 import numpy as np
 
 
 class RunStats:
-    def __init__(self) -> None:
+    """``idle`` is the loop's idle clocks (shares per interval and overall), ``startup`` the run's
+    start-up clock (its origin is the run's start; it learns when the first step is recorded)."""
+
+    def __init__(self, *, idle: Any, startup: Any) -> None:
+        self.idle, self.startup = idle, startup
         self.age_counts: list[int] = []
         self.rollouts = 0
         self.tokens = 0
         self.reward_first: Optional[float] = None
         self.reward_last: Optional[float] = None
+
+    def stamp(self, records: list[dict], *, loop_started: float) -> None:
+        """The step records written now: each gets the idle shares of the interval since the last
+        ones and the run's wall time, and is counted."""
+        idle = self.idle.interval() if records else {}
+        for record in records:
+            record.update(idle, wall_s=round(time.monotonic() - self.startup.origin, 3))
+            self.add(record)
+            self.startup.first_step(loop_started)
 
     def add(self, record: dict) -> None:
         """One step record (``kind == "step"``)."""
@@ -41,9 +55,12 @@ class RunStats:
         return {"age_max": int(ages.max()), "age_p99": float(np.percentile(ages, 99)),
                 "age_mean": round(float(ages.mean()), 4)}
 
-    def summary(self, *, loop_s: float, startup_s: float, idle: dict) -> dict:
+    def summary(self, *, loop_started: float) -> dict:
         """The report's figures; rates are over the loop (start-up excluded), trained data only."""
+        now, started, idle = time.monotonic(), self.startup.origin, self.idle.overall()
+        loop_s = now - loop_started
         span = max(loop_s, 1e-9)
-        return {"reward_mean_first": self.reward_first, "reward_mean_last": self.reward_last, **self.ages(),
+        return {"wall_s": round(now - started, 3), "loop_s": round(loop_s, 3),
+                "reward_mean_first": self.reward_first, "reward_mean_last": self.reward_last, **self.ages(),
                 "rollouts_per_s": round(self.rollouts / span, 3), "tokens_per_s": round(self.tokens / span, 2),
-                "startup_s": round(startup_s, 3), **idle}
+                "startup_s": round(loop_started - started, 3), **idle, "startup": self.startup.summary()}

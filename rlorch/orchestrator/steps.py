@@ -66,8 +66,12 @@ class StepRecords:
         self.pending: dict[int, dict] = {}
         self.backlog: dict[int, dict] = {}
         self.last: dict = {}
+        self.admitted_total = 0
 
-    def shipped(self, batch: Batch, *, admitted: int, parked_s: float) -> None:
+    def shipped(self, batch: Batch, *, admitted_total: int, parked_s: float) -> None:
+        """Batch ``batch.step`` is in the trainer's hands; ``admitted_total`` counts every rollout
+        admitted so far (the record carries those admitted since the previous batch)."""
+        admitted, self.admitted_total = admitted_total - self.admitted_total, admitted_total
         rollouts = batch.rollouts
         rewards = [r.reward for r in rollouts]
         self.pending[batch.step] = {

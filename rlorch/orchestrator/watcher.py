@@ -64,6 +64,14 @@ class WeightWatcher:
         await cancel_and_wait(self._task, timeout=timeout)
         self._task = None
 
+    async def last_poll(self, timeout: float) -> None:
+        """One more poll at shutdown, given up after ``timeout`` seconds or on a failed load: the
+        run ends on whatever version is live then."""
+        try:
+            await asyncio.wait_for(self.poll_once(), timeout)
+        except (asyncio.TimeoutError, OSError, RuntimeError):
+            pass
+
     async def poll_once(self) -> bool:
         """Load the newest version ahead of the live one: received over the weight group when it
         is offered there (and newer than anything on disk), else the newest published checkpoint."""

@@ -119,7 +119,9 @@ class SimTrainer:
 
 
 @trainer_backend(TrainerBackend.sim)
-def make_sim_trainer(config: Config, run_dir: RunDir, resume: Optional[Path], start_step: int) -> SimTrainer:
+def make_sim_trainer(config: Config, run_dir: RunDir, resume: Optional[Path], start_step: int,
+                     launcher: object) -> SimTrainer:
+    """An in-process trainer: nothing for the launcher to start."""
     from rlorch.model import resolve_model_path
 
     # Behind real engines the marker checkpoints link the served model, so reloads work.

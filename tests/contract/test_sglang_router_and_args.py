@@ -17,7 +17,7 @@ import pytest
 
 from rlorch.config.compose import compose
 from rlorch.inference.client import SGLangEngine
-from rlorch.inference.servers import server_command
+from rlorch.launch.server_command import server_command
 from rlorch.inference.pool import EnginePool
 from rlorch.inference.routed import RoutedServer
 from rlorch.types import SamplingParams

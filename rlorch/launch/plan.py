@@ -1,0 +1,49 @@
+"""The launch plan ``rlorch train --dry-run`` prints: the placement joined with the command
+builders, one record per process, starting nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from pathlib import Path
+from typing import Optional
+
+from rlorch.config.schema import Config, InferenceBackend, TrainerBackend
+from rlorch.launch.placement import place, visible_env, visible_gpus
+from rlorch.launch.server_command import server_command
+from rlorch.launch.trainer_command import trainer_command
+
+
+def launch_plan(config: Config, *, run_dir: Path) -> list[dict]:
+    """One record per process the run would start: ``role``, ``node``, ``command`` (a shell
+    line), ``env`` (what it changes). Starts nothing; ports of launched servers are placeholders."""
+    placement = place(config, visible_gpus(config))
+    fsdp = config.trainer.fsdp
+    plan = [{"role": "orchestrator", "node": 0, "command": "rlorch train (this process)", "env": {}}]
+    if config.inference.addresses:
+        plan += [{"role": "server", "node": None, "command": f"(running at {a})", "env": {}}
+                 for a in config.inference.addresses]
+    elif config.inference.backend in (InferenceBackend.cpu, InferenceBackend.sglang):
+        model = Path(config.model.path) if config.model.path else Path("<default model>")
+        for i in range(config.inference.num_servers):
+            command = server_command(config, model_path=model, port=30000 + i)
+            env = visible_env(placement.servers[i]) if i < len(placement.servers) else {}
+            plan.append({"role": f"server-{i}", "node": 0, "command": shlex.join(command), "env": env})
+    if config.inference.router:
+        plan.append({"role": "router", "node": None, "command": f"(running at {config.inference.router})",
+                     "env": {}})
+    if config.trainer.backend is TrainerBackend.fsdp:
+        for node in range(fsdp.nnodes):
+            command = trainer_command(config, run_dir, node_rank=node)
+            env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **visible_env(placement.trainer)}
+            plan.append({"role": "trainer", "node": node, "command": shlex.join(command), "env": env})
+    else:
+        plan.append({"role": "trainer", "node": 0, "command": f"(in process: trainer={config.trainer.backend.value})",
+                     "env": {}})
+    return plan
+
+
+def print_plan(config: Config, run_dir: Optional[Path] = None) -> None:
+    for record in launch_plan(config, run_dir=run_dir or Path(config.run.dir or "<run dir>")):
+        print(json.dumps(record))

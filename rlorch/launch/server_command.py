@@ -1,0 +1,44 @@
+"""The command line of one launched inference server, read off the config (and its GPUs off the
+placement, through the environment the launcher gives it)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from rlorch.config.schema import InferenceBackend
+
+API_KEY_ENV = "RLORCH_API_KEY"
+"""A launched ``rlorch serve`` reads its per-run key here; with ``inference.addresses``, the key
+the client sends to servers started elsewhere (optional)."""
+
+
+def _cpu_command(config, *, model_path: Path, port: int, host: str) -> list[str]:
+    """The API key reaches ``rlorch serve`` through its environment (RLORCH_API_KEY), out of ``ps``."""
+    inference = config.inference
+    return [sys.executable, "-m", "rlorch.cli", "serve", "--host", host, "--port", str(port),
+            "--parent-pid", str(os.getpid()),
+            f"model.path={model_path}", f"model.dtype={config.model.dtype}",
+            f"inference.cpu.threads={inference.cpu.threads}", f"inference.cpu.max_batch={inference.cpu.max_batch}",
+            f"run.seed={config.run.seed}", *inference.launch_args]
+
+
+def _sglang_command(config, *, model_path: Path, port: int, host: str) -> list[str]:
+    """SGLang takes its API key only as ``--api-key`` (added by :func:`_spawn`)."""
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
+            "--host", host, "--port", str(port), "--weight-version", "0", "--dtype", config.model.dtype,
+            "--random-seed", str(config.run.seed), "--tp-size", str(config.inference.tp_size),
+            *config.inference.launch_args]
+
+
+SERVER_COMMANDS = {InferenceBackend.cpu: _cpu_command, InferenceBackend.sglang: _sglang_command}
+"""How each launched backend starts one server."""
+
+
+def server_command(config, *, model_path: Path, port: int, host: str = "127.0.0.1") -> list[str]:
+    """The command line of one launched server."""
+    build = SERVER_COMMANDS.get(config.inference.backend)
+    if build is None:
+        raise ValueError(f"inference.backend={config.inference.backend.value!r} is not launched by rlorch.inference.servers")
+    return build(config, model_path=model_path, port=port, host=host)
