@@ -172,6 +172,10 @@ def test_resume_of_a_run_without_a_checkpoint_names_the_problem(tmp_path):
     ("+foo.bar=1", "foo.bar", "unknown key"),
     ("++trainer.fsdp.nprocs=2", "trainer.fsdp.nprocs", "did you mean trainer.fsdp.nproc?"),
     ("staleness=3", "staleness", "did you mean rollout.max_staleness?"),
+    ("inference.latency=[1,2]", "inference.latency", "did you mean inference.sim.latency?"),
+    ("trainer.nproc=2", "trainer.nproc", "did you mean trainer.fsdp.nproc?"),
+    ("trainer.keep=2", "trainer.keep", "did you mean trainer.keep_weight_versions?"),
+    ("eval.poll_interval=1", "eval.poll_interval", "did you mean watcher.poll_interval?"),
 ])
 def test_unknown_keys_are_named_with_the_closest_valid_one(override, key, hint):
     with pytest.raises(ConfigError) as caught:

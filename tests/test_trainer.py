@@ -90,7 +90,7 @@ def test_trains_publishes_checkpoints_resumes_and_stops(tmp_path):
     identically, then checkpoints step 3 on STOP while waiting for batch 4."""
     from transformers import AutoModelForCausalLM
 
-    run, config = _make_run(tmp_path / "run", "trainer.fsdp.nproc=2", "trainer.keep=2")
+    run, config = _make_run(tmp_path / "run", "trainer.fsdp.nproc=2", "trainer.keep_weight_versions=2")
     for step in (1, 2, 3):
         _write_batch(run, step)
     code, output = _finish(_launch(config, run))

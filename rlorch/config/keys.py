@@ -18,6 +18,10 @@ from rlorch.config.schema import Config, ConfigError
 
 FREE_FORM = ("task.params",)
 """Sections whose keys are not in the schema."""
+RENAMED = {"trainer.keep": "trainer.keep_weight_versions"}
+"""Keys that were renamed, to their new names (a key that moved into a backend's own section,
+e.g. ``inference.latency`` to ``inference.sim.latency``, is found by :func:`moved_to`)."""
+BACKEND_SECTIONS = ("inference.sim", "inference.cpu", "trainer.sim", "trainer.fsdp")
 
 
 @functools.lru_cache(maxsize=1)
@@ -41,10 +45,28 @@ def override_key(item: str) -> str:
     return item.split("=", 1)[0].lstrip("+~").strip()
 
 
+def moved_to(key: str) -> str | None:
+    """The key's new name when it was renamed or moved into a backend's section, else None."""
+    if key in RENAMED:
+        return RENAMED[key]
+    section, _, leaf = key.rpartition(".")
+    for moved in BACKEND_SECTIONS:
+        if moved.rpartition(".")[0] == section and f"{moved}.{leaf}" in schema_keys():
+            return f"{moved}.{leaf}"
+    return None
+
+
 def suggest(key: str) -> str:
-    """`` (did you mean X?)`` for the closest known key, or ''."""
+    """`` (did you mean X?)``: the key's new name, the closest key of its section, a key of
+    another section with the same last segment, the closest key anywhere; or ''."""
+    renamed = moved_to(key)
+    if renamed is not None:
+        return f" (did you mean {renamed}?)"
     section = key.rsplit(".", 1)[0] if "." in key else ""
     known = sorted(schema_keys())
+    same_leaf = [k for k in known if "." in key and k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]]
+    if len(same_leaf) == 1:
+        return f" (did you mean {same_leaf[0]}?)"
     siblings = [k for k in known if k.rsplit(".", 1)[0] == section] if section in schema_keys() else []
     for pool, cutoff in ((siblings, 0.6), (known, 0.75)):
         match = difflib.get_close_matches(key, pool, n=1, cutoff=cutoff)

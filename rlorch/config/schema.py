@@ -368,8 +368,9 @@ class TrainerConfig:
     """Publish an HF weight checkpoint every N steps."""
     checkpoint_every: int = 10
     """Write a full resumable state every N steps (and at the end)."""
-    keep: int = 3
-    """Weight checkpoints kept; older ones are pruned."""
+    keep_weight_versions: int = 3
+    """Published weight versions (``weights/step_N``, what engines load) kept: the newest N; older
+    ones are pruned. Resumable checkpoints are ``keep_checkpoints``."""
     keep_checkpoints: int = 3
     """Full (resumable) checkpoints kept: the newest K; older ones are deleted once a newer one
     is complete (0 = keep all)."""
@@ -388,7 +389,7 @@ class TrainerConfig:
         _require(self.minibatches >= 1, "trainer.minibatches", "must be >= 1")
         _require(self.publish_every >= 1, "trainer.publish_every", "must be >= 1")
         _require(self.checkpoint_every >= 1, "trainer.checkpoint_every", "must be >= 1")
-        _require(self.keep >= 1, "trainer.keep", "must be >= 1")
+        _require(self.keep_weight_versions >= 1, "trainer.keep_weight_versions", "must be >= 1")
         _require(self.keep_checkpoints >= 0, "trainer.keep_checkpoints", "must be >= 0 (0 = keep all)")
         _require(self.keep_checkpoints_every >= 0, "trainer.keep_checkpoints_every", "must be >= 0")
 

@@ -338,7 +338,7 @@ def _hand_off(worker: Worker, step: int, state: dict, last: bool) -> None:
     sent = worker.broadcaster is not None and worker.broadcaster.send(step, state)
     if not sent or last:
         publish(worker.run, step, worker.writer, state)
-        prune(worker.run, worker.config.trainer.keep)
+        prune(worker.run, worker.config.trainer.keep_weight_versions)
 
 
 def wait_handed_off(worker: Worker) -> None:

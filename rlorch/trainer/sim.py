@@ -88,7 +88,7 @@ class SimTrainer:
         staging.rename(target)
         (target / PUBLISHED).touch()
         published = [path for _, path in self.run_dir.published_weights()]
-        for old in published[:-self.config.trainer.keep]:
+        for old in published[:-self.config.trainer.keep_weight_versions]:
             shutil.rmtree(old, ignore_errors=True)
 
     def _link_model(self, target: Path) -> None:
