@@ -158,7 +158,7 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
             resume = read_state(checkpoint, prompts.make)
             prompts.position = resume.prompt_position
             await engines.reload(str(weights_of(checkpoint, run_dir, resume.step)), resume.step)
-        await join_weight_group(config, run_dir, engines)
+        await join_weight_group(config, run_dir, engines, trainer.error)
         clock.mark("ready")
         work = make_work(config, engine=engines, tokenizer=tokenizer, env=env,
                          override=reward_override(config, config.run.seed))

@@ -251,8 +251,9 @@ class InferenceConfig:
     backend: InferenceBackend = InferenceBackend.cpu
     """sim: no model (inference.sim); cpu: `rlorch serve` subprocesses (inference.cpu); sglang:
     SGLang servers launched here or reached at `addresses`."""
-    num_servers: int = 1
-    """Servers to launch (cpu, sglang without addresses)."""
+    num_servers: Optional[int] = 1
+    """Servers to launch (cpu, sglang without addresses); empty (null, the sglang preset): as many
+    as fill the node's GPUs beside the trainer, 1 without GPUs (rlorch.launch.placement)."""
     addresses: list[str] = field(default_factory=list)
     """Running servers to connect to instead of launching, host:port (with `router`: the workers
     behind it)."""
@@ -285,8 +286,14 @@ class InferenceConfig:
     sim: SimEngineConfig = field(default_factory=SimEngineConfig)
     cpu: CpuEngineConfig = field(default_factory=CpuEngineConfig)
 
+    @property
+    def distributed(self) -> bool:
+        """Weights travel over the process group (a version that does not goes by disk)."""
+        return self.weight_transfer is WeightTransfer.distributed
+
     def __post_init__(self) -> None:
-        _require(self.num_servers >= 1, "inference.num_servers", "must be >= 1")
+        _require(self.num_servers is None or self.num_servers >= 1, "inference.num_servers",
+                 "must be >= 1 (or null: fill the node)")
         _require(self.transfer_timeout > 0, "inference.transfer_timeout", "must be > 0 seconds")
         _require(self.ready_timeout > 0, "inference.ready_timeout", "must be > 0 seconds")
         _require(self.tp_size >= 1, "inference.tp_size", "must be >= 1")
@@ -307,8 +314,10 @@ class SimTrainerConfig:
 class FsdpConfig:
     """``trainer=fsdp``: torch FSDP2 under torchrun."""
 
-    nproc: int = 1
-    """Trainer processes (torchrun --nproc-per-node)."""
+    nproc: Optional[int] = 1
+    """Trainer processes per node (torchrun --nproc-per-node); empty (null, the fsdp preset): beside
+    launched SGLang servers on GPUs, the GPUs they leave (half the node rounded down to a power of
+    two when inference.num_servers is empty too), else 1 (rlorch.launch.placement)."""
     torchrun_args: list[str] = field(default_factory=list)
     """Extra torchrun arguments (--nnodes, --rdzv-endpoint, ... for a cluster)."""
     device: str = "auto"
@@ -324,18 +333,25 @@ class FsdpConfig:
     """This node's rank among the trainer nodes (torchrun --node-rank); rank 0 runs the
     orchestrator and the inference servers."""
     rdzv_endpoint: Optional[str] = None
-    """host:port of the c10d rendezvous (torchrun --rdzv-endpoint); required when nnodes > 1."""
+    """host:port of node 0's torchrun agent, reachable from every node (static rendezvous:
+    torchrun --master-addr host --master-port port); required when nnodes > 1."""
 
     def __post_init__(self) -> None:
-        _require(self.nproc >= 1, "trainer.fsdp.nproc", "must be >= 1")
+        _require(self.nproc is None or self.nproc >= 1, "trainer.fsdp.nproc", "must be >= 1 (or null: fill the node)")
         _require(self.device in ("auto", "cpu", "cuda"), "trainer.fsdp.device",
                  f"must be one of auto, cpu, cuda (got {self.device!r})")
         _require(self.micro_batch_size >= 1, "trainer.fsdp.micro_batch_size", "must be >= 1")
         _require(self.nnodes >= 1, "trainer.fsdp.nnodes", "must be >= 1")
         _require(0 <= self.node_rank < self.nnodes, "trainer.fsdp.node_rank",
                  f"must be in [0, trainer.fsdp.nnodes={self.nnodes})")
-        _require(self.nnodes == 1 or bool(self.rdzv_endpoint), "trainer.fsdp.rdzv_endpoint",
-                 "must be host:port when trainer.fsdp.nnodes > 1")
+        _require(self.nnodes == 1 or _is_host_port(self.rdzv_endpoint), "trainer.fsdp.rdzv_endpoint",
+                 f"must be host:port when trainer.fsdp.nnodes > 1 (got {self.rdzv_endpoint!r})")
+
+
+def _is_host_port(endpoint: Optional[str]) -> bool:
+    """``host:port`` with a non-empty host and a port in 1..65535 (``[::1]:29400`` for IPv6)."""
+    host, _, port = (endpoint or "").rpartition(":")
+    return bool(host.strip("[]")) and port.isdigit() and 0 < int(port) < 65536
 
 
 @dataclass
@@ -509,6 +525,10 @@ class Config:
         _require(self.inference.weight_transfer is WeightTransfer.disk
                  or (self.trainer.backend is TrainerBackend.fsdp and self.inference.backend is not InferenceBackend.sim),
                  "inference.weight_transfer", "distributed needs trainer=fsdp and inference=cpu or sglang")
+        _require(self.inference.weight_transfer is WeightTransfer.disk or not self.inference.router,
+                 "inference.router", "weight_transfer=distributed needs every server's rank in the weight group, "
+                                     "which a router hides: use inference.weight_transfer=disk with "
+                                     "inference.router, or list the servers in inference.addresses without it")
         _require(self.rollout.max_concurrent >= self.rollout.group_size, "rollout.max_concurrent",
                  f"must be >= rollout.group_size ({self.rollout.group_size}): a group is admitted whole")
 

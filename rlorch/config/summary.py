@@ -19,7 +19,9 @@ def config_summary(config: Config) -> Table:
         ("inference", f"{config.inference.backend.value} x{config.inference.num_servers}"
                       + (f" at {', '.join(config.inference.addresses)}" if config.inference.addresses else "")),
         ("trainer / correction", f"{config.trainer.backend.value} / {config.trainer.correction.value}"),
-        ("model", config.model.path or "tiny default (created locally)"),
+        ("model", (config.model.path or "tiny default (created locally)") + f" in {config.model.dtype}"
+                  + _attention_note(config)),
+        ("weight transfer", config.inference.weight_transfer.value),
         ("task", config.data.path or config.task.name),
         ("train.steps", str(config.train.steps)),
         ("run.dir", config.run.dir or f"outputs/{config.run.name}-<timestamp>"),
@@ -27,3 +29,15 @@ def config_summary(config: Config) -> Table:
     for key, value in rows:
         table.add_row(key, value)
     return table
+
+
+def _attention_note(config: Config) -> str:
+    """Launched SGLang servers in float32 get the triton attention backend (FA3, SGLang's
+    choice on Hopper, has no float32 kernels)."""
+    from rlorch.config.schema import InferenceBackend
+    from rlorch.launch.server_command import fp32_attention_args
+
+    launched = config.inference.backend is InferenceBackend.sglang and not config.inference.addresses
+    if launched and fp32_attention_args(config):
+        return " (SGLang: --attention-backend triton; use model.dtype=bfloat16 for FA3 on Hopper)"
+    return ""

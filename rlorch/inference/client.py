@@ -111,6 +111,9 @@ class SGLangEngine:
         :meth:`reload` and :meth:`weight_version`); stamps responses that carry none."""
         self.batch_form = True
         """Whether the server takes SGLang's batch /generate (cleared once it refused one)."""
+        self.tp_size = 1
+        """The server's tensor parallelism (from ``/server_info``): it joins the weight group once
+        per TP rank."""
         self.requests = 0
         self.resubmits = 0
         self.server_seconds = 0.0
@@ -374,10 +377,20 @@ class SGLangEngine:
         await self._weights_call("/init_weights_update_group", spec, "could not join the weight group")
 
     async def update_weights_from_distributed(self, offer: dict, version: int) -> None:
-        """Receive ``offer`` (names, dtypes, shapes, group_name) over the group as policy ``version``."""
+        """Receive ``offer`` (names, dtypes, shapes, group_name) over the group as policy ``version``,
+        inside a weight-update session (SGLang refuses the update outside one); the session is
+        closed whatever happens, so the next version's ``/begin_weight_update`` finds none open."""
         payload = {**offer, "flush_cache": True, "abort_all_requests": False, "weight_version": str(version)}
-        await self._weights_call("/update_weights_from_distributed", payload,
-                                 f"could not receive version {version}")
+        await self._weights_call("/begin_weight_update", {}, "could not open a weight-update session")
+        try:
+            await self._weights_call("/update_weights_from_distributed", payload,
+                                     f"could not receive version {version}")
+        finally:
+            await self._weights_call("/end_weight_update", {}, "could not close the weight-update session")
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self._weights_call("/destroy_weights_update_group", {"group_name": group_name},
+                                 f"could not leave weight group {group_name}")
 
     async def _weights_call(self, path: str, payload: dict, failure: str) -> None:
         status, body = await self._request("POST", path, timeout=self.control_timeout, payload=payload)
@@ -392,10 +405,23 @@ class SGLangEngine:
         return status == 200
 
     async def model_info(self) -> dict:
-        return await self._control("GET", "/get_model_info")
+        return await self._info("/model_info", "/get_model_info")
 
     async def server_info(self) -> dict:
-        return await self._control("GET", "/get_server_info")
+        """The server's arguments and state; ``tp_size`` is remembered (the weight group's ranks)."""
+        info = await self._info("/server_info", "/get_server_info")
+        self.tp_size = int(info.get("tp_size") or 1)
+        return info
+
+    async def _info(self, path: str, deprecated: str) -> dict:
+        """``path`` (SGLang 0.5.23 logs a deprecation warning on every call of the old name), or
+        ``deprecated`` from a server that does not know it."""
+        status, body = await self._request("GET", path, timeout=self.control_timeout)
+        if status == 404:
+            return await self._control("GET", deprecated)
+        if status != 200 or not isinstance(body, dict):
+            raise EngineError(f"{self.name} {path} answered {status}: {self._message(body)}")
+        return body
 
     async def weight_version(self) -> int:
         """The version the server holds: ``/model_info`` (0.5.23), else ``/get_model_info``,

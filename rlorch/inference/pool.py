@@ -19,6 +19,7 @@ import time
 from typing import Awaitable, Callable, Optional, Sequence
 
 from rlorch.inference.client import EngineError, EngineUnavailable
+from rlorch.launch.weight_group import rank_offsets
 from rlorch.lifecycle import cancel_and_wait, gather_all
 from rlorch.types import Generation, GroupRequest, SamplingParams, Server
 
@@ -48,6 +49,7 @@ class EnginePool:
         self._in_flight = {e.name: 0 for e in self.engines}
         self._changed = asyncio.Event()
         self._reload_lock = asyncio.Lock()
+        self._weight_group: Optional[str] = None
         self._checkpoint: Optional[tuple[str, int]] = None
         self._probe: Optional[asyncio.Task] = None
         self._turn = 0
@@ -203,13 +205,30 @@ class EnginePool:
         await self._update(version, lambda e: e.reload(path, version))
         self._checkpoint = (str(path), version)
 
+    def weight_group_ranks(self) -> tuple[list[int], int]:
+        """Each server's ``rank_offset`` in the weight group and the group's world size: rank 0
+        is the trainer, a server takes one rank per TP rank (``tp_size`` from its ``/server_info``)."""
+        return rank_offsets([getattr(e, "tp_size", 1) for e in self.engines])
+
     async def init_weights_update_group(self, spec: dict) -> None:
-        """Every server joins the trainer's weight group: server ``i`` as rank ``1 + i``."""
+        """Every server joins the trainer's weight group at its rank offset (``spec`` carries the
+        world size); the group's name is remembered so :meth:`close` can destroy it."""
+        offsets, _ = self.weight_group_ranks()
         failed = await self._each(self.engines, lambda e: e.init_weights_update_group(
-            {**spec, "rank_offset": 1 + self.engines.index(e)}))
+            {**spec, "rank_offset": offsets[self.engines.index(e)]}))
+        self._weight_group = spec["group_name"]
         if failed or not all(self._up.values()):
             raise EngineError(f"{self.name}: not every server joined the weight group: "
                               + "; ".join(str(err) for _, err in failed))
+
+    async def destroy_weights_update_group(self) -> None:
+        """Best effort: every live server leaves the group (long-lived servers can then join a
+        later run's group); a server that cannot is only logged."""
+        name, self._weight_group = self._weight_group, None
+        if name is None:
+            return
+        for engine, err in await self._each(self._live(), lambda e: e.destroy_weights_update_group(name)):
+            log.warning("%s did not leave weight group %s: %s", engine.name, name, err)
 
     async def update_weights_from_distributed(self, offer: dict, version: int) -> None:
         """Like :meth:`reload`, with every live server receiving ``offer`` over the weight group.
@@ -290,6 +309,10 @@ class EnginePool:
     async def stop(self, timeout: Optional[float] = None) -> None:
         """Stop the probe, close every client and stop what the launcher started."""
         await cancel_and_wait(self._probe, timeout=timeout)
+        try:
+            await asyncio.wait_for(self.destroy_weights_update_group(), 10.0)
+        except (asyncio.TimeoutError, EngineError, OSError):
+            log.warning("%s: the weight group was not destroyed on every server", self.name)
         await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)
         if self._on_close is not None:
             await self._on_close()

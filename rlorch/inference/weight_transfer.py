@@ -1,31 +1,53 @@
 """The orchestrator's part in ``inference.weight_transfer=distributed``: once the trainer is ready,
-every engine joins the trainer's weight group (the trainer's rank 0 joins it at the same time).
+size the weight group from the servers (``1 + Σ tp_size``), tell the trainer
+(``trainer/weight_group.members.json``) and have every engine join (the trainer's rank 0 joins
+at the same time). A trainer that exits meanwhile fails the run at once, naming it.
 
-Versions then arrive as offers the weight watcher has the engines receive; the trainer side is
-:mod:`rlorch.trainer.broadcast`.
+Versions then arrive as offers the weight watcher has the engines receive; the trainer side and
+the whole hand-shake are :mod:`rlorch.trainer.broadcast`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+from typing import Callable, Optional
 
 from rlorch.config.schema import Config, WeightTransfer
-from rlorch.rundir.layout import RunDir
+from rlorch.rundir.layout import RunDir, write_json_atomic
 
 log = logging.getLogger("rlorch.weight_transfer")
+TRAINER_POLL_S = 0.2
 
 
-async def join_weight_group(config: Config, run_dir: RunDir, engines) -> bool:
+class TrainerExited(RuntimeError):
+    """The trainer died while the engines were joining its weight group."""
+
+
+async def join_weight_group(config: Config, run_dir: RunDir, engines,
+                            trainer_error: Callable[[], Optional[str]] = lambda: None) -> bool:
     """Have every engine join the group the trainer announced in ``trainer/weight_group.json``;
-    False (and a warning) when they could not: the trainer then publishes every version to disk."""
+    False (and a warning) when they could not: the trainer then publishes every version to disk.
+    Raises :class:`TrainerExited` when ``trainer_error`` reports the trainer gone meanwhile."""
     if config.inference.weight_transfer != WeightTransfer.distributed:
         return False
     announced = json.loads(run_dir.weight_group.read_text())
-    spec = {key: announced[key] for key in ("master_address", "master_port", "rank_offset", "world_size",
-                                             "group_name", "backend")}
+    _, world_size = engines.weight_group_ranks()
+    spec = {key: announced[key] for key in ("master_address", "master_port", "group_name", "backend")}
+    spec.update(rank_offset=1, world_size=world_size)
+    write_json_atomic(run_dir.weight_group_members, {"world_size": world_size})
+    joining = asyncio.create_task(engines.init_weights_update_group(spec))
     try:
-        await engines.init_weights_update_group(spec)
+        while not joining.done():
+            problem = trainer_error()
+            if problem:
+                raise TrainerExited(f"the trainer exited while the engines joined its weight group: {problem}")
+            await asyncio.wait({joining}, timeout=TRAINER_POLL_S)
+        joining.result()
+    except TrainerExited:
+        joining.cancel()
+        raise
     except Exception as err:  # the disk is the fallback: a group that did not form must not end the run
         log.warning("the engines did not join the weight group (%s); weights go by disk", err)
         return False

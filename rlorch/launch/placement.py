@@ -7,13 +7,31 @@ own GPUs through ``CUDA_VISIBLE_DEVICES``. Invariants: no GPU is given to two pr
 exists, a server gets exactly ``tp_size`` GPUs; anything else is a :class:`ConfigError` naming the
 keys. With 0 GPUs nothing is placed (a CPU run) unless a list pins GPUs.
 
+Filling the node (:func:`resolve_layout`): an unset (null) ``inference.num_servers`` or
+``trainer.fsdp.nproc`` is resolved before anything reads it. A pinned list sets its side's count.
+Beside launched SGLang servers, with both on this node's GPUs: the trainer takes
+``trainer.fsdp.nproc`` GPUs (unset too: half the node rounded down to a power of two, at least 1)
+and the servers as many ``tp_size`` groups as the rest holds (at least 1); a set
+``num_servers`` leaves the trainer the GPUs its servers do not take. Anywhere else (no GPUs, CPU
+engines, servers elsewhere, a CPU trainer) an unset count is 1 — except launched servers beside
+a CPU trainer, which take every ``tp_size`` group of the node. GPUs left over are named by
+:func:`idle_gpu_warning`.
+
+Plan ids are indices into what the orchestrator sees: with an inherited ``CUDA_VISIBLE_DEVICES``
+(``4,5,6,7``) id ``i`` is its ``i``-th entry, so node 0's children get the physical names
+(:func:`inherited_devices`); the list must be at least ``run.gpus`` long.
+
 Multi-node (``trainer.fsdp.nnodes > 1``): node 0 runs the orchestrator, the servers and a torchrun
-agent; every other node runs one torchrun agent with its ``--node-rank``.
+agent; every other node runs one torchrun agent with its ``--node-rank``, on GPUs of its own:
+``trainer.fsdp.gpus`` when pinned, else ``0..nproc-1`` (its own ``CUDA_VISIBLE_DEVICES`` is not
+known here, so nothing is translated there).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
+from typing import Optional
 
 from rlorch.config.schema import Config, ConfigError, InferenceBackend, TrainerBackend
 
@@ -26,15 +44,6 @@ class Placement:
     """GPU ids of this node's trainer processes (empty: not placed)."""
 
 
-def visible_gpus(config: Config) -> int:
-    """``run.gpus`` when set, else the GPUs torch sees (0 without CUDA)."""
-    if config.run.gpus is not None:
-        return config.run.gpus
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def _launches_gpu_servers(config: Config) -> bool:
     return config.inference.backend is InferenceBackend.sglang and not config.inference.addresses
 
@@ -43,8 +52,69 @@ def _trains_on_gpu(config: Config) -> bool:
     return config.trainer.backend is TrainerBackend.fsdp and config.trainer.fsdp.device != "cpu"
 
 
+def visible_gpus(config: Config) -> int:
+    """``run.gpus`` when set; else 0 when the run puts nothing on GPUs (no torch import); else
+    the GPUs torch sees (0 without CUDA; an inherited ``CUDA_VISIBLE_DEVICES`` limits them)."""
+    if config.run.gpus is not None:
+        return config.run.gpus
+    if not (_launches_gpu_servers(config) or _trains_on_gpu(config)):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _half_power_of_two(gpus: int) -> int:
+    """The largest power of two <= gpus // 2, at least 1: 8 -> 4, 6 -> 2, 2 -> 1."""
+    return 1 << max(gpus // 2, 1).bit_length() - 1
+
+
+def _counts(config: Config, gpus: int) -> tuple[int, int]:
+    """``(num_servers, nproc)`` with unset ones resolved by the fill rule (the module doc); set
+    ones come back unchanged."""
+    inference, fsdp = config.inference, config.trainer.fsdp
+    tp = inference.tp_size
+    servers = inference.num_servers
+    nproc = fsdp.nproc
+    if servers is None and inference.gpus:
+        servers = max(1, len(inference.gpus) // tp)
+    if nproc is None and fsdp.gpus:
+        nproc = len(fsdp.gpus)
+    gpu_servers = _launches_gpu_servers(config) and gpus > 0
+    gpu_trainer = _trains_on_gpu(config) and gpus > 0
+    if gpu_servers and gpu_trainer:
+        if nproc is None:
+            nproc = _half_power_of_two(gpus) if servers is None else max(1, gpus - servers * tp)
+        if servers is None:
+            servers = max(1, (gpus - nproc) // tp)
+    elif gpu_servers and servers is None:
+        servers = max(1, gpus // tp)
+    return (1 if servers is None else servers), (1 if nproc is None else nproc)
+
+
+def _filled(config: Config, gpus: int) -> Config:
+    servers, nproc = _counts(config, gpus)
+    if (servers, nproc) == (config.inference.num_servers, config.trainer.fsdp.nproc):
+        return config
+    trainer = replace(config.trainer, fsdp=replace(config.trainer.fsdp, nproc=nproc))
+    return replace(config, inference=replace(config.inference, num_servers=servers), trainer=trainer)
+
+
+def resolve_layout(config: Config, gpus: int) -> Config:
+    """``config`` with ``inference.num_servers`` and ``trainer.fsdp.nproc`` set for a node of
+    ``gpus`` GPUs (the fill rule of the module doc; a config with both set comes back as is, an
+    unset one as a copy). Invariant: the result places on this node — an impossible split or an
+    inherited ``CUDA_VISIBLE_DEVICES`` shorter than ``gpus`` raises :class:`ConfigError` here,
+    before anything starts."""
+    resolved = _filled(config, gpus)
+    place(resolved, gpus)
+    inherited_devices(gpus)
+    return resolved
+
+
 def place(config: Config, gpus: int) -> Placement:
-    """Assign this node's ``gpus`` GPUs (see the module doc)."""
+    """Assign this node's ``gpus`` GPUs (see the module doc); unset counts are filled first."""
+    config = _filled(config, gpus)
     inference, fsdp = config.inference, config.trainer.fsdp
     if gpus == 0 and not inference.gpus and not fsdp.gpus:
         return Placement()
@@ -86,16 +156,72 @@ def place(config: Config, gpus: int) -> Placement:
                      trainer=trainer_ids)
 
 
-def visible_env(ids: list[int]) -> dict[str, str]:
-    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))} if ids else {}
+def idle_gpu_warning(config: Config, gpus: int) -> Optional[str]:
+    """A line naming the keys when this node's GPUs stay idle although the run places processes
+    on GPUs (None when every GPU is used, or nothing is on GPUs: a CPU run)."""
+    config = _filled(config, gpus)
+    placement = place(config, gpus)
+    used = {i for ids in placement.servers for i in ids} | set(placement.trainer)
+    idle = [i for i in range(gpus) if i not in used]
+    if not used or not idle:
+        return None
+    inference, nproc = config.inference, config.trainer.fsdp.nproc
+    parts = []
+    if placement.servers:
+        parts.append(f"inference.num_servers={inference.num_servers} x inference.tp_size={inference.tp_size}")
+    if placement.trainer:
+        parts.append(f"trainer.fsdp.nproc={nproc}")
+    head = f"GPUs {idle} of this node's {gpus} (run.gpus) stay idle: {' and '.join(parts)} use {len(used)}"
+    if placement.servers and len(idle) < inference.tp_size:
+        return f"{head}; {len(idle)} too few for another server of inference.tp_size={inference.tp_size}"
+    return (f"{head}; set inference.num_servers and trainer.fsdp.nproc to null to fill the node, "
+            "or raise them")
+
+
+def inherited_devices(gpus: int) -> list[str]:
+    """What plan id ``i`` names on node 0: the ``i``-th entry of the ``CUDA_VISIBLE_DEVICES`` the
+    orchestrator inherited, else ``i``. Raises :class:`ConfigError` (``run.gpus``) when the
+    inherited list has fewer than ``gpus`` entries."""
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if inherited is None:
+        return [str(i) for i in range(gpus)]
+    devices = [d.strip() for d in inherited.split(",") if d.strip()]
+    if len(devices) < gpus:
+        raise ConfigError("run.gpus", f"{gpus} GPUs planned, but the inherited CUDA_VISIBLE_DEVICES="
+                                      f"{inherited!r} makes {len(devices)} visible")
+    return devices
+
+
+def visible_env(ids: list[int], devices: Optional[list[str]] = None) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` for plan ids ``ids``, each translated through ``devices`` (see
+    :func:`inherited_devices`) when given; {} for no ids."""
+    names = [devices[i] for i in ids] if devices is not None else [str(i) for i in ids]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(names)} if names else {}
+
+
+def node_trainer_gpus(config: Config, placement: Placement, node: int) -> list[int]:
+    """The trainer's GPU ids on ``node``: node 0's come from the placement (after the servers);
+    any other node is all the trainer's — ``trainer.fsdp.gpus`` when pinned, else
+    ``0..nproc-1`` — and has none when node 0's trainer has none (a CPU trainer)."""
+    if node == 0 or not placement.trainer:
+        return placement.trainer
+    fsdp = config.trainer.fsdp
+    return list(fsdp.gpus) or list(range(len(placement.trainer)))
 
 
 def server_env(config: Config, index: int) -> dict[str, str]:
-    """The environment launched server ``index`` gets on top of the runner's."""
-    placement = place(config, visible_gpus(config))
-    return visible_env(placement.servers[index]) if index < len(placement.servers) else {}
+    """The environment launched server ``index`` gets on top of the runner's (node 0)."""
+    gpus = visible_gpus(config)
+    placement = place(config, gpus)
+    if index >= len(placement.servers):
+        return {}
+    return visible_env(placement.servers[index], inherited_devices(gpus))
 
 
-def trainer_env(config: Config) -> dict[str, str]:
-    """The environment this node's torchrun agent gets on top of the runner's."""
-    return visible_env(place(config, visible_gpus(config)).trainer)
+def trainer_env(config: Config, node: Optional[int] = None) -> dict[str, str]:
+    """The environment ``node``'s torchrun agent (default: ``trainer.fsdp.node_rank``) gets on top
+    of the runner's; only node 0's ids are translated through the inherited devices."""
+    node = config.trainer.fsdp.node_rank if node is None else node
+    gpus = visible_gpus(config)
+    ids = node_trainer_gpus(config, place(config, gpus), node)
+    return visible_env(ids, inherited_devices(gpus) if node == 0 else None)

@@ -6,20 +6,25 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import sys
 from pathlib import Path
 from typing import Optional
 
 from rlorch.config.schema import Config, InferenceBackend, TrainerBackend
-from rlorch.launch.placement import place, visible_env, visible_gpus
+from rlorch.launch.placement import (idle_gpu_warning, inherited_devices, node_trainer_gpus, place,
+                                     resolve_layout, visible_env, visible_gpus)
 from rlorch.launch.server_command import server_command
 from rlorch.launch.trainer_command import trainer_command
 
 
 def launch_plan(config: Config, *, run_dir: Path) -> list[dict]:
     """One record per process the run would start: ``role``, ``node``, ``command`` (a shell
-    line), ``env`` (what it changes). Starts nothing; ports of launched servers are placeholders."""
-    placement = place(config, visible_gpus(config))
-    fsdp = config.trainer.fsdp
+    line), ``env`` (what it changes). Starts nothing; ports of launched servers are placeholders.
+    Unset server and trainer counts are filled first (:func:`resolve_layout`); node 0's GPU ids
+    are translated through an inherited ``CUDA_VISIBLE_DEVICES``, other nodes' are their own."""
+    gpus = visible_gpus(config)
+    config = resolve_layout(config, gpus)
+    placement, devices = place(config, gpus), inherited_devices(gpus)
     plan = [{"role": "orchestrator", "node": 0, "command": "rlorch train (this process)", "env": {}}]
     if config.inference.addresses:
         plan += [{"role": "server", "node": None, "command": f"(running at {a})", "env": {}}
@@ -28,15 +33,17 @@ def launch_plan(config: Config, *, run_dir: Path) -> list[dict]:
         model = Path(config.model.path) if config.model.path else Path("<default model>")
         for i in range(config.inference.num_servers):
             command = server_command(config, model_path=model, port=30000 + i)
-            env = visible_env(placement.servers[i]) if i < len(placement.servers) else {}
+            env = visible_env(placement.servers[i], devices) if i < len(placement.servers) else {}
             plan.append({"role": f"server-{i}", "node": 0, "command": shlex.join(command), "env": env})
     if config.inference.router:
         plan.append({"role": "router", "node": None, "command": f"(running at {config.inference.router})",
                      "env": {}})
     if config.trainer.backend is TrainerBackend.fsdp:
-        for node in range(fsdp.nnodes):
+        for node in range(config.trainer.fsdp.nnodes):
             command = trainer_command(config, run_dir, node_rank=node)
-            env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **visible_env(placement.trainer)}
+            ids = node_trainer_gpus(config, placement, node)
+            env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                   **visible_env(ids, devices if node == 0 else None)}
             plan.append({"role": "trainer", "node": node, "command": shlex.join(command), "env": env})
     else:
         plan.append({"role": "trainer", "node": 0, "command": f"(in process: trainer={config.trainer.backend.value})",
@@ -45,5 +52,9 @@ def launch_plan(config: Config, *, run_dir: Path) -> list[dict]:
 
 
 def print_plan(config: Config, run_dir: Optional[Path] = None) -> None:
+    """The plan on stdout, one JSON line per process; idle GPUs as a warning on stderr."""
     for record in launch_plan(config, run_dir=run_dir or Path(config.run.dir or "<run dir>")):
         print(json.dumps(record))
+    warning = idle_gpu_warning(config, visible_gpus(config))
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)

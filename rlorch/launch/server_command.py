@@ -25,11 +25,20 @@ def _cpu_command(config, *, model_path: Path, port: int, host: str) -> list[str]
 
 
 def _sglang_command(config, *, model_path: Path, port: int, host: str) -> list[str]:
-    """SGLang takes its API key only as ``--api-key`` (added by :func:`_spawn`)."""
-    return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
-            "--host", host, "--port", str(port), "--weight-version", "0", "--dtype", config.model.dtype,
-            "--random-seed", str(config.run.seed), "--tp-size", str(config.inference.tp_size),
-            *config.inference.launch_args]
+    """SGLang takes its API key only as ``--api-key`` (added by the launcher). In float32 it gets
+    ``--attention-backend triton`` unless ``inference.launch_args`` name a backend: on Hopper
+    SGLang picks FA3, which has no float32 kernels."""
+    command = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
+               "--host", host, "--port", str(port), "--weight-version", "0", "--dtype", config.model.dtype,
+               "--random-seed", str(config.run.seed), "--tp-size", str(config.inference.tp_size),
+               *config.inference.launch_args]
+    return command + fp32_attention_args(config)
+
+
+def fp32_attention_args(config) -> list[str]:
+    """``--attention-backend triton`` for a float32 SGLang server with no backend chosen, else []."""
+    chosen = any(arg.split("=", 1)[0] == "--attention-backend" for arg in config.inference.launch_args)
+    return [] if chosen or config.model.dtype != "float32" else ["--attention-backend", "triton"]
 
 
 SERVER_COMMANDS = {InferenceBackend.cpu: _cpu_command, InferenceBackend.sglang: _sglang_command}

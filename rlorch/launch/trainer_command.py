@@ -6,30 +6,62 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from rlorch.config.schema import ConfigError
+
 _MULTI_NODE_FLAGS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id",
                      "--rdzv-conf", "--master-addr", "--master-port")
+
+
+def master_address(endpoint: str) -> tuple[str, str]:
+    """``(host, port)`` of ``trainer.fsdp.rdzv_endpoint`` (``host:port``, ``[v6]:port``)."""
+    host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit():
+        raise ConfigError("trainer.fsdp.rdzv_endpoint", f"must be host:port (got {endpoint!r})")
+    return host, port
+
+
+def _nproc(config) -> int:
+    """``trainer.fsdp.nproc``, resolved for this node when unset (rlorch.launch.placement)."""
+    nproc = config.trainer.fsdp.nproc
+    if nproc is None:
+        from rlorch.launch.placement import resolve_layout, visible_gpus
+
+        nproc = resolve_layout(config, visible_gpus(config)).trainer.fsdp.nproc
+    return nproc
+
+
+def _static_rendezvous(config, node_rank: Optional[int]) -> list[str]:
+    """torchrun's static rendezvous across ``trainer.fsdp.nnodes``: node ``node_rank`` (default
+    ``trainer.fsdp.node_rank``) joins node 0's agent at ``trainer.fsdp.rdzv_endpoint``. Static,
+    not c10d: c10d ignores ``--node-rank`` and orders nodes as they arrive, so global rank 0 —
+    which hosts the weight group's store — could land off node 0."""
+    trainer = config.trainer.fsdp
+    host, port = master_address(trainer.rdzv_endpoint)
+    rank = trainer.node_rank if node_rank is None else node_rank
+    return ["--nnodes", str(trainer.nnodes), "--node-rank", str(rank), "--master-addr", host,
+            "--master-port", port]
 
 
 def trainer_command(config, run_dir: Path, resume: Optional[Path] = None, *,
                     node_rank: Optional[int] = None) -> list[str]:
     """The command line the runner launches: the worker itself for one process on one node and
     no extra torchrun arguments (torchrun's agent would cost a second torch import at every
-    start); else torchrun: ``--standalone`` on one node, a c10d rendezvous at
-    ``trainer.fsdp.rdzv_endpoint`` across ``trainer.fsdp.nnodes`` (``node_rank`` defaults to
-    ``trainer.fsdp.node_rank``), or whatever the extra torchrun arguments set up."""
+    start); else torchrun: ``--standalone`` on one node, a static rendezvous at
+    ``trainer.fsdp.rdzv_endpoint`` across ``trainer.fsdp.nnodes`` (:func:`_static_rendezvous`),
+    or whatever the extra torchrun arguments set up."""
     trainer = config.trainer.fsdp
-    if trainer.nproc == 1 and trainer.nnodes == 1 and not trainer.torchrun_args:
+    nproc = _nproc(config)
+    if nproc == 1 and trainer.nnodes == 1 and not trainer.torchrun_args:
         command = [sys.executable, "-m", "rlorch.trainer.fsdp", "--run-dir", str(run_dir)]
         return command + (["--resume", str(resume)] if resume is not None else [])
     flags = {arg.split("=", 1)[0].replace("_", "-") for arg in trainer.torchrun_args}
     command = [sys.executable, "-m", "torch.distributed.run"]
     if trainer.nnodes > 1:
-        rank = trainer.node_rank if node_rank is None else node_rank
-        command += ["--nnodes", str(trainer.nnodes), "--node-rank", str(rank), "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", trainer.rdzv_endpoint, "--rdzv-id", config.run.name]
+        command += _static_rendezvous(config, node_rank)
     elif not flags & set(_MULTI_NODE_FLAGS):
         command.append("--standalone")
-    command += ["--nproc-per-node", str(trainer.nproc), *trainer.torchrun_args,
+    command += ["--nproc-per-node", str(nproc), *trainer.torchrun_args,
                 "-m", "rlorch.trainer.fsdp", "--run-dir", str(run_dir)]
     if resume is not None:
         command += ["--resume", str(resume)]

@@ -70,9 +70,9 @@ class Orchestrator:
         self.version_changed = asyncio.Event()
         self.watcher = WeightWatcher(config.watcher, policy=policy, engines=engines,
                                      published=run_dir.published_weights, offers=run_dir.broadcast_offers,
+                                     receiving=run_dir.receiving, distributed=config.inference.distributed,
                                      expecting=lambda: self.shipping.shipped > self.policy.value,
-                                     on_version=self._on_version, on_error=self._on_watcher_error,
-                                     on_idle=self.idle.engines.set)
+                                     on_version=self._on_version, on_error=self._on_watcher_error, on_idle=self.idle.engines.set)
         self.metrics = MetricsLoop(loggers=make_loggers(config, run_dir), interval=config.metrics.interval, gauges={
             "dispatcher": self.dispatcher.gauges, "watcher": self.watcher.gauges, "gate": self.gate.gauges,
             "sink": self.sink.gauges, "loop": lambda: {**self.shipping.gauges(), "admitted_total": self.dispatcher.admitted},
@@ -200,7 +200,7 @@ class Orchestrator:
             self._raise_alarm(StopReason(StopKind.bookkeeping, f"bookkeeping failed: {type(error).__name__}: {error}"))
 
     def _after_version(self, evaluate: bool = True, final: bool = False) -> None:
-        extra = {"version": self.policy.value, **self.dispatcher.gauges(), "reload_s": self.watcher.reload_s}
+        extra = {"version": self.policy.value, **self.dispatcher.gauges(), **self.watcher.step_fields()}
         records = self.steps.ready(self.policy.value, extra, final=final)
         self.stats.stamp(records, loop_started=self.loop_started)
         for record in records:
@@ -296,5 +296,5 @@ class Orchestrator:
         return {"status": status, "error": error, "reason": str(reason) if reason else None,
                 "stop": reason.kind.value if reason else None, "version": self.policy.value,
                 **self.snapshots.account(self.policy.value), "short_batches": self.sink.totals.short_batches,
-                "parked_s": round(self.shipping.parked_s, 4), **self.evaluations.summary(),
-                **self.stats.summary(loop_started=self.loop_started)}
+                "parked_s": round(self.shipping.parked_s, 4), "transfer_fallbacks": self.watcher.transfer_fallbacks,
+                **self.evaluations.summary(), **self.stats.summary(loop_started=self.loop_started)}

@@ -30,6 +30,8 @@ class WeightWatcher:
     def __init__(self, config: WatcherConfig, *, policy: PolicyVersion, engines: Engine,
                  published: Callable[[], Iterable[tuple[int, Path]]],
                  offers: Callable[[], Iterable[tuple[int, Path]]] = lambda: (),
+                 receiving: Callable[[int], Path] = lambda version: Path(),
+                 distributed: bool = False,
                  expecting: Callable[[], bool] = lambda: False,
                  on_version: Callable[[int], None] = lambda version: None,
                  on_error: Callable[[BaseException], None] = lambda error: None,
@@ -44,6 +46,12 @@ class WeightWatcher:
         """Versions the trainer offers over the weight group (``inference.weight_transfer=distributed``)."""
         self.failed_offers: set[int] = set()
         """Offered versions the engines did not receive: they come from disk instead."""
+        self.receiving = receiving
+        """Where to mark that the engines were asked to receive an offered version (the trainer
+        broadcasts only then)."""
+        self.distributed = distributed
+        self.transfer_fallbacks = 0
+        """With weight transfer over the group asked for: versions that came from disk instead."""
         self.expecting = expecting
         self.on_version = on_version
         self.on_error = on_error
@@ -78,7 +86,7 @@ class WeightWatcher:
         newest = max(self.published(), default=None)
         offered = max(self.offers(), default=None)
         if (offered is not None and offered[0] > self.policy.value and offered[0] not in self.failed_offers
-                and (newest is None or offered[0] > newest[0])):
+                and (newest is None or offered[0] >= newest[0])):
             return await self._receive(*offered)
         if newest is None or newest[0] <= self.policy.value:
             return False
@@ -96,6 +104,7 @@ class WeightWatcher:
             raise
         finally:
             self.on_idle("reload", False)
+        self.transfer_fallbacks += self.distributed
         self._advance(version, detected, path / "PUBLISHED")
         return True
 
@@ -109,6 +118,7 @@ class WeightWatcher:
         detected = time.monotonic()
         self.on_idle("reload", True)
         try:
+            self.receiving(version).touch()
             await self.engines.update_weights_from_distributed(offer, version)
         except Exception as err:  # the disk is the fallback: a failed transfer must not end the run
             self.failed_offers.add(version)
@@ -152,7 +162,11 @@ class WeightWatcher:
     def stalled_for(self) -> float:
         return time.monotonic() - self._last_advance
 
+    def step_fields(self) -> dict:
+        """What each step record carries of the watcher."""
+        return {"reload_s": self.reload_s, "transfer_fallbacks": self.transfer_fallbacks}
+
     def gauges(self) -> dict:
         return {"version": self.policy.value, "reloads": self.reloads, "reload_s": self.reload_s,
                 "publish_to_reload_s": self.publish_to_reload_s, "version_idle_s": round(self.stalled_for(), 3),
-                "reloads_superseded": self.superseded, "transfer_fallbacks": len(self.failed_offers)}
+                "reloads_superseded": self.superseded, "transfer_fallbacks": self.transfer_fallbacks}

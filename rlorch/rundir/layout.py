@@ -115,6 +115,16 @@ class RunDir:
         return self.trainer / "weight_group.json"
 
     @property
+    def weight_group_members(self) -> Path:
+        """The orchestrator's answer to ``weight_group.json``: ``{"world_size": N}`` once it has
+        asked the engines to join, or ``{"refused": reason}`` when they cannot."""
+        return self.trainer / "weight_group.members.json"
+
+    def receiving(self, step: int) -> Path:
+        """Written by the orchestrator once the engines are asked to receive offered version ``step``."""
+        return self.offers / f"{step_name(step)}.receiving"
+
+    @property
     def offers(self) -> Path:
         """Versions offered over the weight-transfer group: ``broadcast/step_N.json``."""
         return self.root / "broadcast"

@@ -137,6 +137,8 @@ class CpuServer:
             web.post("/abort_request", self.abort_request),
             web.get("/health", self.health),
             web.get("/health_generate", self.health_generate),
+            web.get("/model_info", self.get_model_info),
+            web.get("/server_info", self.get_server_info),
             web.get("/get_model_info", self.get_model_info),
             web.get("/get_server_info", self.get_server_info),
             web.get("/get_weight_version", self.get_weight_version),
@@ -435,7 +437,7 @@ class CpuServer:
                 "port": int(self.address.rsplit(":", 1)[1]) if self.address else None,
                 "dtype": str(self.dtype).removeprefix("torch."), "max_running_requests": self.max_batch,
                 "context_length": self.context_len, "random_seed": self.seed, "device": "cpu",
-                "skip_tokenizer_init": False}
+                "skip_tokenizer_init": False, "tp_size": 1, "dp_size": 1}
 
     async def get_server_info(self, request: web.Request) -> web.Response:
         import torch

@@ -20,7 +20,7 @@ from aiohttp import web
 from rlorch.serve.batcher import load_tensors
 from rlorch.serve.http import json_body
 from rlorch.serve.sampling import RequestError
-from rlorch.launch.weight_group import DEFAULT_GROUP_NAME, GroupSpec, broadcast, open_group, parse_dtype
+from rlorch.launch.weight_group import DEFAULT_GROUP_NAME, GroupSpec, broadcast, close_group, open_group, parse_dtype
 
 log = logging.getLogger("rlorch.serve")
 
@@ -87,11 +87,28 @@ class WeightSync:
     def __init__(self, server):
         self.server = server
         self.groups: dict[str, Any] = {}
+        self.session_open = False
+        """SGLang's weight-update session: ``/update_weights_from_distributed`` is refused outside
+        ``/begin_weight_update`` ... ``/end_weight_update``, and a second begin is refused."""
 
     def routes(self) -> list:
         return [web.post("/init_weights_update_group", self.init_group),
+                web.post("/begin_weight_update", self.begin),
                 web.post("/update_weights_from_distributed", self.update),
+                web.post("/end_weight_update", self.end),
                 web.post("/destroy_weights_update_group", self.destroy_group)]
+
+    async def begin(self, request: web.Request) -> web.Response:
+        if self.session_open:
+            return _failed("a weight-update session is already open; call end_weight_update() first")
+        self.session_open = True
+        return _ok("Success")
+
+    async def end(self, request: web.Request) -> web.Response:
+        if not self.session_open:
+            return _failed("no weight-update session is open; call begin_weight_update() first")
+        self.session_open = False
+        return _ok("Success")
 
     async def _body(self, request: web.Request, *, empty_ok: bool = False) -> dict:
         return await json_body(request, empty_ok=empty_ok)
@@ -102,7 +119,8 @@ class WeightSync:
         except RequestError as err:
             return _failed(str(err))
         if spec.group_name in self.groups:
-            return _failed(f"group {spec.group_name!r} already exists")
+            return _failed(f"Failed to initialize custom process group: the group name {spec.group_name!r} "
+                           "has already been created")
         try:
             group = await asyncio.to_thread(open_group, spec, rank=spec.rank_offset, timeout=GROUP_TIMEOUT_S)
         except Exception as err:  # torch raises RuntimeError/DistStoreError and friends
@@ -114,6 +132,9 @@ class WeightSync:
 
     async def update(self, request: web.Request) -> web.Response:
         server = self.server
+        if not self.session_open:
+            return _failed("update_weights_from_distributed must run between begin_weight_update() and "
+                           "end_weight_update()")
         try:
             body = await self._body(request)
             entries = parse_manifest(body, server.model)
@@ -149,6 +170,8 @@ class WeightSync:
         except RequestError as err:
             return _failed(str(err))
         name = str(body.get("group_name", DEFAULT_GROUP_NAME))
-        if self.groups.pop(name, None) is None:
-            return _failed(f"no weight group {name!r}")
-        return _ok(f"Succeeded to destroy custom process group {name}.")
+        group = self.groups.pop(name, None)
+        if group is None:
+            return _failed("The group to be destroyed does not exist.")
+        await asyncio.to_thread(close_group, group)
+        return _ok("Succeeded to destroy custom process group.")

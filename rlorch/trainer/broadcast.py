@@ -1,31 +1,37 @@
 """Trainer rank 0's end of weight transfer over a process group (``inference.weight_transfer=distributed``).
 
-At start, rank 0 picks the rendezvous (``trainer/weight_group.json``, read by the orchestrator,
-which asks every engine to join with SGLang's ``/init_weights_update_group``) and then joins
-the group itself. For each new version it writes the offer ``broadcast/step_N.json`` (SGLang's
-``names``/``dtypes``/``shapes`` of the full state dict) and broadcasts the tensors in that
-order; the orchestrator's watcher sees the offer and has every engine receive it with
-``/update_weights_from_distributed``.
+The hand-shake, through the run directory, never lets either side wait longer than
+``inference.transfer_timeout``:
 
-Invariant: a version that could not be broadcast is published to disk instead (and the log
-says so): the watcher then loads it from there. After a failed broadcast the group is
-abandoned and later versions go by disk as well.
+1. At start, rank 0 picks the rendezvous and a group name unique to this start
+   (``trainer/weight_group.json``) and becomes ready.
+2. The orchestrator sizes the group from the servers it has (``1 + Σ tp_size``), writes
+   ``trainer/weight_group.members.json`` and asks every engine to join (SGLang's
+   ``/init_weights_update_group``); rank 0 joins once it reads the size. A refusal, or no answer
+   in time, leaves every version to the disk.
+3. For each version rank 0 writes the offer ``broadcast/step_N.json`` (SGLang's
+   ``names``/``dtypes``/``shapes``) and waits for ``broadcast/step_N.receiving``, written when
+   the orchestrator has asked the engines to receive it; only then does it broadcast.
+
+Invariant: a version that was not broadcast is published to disk instead (and the log says so):
+the watcher loads it from there and counts it in ``transfer_fallbacks``. After a failed or
+unanswered broadcast the group is abandoned and later versions go by disk as well.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
-from rlorch.config.schema import InferenceBackend, WeightTransfer
-from rlorch.rundir.layout import RunDir, parse_step, write_json_atomic
+from rlorch.config.schema import WeightTransfer
 from rlorch.launch.weight_group import GroupSpec, broadcast, dtype_name, open_group
+from rlorch.rundir.layout import RunDir, parse_step, write_json_atomic
 
-
-def engine_count(config) -> int:
-    return len(config.inference.addresses) or config.inference.num_servers
+POLL_S = 0.05
 
 
 def _free_port(host: str) -> int:
@@ -45,10 +51,16 @@ class Broadcaster:
 
     def join(self) -> None:
         """Block until every engine has joined (the orchestrator asks them once the trainer is
-        ready); a group that does not form leaves every version to the disk."""
+        ready) or ``timeout`` passes; a group that does not form leaves every version to the disk."""
+        members = _wait_for(self.run.weight_group_members, self.timeout)
+        if members is None or "world_size" not in members:
+            why = members.get("refused") if members else f"no answer within {self.timeout:g}s"
+            self.log(f"weight group {self.spec.group_name} not formed ({why}); every version goes by disk")
+            return
+        self.spec = replace(self.spec, world_size=int(members["world_size"]))
         try:
             self.group = open_group(self.spec, rank=0, timeout=self.timeout)
-        except RuntimeError as err:
+        except Exception as err:  # torch raises RuntimeError, DistStoreError, DistNetworkError
             self.log(f"weight group {self.spec.group_name} did not form ({err}); every version goes by disk")
             return
         self.log(f"weight group {self.spec.group_name} ready: {self.spec.world_size - 1} engine(s) over "
@@ -63,9 +75,15 @@ class Broadcaster:
         offer = {"names": names, "dtypes": [dtype_name(state[n].dtype) for n in names],
                  "shapes": [list(state[n].shape) for n in names], "group_name": self.spec.group_name}
         write_json_atomic(self.run.offer_for(step), offer)
+        if not _wait_exists(self.run.receiving(step), self.timeout):
+            self.run.offer_for(step).unlink(missing_ok=True)
+            self.group = None
+            self.log(f"the engines did not start receiving version {step} within {self.timeout:g}s; "
+                     f"version {step} and later ones go by disk")
+            return False
         try:
             broadcast(self.group, [state[n].to(self.device) for n in names])
-        except RuntimeError as err:
+        except Exception as err:  # a transport error or the group's timeout
             self.run.offer_for(step).unlink(missing_ok=True)
             self.group = None
             self.log(f"broadcast of version {step} failed ({err}); version {step} and later ones go by disk")
@@ -75,23 +93,47 @@ class Broadcaster:
         return True
 
     def _forget_before(self, step: int) -> None:
-        for entry in self.run.offers.glob("step_*.json"):
-            older = parse_step(entry.name.removesuffix(".json"))
+        for entry in self.run.offers.glob("step_*"):
+            older = parse_step(entry.name.split(".")[0])
             if older is not None and older < step:
                 entry.unlink(missing_ok=True)
 
 
+def _wait_for(path, timeout: float) -> Optional[dict]:
+    """The JSON object at ``path`` once it exists, or None after ``timeout`` seconds."""
+    if not _wait_exists(path, timeout):
+        return None
+    return json.loads(path.read_text())
+
+
+def _wait_exists(path, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(POLL_S)
+    return True
+
+
 def plan(config, run: RunDir, log: Callable[[str], None]) -> Optional[Broadcaster]:
     """Rank 0: the broadcaster of this run (None with ``weight_transfer=disk``); its rendezvous
-    is written to ``trainer/weight_group.json`` before the trainer reports ready."""
+    is written to ``trainer/weight_group.json`` before the trainer reports ready. The group's
+    backend follows the trainer's device (gloo on CPU, NCCL on CUDA), and its name is unique to
+    this start, so servers that outlive a run (or hold a crashed start's group) never refuse it."""
     inference = config.inference
     if inference.weight_transfer != WeightTransfer.distributed:
         return None
-    backend = "gloo" if inference.backend == InferenceBackend.cpu else "nccl"
+    import torch
+
+    device = config.trainer.fsdp.device
+    on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    backend = "nccl" if on_gpu else "gloo"
     spec = GroupSpec(master_address=inference.transfer_address, master_port=_free_port(inference.transfer_address),
-                     rank_offset=1, world_size=1 + engine_count(config), backend=backend)
+                     rank_offset=1, world_size=0, backend=backend,
+                     group_name=f"rlorch-{os.getpid()}-{time.time_ns() % 10**9}")
     run.offers.mkdir(parents=True, exist_ok=True)
-    for entry in run.offers.glob("step_*.json"):
+    for entry in run.offers.glob("step_*"):
         entry.unlink(missing_ok=True)
+    run.weight_group_members.unlink(missing_ok=True)
     write_json_atomic(run.weight_group, {**spec.to_json(), "pid": os.getpid()})
     return Broadcaster(run, spec, inference.transfer_timeout, "cpu" if backend == "gloo" else "cuda", log)

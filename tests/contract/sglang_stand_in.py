@@ -25,6 +25,15 @@ and mirrors the tokenizer manager and scheduler behaviour rlorch relies on, as r
 - ``/health_generate`` is answered only by a request that produces a token, so while paused
   it waits and fails with 503 after ``HEALTH_CHECK_TIMEOUT`` (20 s; ``--health-timeout`` sets it).
 
+- weights over a process group: ``/init_weights_update_group`` joins with SGLang's own
+  ``init_custom_process_group`` (gloo on CPU) as ``rank_offset + tp_rank`` (tp_rank 0); the
+  weight-update session is kept as the scheduler keeps it (no ``/update_weights_from_distributed``
+  outside ``/begin_weight_update`` ... ``/end_weight_update``, a second begin refused, with the
+  scheduler's messages); an update receives one broadcast per tensor with the given names,
+  dtypes and shapes, as SGLang's model runner does, and ``--dump-dir`` saves each received
+  version as ``DIR/version-<weight_version>.safetensors``; ``/destroy_weights_update_group``
+  frees the name.
+
 ``--shape 0.5.3`` answers a request aborted while queued the way 0.5.3 did (no
 ``output_token_logprobs``, no ``weight_version``); ``--shape 0.5.5`` omits ``weight_version``
 from ``meta_info``. No lifespan runs (it only builds the OpenAI adapters, which are not used).
@@ -129,6 +138,9 @@ class StandInTokenizerManager:
         self._resumed = asyncio.Event()
         self._resumed.set()
         self.updates = 0
+        self.groups: dict = {}
+        self.session_open = False
+        self.dump_dir = None
 
     def is_ready(self) -> bool:
         return not self.is_pause
@@ -236,6 +248,70 @@ class StandInTokenizerManager:
         return True, "Succeeded to update model weights.", 0
 
 
+    async def init_weights_update_group(self, obj, request=None):
+        from sglang.srt.utils.common import init_custom_process_group
+
+        try:
+            group = await asyncio.to_thread(
+                init_custom_process_group, backend=obj.backend, world_size=obj.world_size,
+                init_method=f"tcp://{obj.master_address}:{obj.master_port}", rank=obj.rank_offset + 0,
+                group_name=obj.group_name)
+        except Exception as err:
+            return False, f"Failed to initialize custom process group: {err}."
+        self.groups[obj.group_name] = group
+        return True, "Succeeded to initialize custom process group."
+
+    async def begin_weight_update(self, obj, request=None):
+        if self.session_open:
+            return False, "a weight-update session is already open; call end_weight_update() first"
+        self.session_open = True
+        return True, "Success"
+
+    async def end_weight_update(self, obj, request=None):
+        if not self.session_open:
+            return False, "no weight-update session is open; call begin_weight_update() first"
+        self.session_open = False
+        return True, "Success"
+
+    async def update_weights_from_distributed(self, obj, request=None):
+        if not self.session_open:
+            return False, ("update_weights_from_distributed must run between begin_weight_update() and "
+                           "end_weight_update()")
+        if obj.group_name not in self.groups:
+            return False, f"Failed to receive weights: Group {obj.group_name} not in {list(self.groups)}."
+        try:
+            received = await asyncio.to_thread(self._receive, obj)
+        except Exception as err:
+            return False, f"Failed to receive weights: {err}"
+        self.weight_version = obj.weight_version if obj.weight_version is not None else self.weight_version
+        if self.dump_dir is not None:
+            from safetensors.torch import save_file
+
+            save_file(received, f"{self.dump_dir}/version-{self.weight_version}.safetensors")
+        self.updates += 1
+        return True, "Succeeded to update parameter online."
+
+    def _receive(self, obj) -> dict:
+        import torch
+        import torch.distributed as dist
+
+        tensors = {name: torch.empty(shape, dtype=getattr(torch, dtype))
+                   for name, dtype, shape in zip(obj.names, obj.dtypes, obj.shapes)}
+        works = [dist.broadcast(t, src=0, group=self.groups[obj.group_name], async_op=True) for t in tensors.values()]
+        for work in works:
+            work.wait()
+        return tensors
+
+    async def destroy_weights_update_group(self, obj, request=None):
+        import torch.distributed as dist
+
+        group = self.groups.pop(obj.group_name, None)
+        if group is None:
+            return False, "The group to be destroyed does not exist."
+        dist.destroy_process_group(group)
+        return True, "Succeeded to destroy custom process group."
+
+
 def build_app(*, model_path: str, shape: str, token_delay: float, health_timeout: float):
     """sglang's FastAPI app with the stand-in installed as its global tokenizer manager."""
     install_torchvision_placeholder()
@@ -260,11 +336,15 @@ def main() -> None:
     parser.add_argument("--shape", default="0.5.23", choices=["0.5.23", "0.5.5", "0.5.3"])
     parser.add_argument("--token-delay", type=float, default=0.01)
     parser.add_argument("--health-timeout", type=float, default=20.0)
+    parser.add_argument("--dump-dir", default=None, help="save each version received over the weight group here")
     args = parser.parse_args()
     import uvicorn
 
     app = build_app(model_path=args.model_path, shape=args.shape, token_delay=args.token_delay,
                     health_timeout=args.health_timeout)
+    from sglang.srt.entrypoints import http_server
+
+    http_server._global_state.tokenizer_manager.dump_dir = args.dump_dir
     from sglang.srt.environ import envs
 
     uvicorn.run(app, host="127.0.0.1", port=args.port, lifespan="off", log_level="warning",
