@@ -131,6 +131,10 @@ def validate_config(
 
     config = _config_or_exit(overrides or [])
     _preflight_or_exit(config)
+    if config.inference.num_servers is None or config.trainer.fsdp.nproc is None:
+        from rlorch.launch.placement import resolve_layout, visible_gpus
+
+        config = resolve_layout(config, visible_gpus(config))
     console = Console()
     if show:
         from omegaconf import OmegaConf

@@ -12,7 +12,7 @@ shift || true
 rm -rf "$run_dir"
 python3 -m pip install -q -e ".[sglang]"
 python3 -c 'import torch, sglang; n = torch.cuda.device_count(); assert n >= 2, f"need 2 GPUs, see {n}"; print("gpus:", n, torch.cuda.get_device_name(0), "| torch", torch.__version__, "| sglang", sglang.__version__)'
-overrides=(inference=sglang trainer.fsdp.device=cuda train.steps=20 run.progress=false "$@")
+overrides=(inference=sglang trainer.fsdp.device=cuda inference.num_servers=1 trainer.fsdp.nproc=1 model.dtype=bfloat16 inference.weight_transfer=distributed train.steps=20 run.progress=false "$@")
 rlorch train "${overrides[@]}" --dry-run
 status=0
 rlorch train "${overrides[@]}" run.dir="$run_dir" || status=$?
@@ -32,7 +32,8 @@ print(f"trainer device: {ready.get('device')} | steps {summary['steps']} | lost 
 if reloads:
     print(f"reload latency: median {statistics.median(reloads):.3f}s max {max(reloads):.3f}s over {len(reloads)}")
 print(f"trained tokens/s: {tokens / wall:.1f} ({tokens} tokens in {wall:.1f}s)")
-ok = (status == 0 and summary["status"] == "completed" and summary["lost"] == 0 and summary["steps"] == 20
+print(f"transfer_fallbacks: {summary.get('transfer_fallbacks')} (versions that went by disk instead of NCCL)")
+ok = (status == 0 and summary["status"] == "completed" and summary["lost"] == 0 and summary["steps"] == 20 and summary.get("transfer_fallbacks") == 0
       and str(ready.get("device", "")).startswith("cuda"))
 print("PASS" if ok else f"FAIL (exit {status}, status {summary['status']})")
 sys.exit(0 if ok else 1)

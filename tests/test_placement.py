@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -10,13 +11,23 @@ import pytest
 
 from rlorch.config.compose import compose
 from rlorch.config.schema import ConfigError
-from rlorch.launch.placement import place
+from rlorch.launch.placement import idle_gpu_warning, place, resolve_layout, server_env, trainer_env
 from rlorch.launch.plan import launch_plan
 from rlorch.launch.trainer_command import trainer_command
 
 
+@pytest.fixture(autouse=True)
+def no_inherited_devices(monkeypatch):
+    """Plans here are for N GPUs of a bare node, whatever this machine's CUDA_VISIBLE_DEVICES."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
 def plan(*overrides: str) -> list[dict]:
     return launch_plan(compose(["inference=sglang", *overrides]), run_dir="RUN")
+
+
+def gpus_of(records: list[dict]) -> dict[str, str]:
+    return {r["role"]: r["env"].get("CUDA_VISIBLE_DEVICES") for r in records if r["role"] != "orchestrator"}
 
 
 def test_one_gpu_cannot_hold_a_server_and_the_trainer():
@@ -57,8 +68,8 @@ def test_explicit_lists_pin_both_sides():
 @pytest.mark.parametrize("overrides, key", [
     (["inference.gpus=[0]", "trainer.fsdp.gpus=[0]"], "inference.gpus"),
     (["inference.gpus=[0,1,2]", "inference.tp_size=2"], "inference.gpus"),
-    (["inference.gpus=[0,1]"], "inference.gpus"),
-    (["trainer.fsdp.gpus=[1,2]"], "trainer.fsdp.gpus"),
+    (["inference.gpus=[0,1]", "inference.num_servers=1"], "inference.gpus"),
+    (["trainer.fsdp.gpus=[1,2]", "trainer.fsdp.nproc=1"], "trainer.fsdp.gpus"),
     (["trainer.fsdp.gpus=[9]"], "trainer.fsdp.gpus"),
     (["inference.num_servers=4", "inference.tp_size=2"], "run.gpus"),
 ])
@@ -68,15 +79,79 @@ def test_bad_placements_name_the_keys(overrides, key):
     assert err.value.key == key
 
 
-def test_two_nodes_run_one_torchrun_agent_each_against_one_rendezvous():
-    records = plan("run.gpus=8", "inference.num_servers=2", "inference.tp_size=2", "trainer.fsdp.nproc=4",
+def test_two_nodes_use_a_static_rendezvous_and_each_node_its_own_gpus():
+    records = plan("run.gpus=8", "inference.num_servers=1", "inference.tp_size=4", "trainer.fsdp.nproc=4",
                    "trainer.fsdp.nnodes=2", "trainer.fsdp.rdzv_endpoint=10.0.0.1:29400")
     trainers = [r for r in records if r["role"] == "trainer"]
     assert [t["node"] for t in trainers] == [0, 1]
     for node, record in enumerate(trainers):
-        assert f"--nnodes 2 --node-rank {node} --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29400" in record["command"]
-        assert "--standalone" not in record["command"] and record["env"]["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
-    assert [r["node"] for r in records if r["role"].startswith("server")] == [0, 0]
+        assert f"--nnodes 2 --node-rank {node} --master-addr 10.0.0.1 --master-port 29400" in record["command"]
+        assert not {"--standalone", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id"} & set(record["command"].split())
+    assert [t["env"]["CUDA_VISIBLE_DEVICES"] for t in trainers] == ["4,5,6,7", "0,1,2,3"]
+    assert [(r["node"], r["env"]["CUDA_VISIBLE_DEVICES"]) for r in records if r["role"].startswith("server")] == [
+        (0, "0,1,2,3")]
+
+
+def test_other_nodes_get_the_pinned_trainer_gpus_and_are_not_translated(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "8,9,10,11")
+    config = compose(["inference=sglang", "run.gpus=4", "inference.num_servers=1", "inference.tp_size=2",
+                      "trainer.fsdp.gpus=[2,3]", "trainer.fsdp.nnodes=2", "trainer.fsdp.rdzv_endpoint='[::1]:29400'"])
+    assert [trainer_env(config, node) for node in (0, 1)] == [{"CUDA_VISIBLE_DEVICES": "10,11"},
+                                                              {"CUDA_VISIBLE_DEVICES": "2,3"}]
+    assert "--master-addr ::1 --master-port 29400" in " ".join(trainer_command(config, "RUN", node_rank=1))
+    with pytest.raises(ConfigError) as err:
+        compose(["trainer.fsdp.nnodes=2", "trainer.fsdp.rdzv_endpoint=10.0.0.1"])
+    assert err.value.key == "trainer.fsdp.rdzv_endpoint"
+
+
+def test_an_inherited_cuda_visible_devices_translates_plan_ids(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    overrides = ["run.gpus=4", "inference.num_servers=2", "inference.tp_size=1", "trainer.fsdp.nproc=2"]
+    assert gpus_of(plan(*overrides)) == {"server-0": "4", "server-1": "5", "trainer": "6,7"}
+    config = compose(["inference=sglang", *overrides])
+    children = [server_env(config, 0), server_env(config, 1), trainer_env(config)]
+    seen = [set(env["CUDA_VISIBLE_DEVICES"].split(",")) for env in children]
+    assert set().union(*seen) == {"4", "5", "6", "7"} and sum(map(len, seen)) == 4  # only 4-7, disjoint
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    with pytest.raises(ConfigError) as err:
+        plan(*overrides)
+    assert err.value.key == "run.gpus" and "'4,5'" in str(err.value)
+
+
+def test_unset_counts_fill_the_node():
+    records = plan("run.gpus=8", "inference.tp_size=2")
+    assert gpus_of(records) == {"server-0": "0,1", "server-1": "2,3", "trainer": "4,5,6,7"}
+    assert "--nproc-per-node 4" in records[-1]["command"]
+    assert gpus_of(plan("run.gpus=8")) == {"server-0": "0", "server-1": "1", "server-2": "2", "server-3": "3",
+                                           "trainer": "4,5,6,7"}
+    assert gpus_of(plan("run.gpus=6", "trainer.fsdp.nproc=1", "inference.tp_size=2")) == {
+        "server-0": "0,1", "server-1": "2,3", "trainer": "4"}
+    assert gpus_of(plan("run.gpus=8", "inference.num_servers=1", "inference.tp_size=2")) == {
+        "server-0": "0,1", "trainer": "2,3,4,5,6,7"}
+    assert gpus_of(plan("run.gpus=4", "trainer.fsdp.device=cpu", "inference.tp_size=2")) == {
+        "server-0": "0,1", "server-1": "2,3", "trainer": None}
+
+
+@pytest.mark.parametrize("overrides, gpus, servers", [
+    (["inference=sglang"], 0, 1),                              # no GPUs
+    (["inference=sglang", "trainer.fsdp.device=cpu"], 0, 1),
+    ([], 8, 2),                                                # CPU engines (the cpu preset's 2) beside the trainer
+])
+def test_unset_counts_are_one_without_gpus_or_beside_cpu_engines(overrides, gpus, servers):
+    resolved = resolve_layout(compose(overrides), gpus)
+    assert (resolved.inference.num_servers, resolved.trainer.fsdp.nproc) == (servers, 1)
+    explicit = compose(["inference.num_servers=3", "trainer.fsdp.nproc=2"])
+    assert resolve_layout(explicit, 8) is explicit
+
+
+def test_idle_gpus_are_a_warning_naming_the_keys():
+    config = compose(["inference=sglang", "inference.num_servers=1", "trainer.fsdp.nproc=1"])
+    warning = idle_gpu_warning(config, 8)
+    assert "inference.num_servers" in warning and "trainer.fsdp.nproc" in warning and "[2, 3, 4, 5, 6, 7]" in warning
+    assert idle_gpu_warning(compose(["inference=sglang", "inference.tp_size=2"]), 8) is None
+    assert idle_gpu_warning(compose(["inference=sglang"]), 0) is None
+    leftover = idle_gpu_warning(compose(["inference=sglang", "inference.tp_size=3"]), 8)
+    assert "[7]" in leftover and "inference.tp_size=3" in leftover
 
 
 def test_multi_node_keys_are_checked():
@@ -96,14 +171,15 @@ def test_single_node_command_keeps_standalone_or_the_users_rendezvous():
 
 def test_dry_run_prints_one_json_line_per_process_and_starts_nothing(tmp_path):
     run_dir = tmp_path / "never"
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     result = subprocess.run([sys.executable, "-m", "rlorch.cli", "train", "inference=sglang", "run.gpus=8",
                              "inference.num_servers=2", "inference.tp_size=2", "trainer.fsdp.nproc=4",
-                             f"run.dir={run_dir}", "--dry-run"], capture_output=True, text=True, timeout=120)
+                             f"run.dir={run_dir}", "--dry-run"], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert [r["role"] for r in records] == ["orchestrator", "server-0", "server-1", "trainer"]
     assert all(set(r) == {"role", "node", "command", "env"} for r in records)
     assert not run_dir.exists()
     bad = subprocess.run([sys.executable, "-m", "rlorch.cli", "train", "inference=sglang", "run.gpus=2",
-                          "inference.tp_size=2", "--dry-run"], capture_output=True, text=True, timeout=120)
+                          "inference.tp_size=2", "--dry-run"], capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode == 2 and "run.gpus" in bad.stderr and not bad.stdout

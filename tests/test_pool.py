@@ -173,8 +173,11 @@ def test_server_commands(tmp_path):
     config.inference.backend = InferenceBackend.sglang
     config.inference.launch_args = ["--mem-fraction-static", "0.8"]
     sglang = server_command(config, model_path=tmp_path, port=1234)
-    assert sglang[1:3] == ["-m", "sglang.launch_server"] and sglang[-2:] == ["--mem-fraction-static", "0.8"]
+    assert sglang[1:3] == ["-m", "sglang.launch_server"] and sglang[-4:-2] == ["--mem-fraction-static", "0.8"]
     assert sglang[sglang.index("--model-path") + 1] == str(tmp_path) and "--weight-version" in sglang
+    assert sglang[-2:] == ["--attention-backend", "triton"]  # float32: FA3 (Hopper) has no fp32 kernels
+    config.model.dtype = "bfloat16"
+    assert "--attention-backend" not in server_command(config, model_path=tmp_path, port=1234)
 
 
 def test_connecting_to_running_servers_launches_nothing(model_dir, tmp_path):

@@ -1,4 +1,4 @@
-"""A real two-node trainer on one machine: two torchrun agents (``--nnodes 2``, c10d rendezvous on
+"""A real two-node trainer on one machine: two torchrun agents (``--nnodes 2``, static rendezvous at
 127.0.0.1, one gloo process each) replay the batches of a single-node ``trainer.fsdp.nproc=2`` run
 and must reproduce its losses."""
 

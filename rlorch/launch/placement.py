@@ -173,7 +173,7 @@ def idle_gpu_warning(config: Config, gpus: int) -> Optional[str]:
         parts.append(f"trainer.fsdp.nproc={nproc}")
     head = f"GPUs {idle} of this node's {gpus} (run.gpus) stay idle: {' and '.join(parts)} use {len(used)}"
     if placement.servers and len(idle) < inference.tp_size:
-        return f"{head}; {len(idle)} too few for another server of inference.tp_size={inference.tp_size}"
+        return f"{head}; too few for another server of inference.tp_size={inference.tp_size}"
     return (f"{head}; set inference.num_servers and trainer.fsdp.nproc to null to fill the node, "
             "or raise them")
 

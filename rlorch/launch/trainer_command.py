@@ -34,7 +34,7 @@ def _nproc(config) -> int:
 def _static_rendezvous(config, node_rank: Optional[int]) -> list[str]:
     """torchrun's static rendezvous across ``trainer.fsdp.nnodes``: node ``node_rank`` (default
     ``trainer.fsdp.node_rank``) joins node 0's agent at ``trainer.fsdp.rdzv_endpoint``. Static,
-    not c10d: c10d ignores ``--node-rank`` and orders nodes as they arrive, so global rank 0 —
+    not c10d: c10d ignores ``--node-rank`` and assigns node ranks itself, so global rank 0 —
     which hosts the weight group's store — could land off node 0."""
     trainer = config.trainer.fsdp
     host, port = master_address(trainer.rdzv_endpoint)
