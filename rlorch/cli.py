@@ -131,10 +131,9 @@ def validate_config(
 
     config = _config_or_exit(overrides or [])
     _preflight_or_exit(config)
-    if config.inference.num_servers is None or config.trainer.fsdp.nproc is None:
-        from rlorch.launch.placement import resolve_layout, visible_gpus
+    from rlorch.launch.placement import resolve_layout
 
-        config = resolve_layout(config, visible_gpus(config))
+    config = resolve_layout(config)
     console = Console()
     if show:
         from omegaconf import OmegaConf

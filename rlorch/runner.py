@@ -18,7 +18,7 @@ from rich.console import Console
 from rlorch.config.schema import Config, ConfigError
 from rlorch.reporting.progress import Phases, print_report, progress_logger
 from rlorch.rundir.layout import RunDir, parse_step, save_config, write_json_atomic
-from rlorch.launch.placement import idle_gpu_warning, resolve_layout, visible_gpus
+from rlorch.launch.placement import idle_gpu_warning, resolve_layout
 from rlorch.launch.runlock import RunLock, set_aside_failed_start
 from rlorch.launch.signals import SignalRelay, startup_summary
 from rlorch.launch.startup import StartupClock
@@ -51,7 +51,7 @@ def run_training(config: Config, overrides: list[str]) -> int:
 
     try:
         preflight(config)
-        config = resolve_layout(config, visible_gpus(config))
+        config = resolve_layout(config)
         run_dir = new_run_dir(config)
         lock = RunLock(run_dir.root).acquire()
     except ConfigError as err:
@@ -68,7 +68,7 @@ def run_training(config: Config, overrides: list[str]) -> int:
         console.print(f"run directory: [bold]{run_dir.root}[/]", highlight=False)
         from rlorch.config.schema import warnings_for
 
-        for warning in [*warnings_for(config), *filter(None, [idle_gpu_warning(config, visible_gpus(config))])]:
+        for warning in [*warnings_for(config), *filter(None, [idle_gpu_warning(config)])]:
             console.print(f"[yellow]warning[/] {warning}", highlight=False)
         return asyncio.run(_run(config, run_dir, checkpoint=None))
 
@@ -82,7 +82,7 @@ def resume_training(checkpoint: str, overrides: list[str]) -> int:
         check_overrides(overrides)
         path = locate_checkpoint(Path(checkpoint))
         config, run_dir = resume.resume_target(path, overrides)
-        config = resolve_layout(config, visible_gpus(config))
+        config = resolve_layout(config)
         lock = RunLock(run_dir.root).acquire()
     except ConfigError as err:
         console.print(f"[bold red]cannot resume[/] {err}", highlight=False)

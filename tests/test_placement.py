@@ -183,3 +183,14 @@ def test_dry_run_prints_one_json_line_per_process_and_starts_nothing(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "rlorch.cli", "train", "inference=sglang", "run.gpus=2",
                           "inference.tp_size=2", "--dry-run"], capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode == 2 and "run.gpus" in bad.stderr and not bad.stdout
+
+
+def test_resolving_the_cpu_default_layout_imports_no_torch():
+    """The runner resolves the layout before the run starts: the CPU default must not pay a torch
+    import for it on the critical path (the fork server imports torch beside it)."""
+    probe = ("import sys; from rlorch.config.compose import compose; from rlorch.launch.placement import "
+             "resolve_layout; config = resolve_layout(compose([])); "
+             "assert config.trainer.fsdp.nproc == 1 and config.inference.num_servers == 2; "
+             "assert 'torch' not in sys.modules, 'torch imported'")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]

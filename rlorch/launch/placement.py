@@ -64,6 +64,15 @@ def visible_gpus(config: Config) -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def layout_gpus(config: Config) -> int:
+    """The GPUs an unset count is resolved against: ``run.gpus``, else the visible count where
+    launched SGLang servers share the node (the only layout an unset count depends on), else 0,
+    so the CPU default never imports torch for it."""
+    if config.run.gpus is not None or _launches_gpu_servers(config):
+        return visible_gpus(config)
+    return 0
+
+
 def _half_power_of_two(gpus: int) -> int:
     """The largest power of two <= gpus // 2, at least 1: 8 -> 4, 6 -> 2, 2 -> 1."""
     return 1 << max(gpus // 2, 1).bit_length() - 1
@@ -100,12 +109,13 @@ def _filled(config: Config, gpus: int) -> Config:
     return replace(config, inference=replace(config.inference, num_servers=servers), trainer=trainer)
 
 
-def resolve_layout(config: Config, gpus: int) -> Config:
+def resolve_layout(config: Config, gpus: Optional[int] = None) -> Config:
     """``config`` with ``inference.num_servers`` and ``trainer.fsdp.nproc`` set for a node of
-    ``gpus`` GPUs (the fill rule of the module doc; a config with both set comes back as is, an
+    ``gpus`` GPUs (default :func:`layout_gpus`; the fill rule of the module doc; a config with both set comes back as is, an
     unset one as a copy). Invariant: the result places on this node — an impossible split or an
     inherited ``CUDA_VISIBLE_DEVICES`` shorter than ``gpus`` raises :class:`ConfigError` here,
     before anything starts."""
+    gpus = layout_gpus(config) if gpus is None else gpus
     resolved = _filled(config, gpus)
     place(resolved, gpus)
     inherited_devices(gpus)
@@ -156,9 +166,11 @@ def place(config: Config, gpus: int) -> Placement:
                      trainer=trainer_ids)
 
 
-def idle_gpu_warning(config: Config, gpus: int) -> Optional[str]:
-    """A line naming the keys when this node's GPUs stay idle although the run places processes
-    on GPUs (None when every GPU is used, or nothing is on GPUs: a CPU run)."""
+def idle_gpu_warning(config: Config, gpus: Optional[int] = None) -> Optional[str]:
+    """A line naming the keys when this node's GPUs (default :func:`layout_gpus`) stay idle
+    although the run places processes on GPUs (None when every GPU is used, or nothing is on
+    GPUs: a CPU run)."""
+    gpus = layout_gpus(config) if gpus is None else gpus
     config = _filled(config, gpus)
     placement = place(config, gpus)
     used = {i for ids in placement.servers for i in ids} | set(placement.trainer)

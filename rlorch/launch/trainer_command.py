@@ -6,6 +6,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from rlorch.launch.placement import resolve_layout
+
 from rlorch.config.schema import ConfigError
 
 _MULTI_NODE_FLAGS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id",
@@ -24,11 +26,7 @@ def master_address(endpoint: str) -> tuple[str, str]:
 def _nproc(config) -> int:
     """``trainer.fsdp.nproc``, resolved for this node when unset (rlorch.launch.placement)."""
     nproc = config.trainer.fsdp.nproc
-    if nproc is None:
-        from rlorch.launch.placement import resolve_layout, visible_gpus
-
-        nproc = resolve_layout(config, visible_gpus(config)).trainer.fsdp.nproc
-    return nproc
+    return resolve_layout(config).trainer.fsdp.nproc if nproc is None else nproc
 
 
 def _static_rendezvous(config, node_rank: Optional[int]) -> list[str]:
