@@ -126,7 +126,7 @@ def validate_config(
     """Compose and check a config; print the resolved summary, or name the key at fault."""
     from rich.console import Console
 
-    from rlorch.config.schema import warnings_for
+    from rlorch.config.preflight import run_warnings
     from rlorch.config.summary import config_summary
 
     config = _config_or_exit(overrides or [])
@@ -141,7 +141,7 @@ def validate_config(
         typer.echo(OmegaConf.to_yaml(OmegaConf.structured(config)), nl=False)
     else:
         console.print(config_summary(config))
-    for warning in warnings_for(config):
+    for warning in run_warnings(config):
         console.print(f"[yellow]warning[/] {warning}", highlight=False)
 
 

@@ -16,12 +16,12 @@ from typing import Any, Optional
 from rich.console import Console
 
 from rlorch.config.schema import Config, ConfigError
-from rlorch.reporting.progress import Phases, print_report, progress_logger
-from rlorch.rundir.layout import RunDir, parse_step, save_config, write_json_atomic
-from rlorch.launch.placement import idle_gpu_warning, resolve_layout
+from rlorch.launch.placement import resolve_layout
 from rlorch.launch.runlock import RunLock, set_aside_failed_start
 from rlorch.launch.signals import SignalRelay, startup_summary
 from rlorch.launch.startup import StartupClock
+from rlorch.reporting.progress import Phases, print_report, progress_logger
+from rlorch.rundir.layout import RunDir, parse_step, save_config, write_json_atomic
 from rlorch.types import PolicyVersion
 
 EXIT_INTERRUPTED = {"SIGINT": 130, "SIGTERM": 143}
@@ -66,9 +66,9 @@ def run_training(config: Config, overrides: list[str]) -> int:
         save_config(config, run_dir.config)
         _warm_up(config)
         console.print(f"run directory: [bold]{run_dir.root}[/]", highlight=False)
-        from rlorch.config.schema import warnings_for
+        from rlorch.config.preflight import run_warnings
 
-        for warning in [*warnings_for(config), *filter(None, [idle_gpu_warning(config)])]:
+        for warning in run_warnings(config):
             console.print(f"[yellow]warning[/] {warning}", highlight=False)
         return asyncio.run(_run(config, run_dir, checkpoint=None))
 

@@ -281,3 +281,18 @@ def test_in_a_terminal_the_live_display_leaves_its_last_state_on_screen():
     last = screen.getvalue().rsplit("step", 1)[-1]
     for text in ("2/2", "1.000", "25.0%@0", "8.0", "24.0"):
         assert text in last, text
+
+
+def test_versions_that_went_by_disk_under_distributed_show_in_the_live_line_and_the_end_report():
+    from rlorch.reporting.progress import RunView, report_lines
+
+    view = RunView(10)
+    view.log({"kind": "start", "time": 0.0, "version": 0})
+    view.log({"kind": "step", "step": 1, "time": 1.0, "transfer_fallbacks": 0})
+    assert "by_disk" not in view.fields()
+    view.log({"kind": "step", "step": 2, "time": 2.0, "transfer_fallbacks": 2})
+    assert view.fields()["by_disk"] == "2"
+    summary = {"admitted": 8, "trained": 8, "filtered": 0, "dropped_stale": 0, "persisted_untrained": 0, "lost": 0}
+    assert not any("went by disk" in text for text in report_lines({**summary, "transfer_fallbacks": 0}))
+    assert any("2 version(s) went by disk" in text and "inference.weight_transfer=distributed" in text
+               for text in report_lines({**summary, "transfer_fallbacks": 2}))

@@ -23,6 +23,30 @@ GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
 
 
 @pytest.fixture()
+def served(model_dir):
+    """``rlorch serve`` in a process of its own; its address once it answers."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    port = _free_port("127.0.0.1")
+    process = subprocess.Popen([sys.executable, "-m", "rlorch.cli", "serve", f"model.path={model_dir}",
+                                "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while True:
+        assert process.poll() is None and time.monotonic() < deadline, "rlorch serve did not start"
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+            break
+        except OSError:
+            time.sleep(0.1)
+    yield f"127.0.0.1:{port}"
+    process.terminate()
+    process.wait(30)
+
+
+@pytest.fixture()
 def server(model_dir):
     thread = ServerThread(CpuServer(model_dir, threads=1))
     yield thread.address
@@ -56,6 +80,42 @@ async def _send(broadcaster: Broadcaster, pool: EnginePool, watcher: WeightWatch
         await watcher.poll_once()
         await asyncio.sleep(0.01)
     return sending.result()
+
+
+def test_engine_generates_the_same_after_gloo_as_after_disk(served, model_dir, perturbed_dir, tmp_path):
+    """The engine is its own process, as in a run: torch keeps one registry of group names per
+    process, so both ends of a group cannot live in one."""
+    server = served
+    run = RunDir(tmp_path / "run").make()
+    broadcaster = _broadcaster(run)
+    state = _state(perturbed_dir)
+
+    async def scenario():
+        pool = EnginePool([SGLangEngine(server)])
+        watcher = WeightWatcher(WatcherConfig(), policy=PolicyVersion(0), engines=pool,
+                                published=run.published_weights, offers=run.broadcast_offers,
+                                receiving=run.receiving, distributed=True)
+        try:
+            before = await _outputs(pool)
+            await asyncio.gather(asyncio.to_thread(broadcaster.join),
+                                 pool.init_weights_update_group(broadcaster.spec.to_json()))
+            assert broadcaster.group is not None
+            assert await _send(broadcaster, pool, watcher, 1, state)
+            assert watcher.policy.value == 1 and not watcher.failed_offers
+            over_group = await _outputs(pool)
+            await pool.reload(str(perturbed_dir), 2)
+            from_disk = await _outputs(pool)
+            await pool.reload(str(model_dir), 3)
+            base_again = await _outputs(pool)
+        finally:
+            await pool.close()
+        return before, over_group, from_disk, base_again
+
+    before, over_group, from_disk, base_again = asyncio.run(scenario())
+    assert [(ids, lps) for ids, lps, _ in over_group] == [(ids, lps) for ids, lps, _ in from_disk]
+    assert [versions for _, _, versions in over_group] == [[1] * len(ids) for ids, _, _ in over_group]
+    assert [lps for _, lps, _ in before] != [lps for _, lps, _ in over_group]
+    assert [(ids, lps) for ids, lps, _ in before] == [(ids, lps) for ids, lps, _ in base_again]
 
 
 def test_refused_transfer_leaves_weights_and_watcher_waits_for_disk(server, perturbed_dir, tmp_path):
@@ -147,12 +207,65 @@ def test_a_version_nobody_receives_goes_by_disk_within_the_timeout(tmp_path):
     assert not run.offer_for(1).exists()
 
 
-def test_a_refused_group_leaves_every_version_to_the_disk(tmp_path):
+def test_a_group_the_orchestrator_never_sizes_leaves_every_version_to_the_disk(tmp_path):
+    import time
+
     run = RunDir(tmp_path / "run").make()
     broadcaster = _broadcaster(run)
-    write_json_atomic(run.weight_group_members, {"refused": "the engines did not join"})
+    run.weight_group_members.unlink()
+    broadcaster.timeout = 0.5
+    started = time.monotonic()
     broadcaster.join()
-    assert broadcaster.group is None
+    assert broadcaster.group is None and time.monotonic() - started < 5
+
+
+def test_a_trainer_that_dies_while_the_engines_join_fails_the_join_at_once(server, tmp_path, monkeypatch):
+    """The engine waits for a trainer that never comes; the trainer's exit ends the wait, naming
+    it, instead of the engine's join timeout."""
+    import time
+
+    from rlorch.config.compose import compose
+    from rlorch.inference.weight_transfer import TrainerExited, join_weight_group
+    from rlorch.serve import weight_sync
+
+    monkeypatch.setattr(weight_sync, "GROUP_TIMEOUT_S", 5.0)
+    run = RunDir(tmp_path / "run").make()
+    write_json_atomic(run.weight_group, {"master_address": "127.0.0.1", "master_port": _free_port("127.0.0.1"),
+                                         "group_name": "never", "backend": "gloo"})
+    config = compose(["inference=cpu", "trainer=fsdp", "inference.weight_transfer=distributed"])
+    dies_at = time.monotonic() + 0.5
+
+    async def scenario():
+        pool = EnginePool([SGLangEngine(server)])
+        try:
+            started = time.monotonic()
+            with pytest.raises(TrainerExited, match="trainer exited with code 1"):
+                await join_weight_group(config, run, pool, lambda: "trainer exited with code 1"
+                                        if time.monotonic() > dies_at else None)
+            return time.monotonic() - started
+        finally:
+            await pool.close()
+
+    assert asyncio.run(scenario()) < 2.0
+    assert json.loads(run.weight_group_members.read_text()) == {"world_size": 2}
+
+
+def test_joining_closes_a_weight_update_session_left_open(server):
+    """An orchestrator that died mid-update leaves the server's session open; the next join
+    closes it, or every later version would be refused."""
+    async def scenario():
+        engine = SGLangEngine(server, control_timeout=10)
+        try:
+            await engine._weights_call("/begin_weight_update", {}, "begin")
+            spec = GroupSpec(master_address="127.0.0.1", master_port=_free_port("127.0.0.1"), rank_offset=1,
+                             world_size=2, group_name="nobody", backend="nccl")
+            with pytest.raises(EngineError):
+                await engine.init_weights_update_group(spec.to_json())
+            await engine._weights_call("/begin_weight_update", {}, "begin after the join")
+        finally:
+            await engine.close()
+
+    asyncio.run(scenario())
 
 
 def test_tp_servers_take_consecutive_ranks_after_the_trainer():

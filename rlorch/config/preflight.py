@@ -27,6 +27,16 @@ def preflight(config: Config) -> None:
         raise ConfigError("data.path", str(err)) from err
 
 
+def run_warnings(config: Config) -> list[str]:
+    """What ``train`` and ``validate-config`` warn about: the config's own warnings and GPUs the
+    placement leaves idle."""
+    from rlorch.config.schema import warnings_for
+    from rlorch.launch.placement import idle_gpu_warning
+
+    idle = idle_gpu_warning(config)
+    return warnings_for(config) + ([idle] if idle else [])
+
+
 def writable_file(path: str, key: str) -> Path:
     """``path``'s directory exists (an output file such as ``--plot`` can be written there)."""
     target = Path(path).expanduser()

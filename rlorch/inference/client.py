@@ -373,7 +373,10 @@ class SGLangEngine:
         self.version = version
 
     async def init_weights_update_group(self, spec: dict) -> None:
-        """Join the trainer's weight-transfer group (SGLang's InitWeightsUpdateGroupReqInput fields)."""
+        """Join the trainer's weight-transfer group (SGLang's InitWeightsUpdateGroupReqInput fields).
+        A weight-update session an earlier orchestrator left open (it died mid-update) is closed
+        first, best effort, or every later ``/begin_weight_update`` would be refused."""
+        await self._request("POST", "/end_weight_update", timeout=self.control_timeout, payload={})
         await self._weights_call("/init_weights_update_group", spec, "could not join the weight group")
 
     async def update_weights_from_distributed(self, offer: dict, version: int) -> None:

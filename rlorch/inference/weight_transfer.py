@@ -15,6 +15,7 @@ import logging
 from typing import Callable, Optional
 
 from rlorch.config.schema import Config, WeightTransfer
+from rlorch.lifecycle import cancel_and_wait
 from rlorch.rundir.layout import RunDir, write_json_atomic
 
 log = logging.getLogger("rlorch.weight_transfer")
@@ -46,9 +47,10 @@ async def join_weight_group(config: Config, run_dir: RunDir, engines,
             await asyncio.wait({joining}, timeout=TRAINER_POLL_S)
         joining.result()
     except TrainerExited:
-        joining.cancel()
         raise
     except Exception as err:  # the disk is the fallback: a group that did not form must not end the run
         log.warning("the engines did not join the weight group (%s); weights go by disk", err)
         return False
+    finally:
+        await cancel_and_wait(joining)
     return True

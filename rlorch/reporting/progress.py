@@ -69,6 +69,7 @@ class RunView:
         step, evaluated = self.step or {}, self.eval
         elapsed = (now if now is not None else step.get("time", 0.0)) - (self.start_time or 0.0)
         rate = (lambda count: f"{count / elapsed:.1f}") if elapsed > 0 else (lambda count: "-")
+        fallbacks = step.get("transfer_fallbacks")
         return {
             "step": f"{step.get('step', self.first_step)}/{self.total_steps}",
             "reward": _num(step.get("reward_mean"), ".3f"),
@@ -79,6 +80,8 @@ class RunView:
             "tokens/s": rate(self.tokens),
             "in_flight": _num(self.gauges.get("in_flight"), "d"),
             "queue": _num(self.gauges.get("out_queue"), "d"),
+            # Only when weights asked to travel over the process group went by disk instead.
+            **({"by_disk": str(fallbacks)} if fallbacks else {}),
         }
 
 
@@ -176,6 +179,9 @@ def report_lines(summary: dict, phases: Optional[dict] = None) -> list[str]:
         f"rollouts    admitted {s['admitted']} trained {s['trained']} filtered {s['filtered']} "
         f"dropped_stale {s['dropped_stale']} untrained {s['persisted_untrained']} lost {s['lost']}",
     ]
+    if s.get("transfer_fallbacks"):
+        lines.append(f"weights     {s['transfer_fallbacks']} version(s) went by disk although "
+                     "inference.weight_transfer=distributed (see logs/trainer.log for why)")
     return lines
 
 

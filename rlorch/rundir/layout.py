@@ -116,8 +116,8 @@ class RunDir:
 
     @property
     def weight_group_members(self) -> Path:
-        """The orchestrator's answer to ``weight_group.json``: ``{"world_size": N}`` once it has
-        asked the engines to join, or ``{"refused": reason}`` when they cannot."""
+        """The orchestrator's answer to ``weight_group.json``: ``{"world_size": N}``, written just
+        before it asks the engines to join."""
         return self.trainer / "weight_group.members.json"
 
     def receiving(self, step: int) -> Path:

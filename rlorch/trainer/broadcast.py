@@ -7,8 +7,8 @@ The hand-shake, through the run directory, never lets either side wait longer th
    (``trainer/weight_group.json``) and becomes ready.
 2. The orchestrator sizes the group from the servers it has (``1 + Σ tp_size``), writes
    ``trainer/weight_group.members.json`` and asks every engine to join (SGLang's
-   ``/init_weights_update_group``); rank 0 joins once it reads the size. A refusal, or no answer
-   in time, leaves every version to the disk.
+   ``/init_weights_update_group``); rank 0 joins once it reads the size. No size, or a group
+   that has not formed, within the timeout leaves every version to the disk.
 3. For each version rank 0 writes the offer ``broadcast/step_N.json`` (SGLang's
    ``names``/``dtypes``/``shapes``) and waits for ``broadcast/step_N.receiving``, written when
    the orchestrator has asked the engines to receive it; only then does it broadcast.
@@ -53,9 +53,9 @@ class Broadcaster:
         """Block until every engine has joined (the orchestrator asks them once the trainer is
         ready) or ``timeout`` passes; a group that does not form leaves every version to the disk."""
         members = _wait_for(self.run.weight_group_members, self.timeout)
-        if members is None or "world_size" not in members:
-            why = members.get("refused") if members else f"no answer within {self.timeout:g}s"
-            self.log(f"weight group {self.spec.group_name} not formed ({why}); every version goes by disk")
+        if members is None:
+            self.log(f"weight group {self.spec.group_name} not sized by the orchestrator within "
+                     f"{self.timeout:g}s; every version goes by disk")
             return
         self.spec = replace(self.spec, world_size=int(members["world_size"]))
         try:
@@ -115,19 +115,15 @@ def _wait_exists(path, timeout: float) -> bool:
     return True
 
 
-def plan(config, run: RunDir, log: Callable[[str], None]) -> Optional[Broadcaster]:
+def plan(config, run: RunDir, device, log: Callable[[str], None]) -> Optional[Broadcaster]:
     """Rank 0: the broadcaster of this run (None with ``weight_transfer=disk``); its rendezvous
     is written to ``trainer/weight_group.json`` before the trainer reports ready. The group's
-    backend follows the trainer's device (gloo on CPU, NCCL on CUDA), and its name is unique to
+    backend follows the trainer's ``device`` (gloo on CPU, NCCL on CUDA), and its name is unique to
     this start, so servers that outlive a run (or hold a crashed start's group) never refuse it."""
     inference = config.inference
     if inference.weight_transfer != WeightTransfer.distributed:
         return None
-    import torch
-
-    device = config.trainer.fsdp.device
-    on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    backend = "nccl" if on_gpu else "gloo"
+    backend = "nccl" if str(device).startswith("cuda") else "gloo"
     spec = GroupSpec(master_address=inference.transfer_address, master_port=_free_port(inference.transfer_address),
                      rank_offset=1, world_size=0, backend=backend,
                      group_name=f"rlorch-{os.getpid()}-{time.time_ns() % 10**9}")
@@ -136,4 +132,4 @@ def plan(config, run: RunDir, log: Callable[[str], None]) -> Optional[Broadcaste
         entry.unlink(missing_ok=True)
     run.weight_group_members.unlink(missing_ok=True)
     write_json_atomic(run.weight_group, {**spec.to_json(), "pid": os.getpid()})
-    return Broadcaster(run, spec, inference.transfer_timeout, "cpu" if backend == "gloo" else "cuda", log)
+    return Broadcaster(run, spec, inference.transfer_timeout, str(device), log)

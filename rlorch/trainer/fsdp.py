@@ -447,7 +447,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             run.make()
             clear_staging(run)
             discard_newer(run, worker.step)
-            worker.broadcaster = plan(config, run, log=lambda message: _log(worker, message))
+            worker.broadcaster = plan(config, run, device, log=lambda message: _log(worker, message))
             write_json_atomic(run.trainer_ready, {"step": worker.step, "world_size": worker.world,
                                                       "device": str(device), "pid": os.getpid()})
             if worker.broadcaster is not None:
