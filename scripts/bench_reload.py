@@ -28,7 +28,7 @@ from pathlib import Path
 
 from rlorch.config.schema import Config, InferenceBackend
 from rlorch.inference.servers import start_engines
-from rlorch.rundir.layout import RunDir
+from rlorch.rundir.layout import RunDir, write_json_atomic
 from rlorch.trainer.broadcast import Broadcaster, _free_port
 from rlorch.trainer.publish import HFWriter, publish
 from rlorch.launch.weight_group import GroupSpec
@@ -79,6 +79,7 @@ async def bench(args: argparse.Namespace) -> dict:
         spec = GroupSpec(master_address="127.0.0.1", master_port=_free_port("127.0.0.1"), rank_offset=1,
                          world_size=2, backend="gloo")
         run.offers.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(run.weight_group_members, {"world_size": spec.world_size})
         broadcaster = Broadcaster(run, spec, timeout=120.0, device="cpu", log=lambda message: None)
         figures = {"write": [], "disk": [], "distributed": []}
         try:
@@ -100,7 +101,8 @@ async def bench(args: argparse.Namespace) -> dict:
                 sending = asyncio.create_task(asyncio.to_thread(broadcaster.send, version, state))
                 await pool.update_weights_from_distributed(
                     {"names": list(state), "dtypes": [str(t.dtype).removeprefix("torch.") for t in state.values()],
-                     "shapes": [list(t.shape) for t in state.values()], "group_name": spec.group_name}, version)
+                     "shapes": [list(t.shape) for t in state.values()], "group_name": spec.group_name}, version,
+                    receiving=lambda: run.offer_mark(version, "receiving").touch())
                 figures["distributed"].append(time.perf_counter() - started)
                 if not await sending:
                     raise RuntimeError("the broadcast failed")

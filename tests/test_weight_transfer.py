@@ -94,7 +94,7 @@ def test_engine_generates_the_same_after_gloo_as_after_disk(served, model_dir, p
         pool = EnginePool([SGLangEngine(server)])
         watcher = WeightWatcher(WatcherConfig(), policy=PolicyVersion(0), engines=pool,
                                 published=run.published_weights, offers=run.broadcast_offers,
-                                receiving=run.receiving, distributed=True)
+                                offer_mark=run.offer_mark, distributed=True)
         try:
             before = await _outputs(pool)
             await asyncio.gather(asyncio.to_thread(broadcaster.join),
@@ -128,7 +128,7 @@ def test_refused_transfer_leaves_weights_and_watcher_waits_for_disk(server, pert
         pool = EnginePool([SGLangEngine(server)])
         watcher = WeightWatcher(WatcherConfig(), policy=PolicyVersion(0), engines=pool,
                                 published=run.published_weights, offers=run.broadcast_offers,
-                                receiving=run.receiving, distributed=True)
+                                offer_mark=run.offer_mark, distributed=True)
         try:
             before = await _outputs(pool)
             run.offers.mkdir(parents=True, exist_ok=True)
@@ -161,8 +161,12 @@ def test_engine_refuses_bad_group_requests(server):
             with pytest.raises(EngineError, match="rank_offset"):
                 await engine.init_weights_update_group({"master_address": "127.0.0.1", "master_port": 1,
                                                         "rank_offset": 0, "world_size": 2, "backend": "gloo"})
+            with pytest.raises(EngineError, match="must run between begin_weight_update"):
+                await engine.update_weights_from_distributed({"names": [], "dtypes": [], "shapes": []}, 1)
+            await engine.begin_weight_update()
             with pytest.raises(EngineError, match="init_weights_update_group first"):
                 await engine.update_weights_from_distributed({"names": [], "dtypes": [], "shapes": []}, 1)
+            await engine.end_weight_update()
         finally:
             await engine.close()
 
@@ -205,6 +209,23 @@ def test_a_version_nobody_receives_goes_by_disk_within_the_timeout(tmp_path):
     assert not broadcaster.send(1, {"w": torch.zeros(2)})
     assert time.monotonic() - started < 5 and broadcaster.group is None
     assert not run.offer_for(1).exists()
+
+
+def test_a_refused_version_goes_by_disk_at_once_and_the_group_stays(tmp_path):
+    """The engines could not open their sessions: the orchestrator answers ``refused`` and the
+    trainer publishes that version to disk without waiting, keeping the group for the next."""
+    import time
+
+    import torch
+
+    run = RunDir(tmp_path / "run").make()
+    broadcaster = _broadcaster(run)
+    broadcaster.group = group = object()
+    run.offer_mark(3, "refused").touch()
+    started = time.monotonic()
+    assert not broadcaster.send(3, {"w": torch.zeros(2)})
+    assert time.monotonic() - started < broadcaster.timeout / 2 and broadcaster.group is group
+    assert not run.offer_for(3).exists()
 
 
 def test_a_group_the_orchestrator_never_sizes_leaves_every_version_to_the_disk(tmp_path):

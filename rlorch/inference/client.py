@@ -379,17 +379,18 @@ class SGLangEngine:
         await self._request("POST", "/end_weight_update", timeout=self.control_timeout, payload={})
         await self._weights_call("/init_weights_update_group", spec, "could not join the weight group")
 
-    async def update_weights_from_distributed(self, offer: dict, version: int) -> None:
-        """Receive ``offer`` (names, dtypes, shapes, group_name) over the group as policy ``version``,
-        inside a weight-update session (SGLang refuses the update outside one); the session is
-        closed whatever happens, so the next version's ``/begin_weight_update`` finds none open."""
-        payload = {**offer, "flush_cache": True, "abort_all_requests": False, "weight_version": str(version)}
+    async def begin_weight_update(self) -> None:
         await self._weights_call("/begin_weight_update", {}, "could not open a weight-update session")
-        try:
-            await self._weights_call("/update_weights_from_distributed", payload,
-                                     f"could not receive version {version}")
-        finally:
-            await self._weights_call("/end_weight_update", {}, "could not close the weight-update session")
+
+    async def end_weight_update(self) -> None:
+        await self._weights_call("/end_weight_update", {}, "could not close the weight-update session")
+
+    async def update_weights_from_distributed(self, offer: dict, version: int) -> None:
+        """Receive ``offer`` (names, dtypes, shapes, group_name) over the group as policy ``version``.
+        SGLang takes it only inside a weight-update session (:meth:`begin_weight_update` ...
+        :meth:`end_weight_update`)."""
+        payload = {**offer, "flush_cache": True, "abort_all_requests": False, "weight_version": str(version)}
+        await self._weights_call("/update_weights_from_distributed", payload, f"could not receive version {version}")
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self._weights_call("/destroy_weights_update_group", {"group_name": group_name},

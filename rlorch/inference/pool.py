@@ -202,7 +202,7 @@ class EnginePool:
         ``weight_version`` (loading is all-or-nothing), so it stays in rotation; one that stops
         answering is marked down and loads the current checkpoint before it rejoins.
         """
-        await self._update(version, lambda e: e.reload(path, version))
+        await self._update(version, lambda engines: self._each(engines, lambda e: e.reload(path, version)))
         self._checkpoint = (str(path), version)
 
     def weight_group_ranks(self) -> tuple[list[int], int]:
@@ -230,12 +230,30 @@ class EnginePool:
         for engine, err in await self._each(self._live(), lambda e: e.destroy_weights_update_group(name)):
             log.warning("%s did not leave weight group %s: %s", engine.name, name, err)
 
-    async def update_weights_from_distributed(self, offer: dict, version: int) -> None:
+    async def update_weights_from_distributed(self, offer: dict, version: int,
+                                              receiving: Callable[[], None] = lambda: None) -> None:
         """Like :meth:`reload`, with every live server receiving ``offer`` over the weight group.
-        A server down meanwhile loads the last version from disk before it rejoins."""
-        await self._update(version, lambda e: e.update_weights_from_distributed(offer, version))
 
-    async def _update(self, version: int, load: Callable[[Server], Awaitable]) -> None:
+        Each server opens a weight-update session first; ``receiving`` (which lets the trainer
+        broadcast) is called only once every one has, so the trainer never sends to a group in
+        which a member will not take part; every session opened is closed whatever happens. A
+        server down meanwhile loads the last version from disk before it rejoins."""
+        async def receive(engines: list[Server]) -> list:
+            failed = await self._each(engines, lambda e: e.begin_weight_update())
+            refused = {e.name for e, _ in failed}
+            opened = [e for e in engines if e.name not in refused]
+            try:
+                if not failed:
+                    receiving()
+                    failed += await self._each(opened, lambda e: e.update_weights_from_distributed(offer, version))
+            finally:
+                failed += await self._each(opened, lambda e: e.end_weight_update())
+            return failed
+
+        await self._update(version, receive)
+
+    async def _update(self, version: int, load: Callable[[list[Server]], Awaitable[list]]) -> None:
+        """Pause every live server, ``load`` the paused ones (it returns their failures), continue."""
         async with self._reload_lock:
             live = self._live()
             if not live:
@@ -244,7 +262,7 @@ class EnginePool:
             try:
                 refused = {e.name for e, _ in failed}
                 paused = [e for e in self._live() if e.name not in refused]
-                failed += await self._each(paused, load)
+                failed += await load(paused)
             finally:
                 failed += await self._each(self._live(), lambda e: e.resume())
             if failed:

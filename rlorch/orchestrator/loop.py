@@ -70,7 +70,7 @@ class Orchestrator:
         self.version_changed = asyncio.Event()
         self.watcher = WeightWatcher(config.watcher, policy=policy, engines=engines,
                                      published=run_dir.published_weights, offers=run_dir.broadcast_offers,
-                                     receiving=run_dir.receiving, distributed=config.inference.distributed,
+                                     offer_mark=run_dir.offer_mark, distributed=config.inference.distributed,
                                      expecting=lambda: self.shipping.shipped > self.policy.value,
                                      on_version=self._on_version, on_error=self._on_watcher_error, on_idle=self.idle.engines.set)
         self.metrics = MetricsLoop(loggers=make_loggers(config, run_dir), interval=config.metrics.interval, gauges={

@@ -30,7 +30,7 @@ class WeightWatcher:
     def __init__(self, config: WatcherConfig, *, policy: PolicyVersion, engines: Engine,
                  published: Callable[[], Iterable[tuple[int, Path]]],
                  offers: Callable[[], Iterable[tuple[int, Path]]] = lambda: (),
-                 receiving: Optional[Callable[[int], Path]] = None,
+                 offer_mark: Optional[Callable[[int, str], Path]] = None,
                  distributed: bool = False,
                  expecting: Callable[[], bool] = lambda: False,
                  on_version: Callable[[int], None] = lambda version: None,
@@ -46,9 +46,9 @@ class WeightWatcher:
         """Versions the trainer offers over the weight group (``inference.weight_transfer=distributed``)."""
         self.failed_offers: set[int] = set()
         """Offered versions the engines did not receive: they come from disk instead."""
-        self.receiving = receiving
-        """Where to mark that the engines were asked to receive an offered version (the trainer
-        broadcasts only then)."""
+        self.offer_mark = offer_mark
+        """Where to answer an offered version: ``receiving`` (the trainer broadcasts only then) or
+        ``refused`` (it publishes the version to disk at once)."""
         self.distributed = distributed
         self.transfer_fallbacks = 0
         """With weight transfer over the group asked for: versions that came from disk instead."""
@@ -118,10 +118,10 @@ class WeightWatcher:
         detected = time.monotonic()
         self.on_idle("reload", True)
         try:
-            if self.receiving is not None:
-                self.receiving(version).touch()
-            await self.engines.update_weights_from_distributed(offer, version)
+            await self.engines.update_weights_from_distributed(offer, version,
+                                                               receiving=lambda: self._answer(version, "receiving"))
         except Exception as err:  # the disk is the fallback: a failed transfer must not end the run
+            self._answer(version, "refused")
             self.failed_offers.add(version)
             log.warning("version %d did not arrive over the weight group (%s); loading it from disk "
                         "once the trainer publishes it there", version, err)
@@ -130,6 +130,10 @@ class WeightWatcher:
             self.on_idle("reload", False)
         self._advance(version, detected, offer_path)
         return True
+
+    def _answer(self, version: int, answer: str) -> None:
+        if self.offer_mark is not None:
+            self.offer_mark(version, answer).touch()
 
     def _advance(self, version: int, detected: float, marker: Path) -> None:
         self.policy.bump(version)

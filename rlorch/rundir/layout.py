@@ -120,9 +120,10 @@ class RunDir:
         before it asks the engines to join."""
         return self.trainer / "weight_group.members.json"
 
-    def receiving(self, step: int) -> Path:
-        """Written by the orchestrator once the engines are asked to receive offered version ``step``."""
-        return self.offers / f"{step_name(step)}.receiving"
+    def offer_mark(self, step: int, answer: str) -> Path:
+        """The orchestrator's answer to offered version ``step``: ``receiving`` (every engine is in
+        a weight-update session, waiting for the broadcast) or ``refused`` (send it by disk)."""
+        return self.offers / f"{step_name(step)}.{answer}"
 
     @property
     def offers(self) -> Path:

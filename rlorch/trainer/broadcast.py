@@ -10,12 +10,13 @@ The hand-shake, through the run directory, never lets either side wait longer th
    ``/init_weights_update_group``); rank 0 joins once it reads the size. No size, or a group
    that has not formed, within the timeout leaves every version to the disk.
 3. For each version rank 0 writes the offer ``broadcast/step_N.json`` (SGLang's
-   ``names``/``dtypes``/``shapes``) and waits for ``broadcast/step_N.receiving``, written when
-   the orchestrator has asked the engines to receive it; only then does it broadcast.
+   ``names``/``dtypes``/``shapes``) and waits for the orchestrator's answer:
+   ``broadcast/step_N.receiving`` once every engine has opened a weight-update session (only
+   then does it broadcast), or ``step_N.refused`` (that version goes by disk at once).
 
 Invariant: a version that was not broadcast is published to disk instead (and the log says so):
 the watcher loads it from there and counts it in ``transfer_fallbacks``. After a failed or
-unanswered broadcast the group is abandoned and later versions go by disk as well.
+unanswered offer the group is abandoned and later versions go by disk as well.
 """
 
 from __future__ import annotations
@@ -75,11 +76,16 @@ class Broadcaster:
         offer = {"names": names, "dtypes": [dtype_name(state[n].dtype) for n in names],
                  "shapes": [list(state[n].shape) for n in names], "group_name": self.spec.group_name}
         write_json_atomic(self.run.offer_for(step), offer)
-        if not _wait_exists(self.run.receiving(step), self.timeout):
+        answer = _wait_any([self.run.offer_mark(step, "receiving"), self.run.offer_mark(step, "refused")],
+                           self.timeout)
+        if answer is None or answer.suffix == ".refused":
             self.run.offer_for(step).unlink(missing_ok=True)
-            self.group = None
-            self.log(f"the engines did not start receiving version {step} within {self.timeout:g}s; "
-                     f"version {step} and later ones go by disk")
+            if answer is None:
+                self.group = None
+                self.log(f"no answer to the offer of version {step} within {self.timeout:g}s; "
+                         f"version {step} and later ones go by disk")
+            else:
+                self.log(f"the engines refused version {step} over the group; it goes by disk")
             return False
         try:
             broadcast(self.group, [state[n].to(self.device) for n in names])
@@ -101,18 +107,17 @@ class Broadcaster:
 
 def _wait_for(path, timeout: float) -> Optional[dict]:
     """The JSON object at ``path`` once it exists, or None after ``timeout`` seconds."""
-    if not _wait_exists(path, timeout):
-        return None
-    return json.loads(path.read_text())
+    return json.loads(path.read_text()) if _wait_any([path], timeout) is not None else None
 
 
-def _wait_exists(path, timeout: float) -> bool:
+def _wait_any(paths: list, timeout: float):
+    """The first of ``paths`` to exist, or None after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            return False
+    while True:
+        found = next((path for path in paths if path.exists()), None)
+        if found is not None or time.monotonic() > deadline:
+            return found
         time.sleep(POLL_S)
-    return True
 
 
 def plan(config, run: RunDir, device, log: Callable[[str], None]) -> Optional[Broadcaster]:

@@ -32,7 +32,8 @@ and mirrors the tokenizer manager and scheduler behaviour rlorch relies on, as r
   scheduler's messages); an update receives one broadcast per tensor with the given names,
   dtypes and shapes, as SGLang's model runner does, and ``--dump-dir`` saves each received
   version as ``DIR/version-<weight_version>.safetensors``; ``/destroy_weights_update_group``
-  frees the name.
+  frees the name. ``--refuse-sessions`` refuses every ``/begin_weight_update`` (a server that
+  cannot take weights over the group).
 
 ``--shape 0.5.3`` answers a request aborted while queued the way 0.5.3 did (no
 ``output_token_logprobs``, no ``weight_version``); ``--shape 0.5.5`` omits ``weight_version``
@@ -141,6 +142,7 @@ class StandInTokenizerManager:
         self.groups: dict = {}
         self.session_open = False
         self.dump_dir = None
+        self.refuse_sessions = False
 
     def is_ready(self) -> bool:
         return not self.is_pause
@@ -262,6 +264,8 @@ class StandInTokenizerManager:
         return True, "Succeeded to initialize custom process group."
 
     async def begin_weight_update(self, obj, request=None):
+        if self.refuse_sessions:
+            return False, "weight-update sessions refused (--refuse-sessions)"
         if self.session_open:
             return False, "a weight-update session is already open; call end_weight_update() first"
         self.session_open = True
@@ -337,6 +341,7 @@ def main() -> None:
     parser.add_argument("--token-delay", type=float, default=0.01)
     parser.add_argument("--health-timeout", type=float, default=20.0)
     parser.add_argument("--dump-dir", default=None, help="save each version received over the weight group here")
+    parser.add_argument("--refuse-sessions", action="store_true", help="refuse every /begin_weight_update")
     args = parser.parse_args()
     import uvicorn
 
@@ -345,6 +350,7 @@ def main() -> None:
     from sglang.srt.entrypoints import http_server
 
     http_server._global_state.tokenizer_manager.dump_dir = args.dump_dir
+    http_server._global_state.tokenizer_manager.refuse_sessions = args.refuse_sessions
     from sglang.srt.environ import envs
 
     uvicorn.run(app, host="127.0.0.1", port=args.port, lifespan="off", log_level="warning",

@@ -54,7 +54,9 @@ def test_a_version_broadcast_by_rlorchs_group_arrives_bit_for_bit_inside_a_sessi
                 await engine._weights_call("/update_weights_from_distributed", {**offer, "weight_version": "9"}, "no")
             sender = threading.Thread(target=broadcast, args=(trainer["group"], list(state.values())))
             sender.start()
+            await engine.begin_weight_update()
             await engine.update_weights_from_distributed(offer, 7)
+            await engine.end_weight_update()
             await asyncio.to_thread(sender.join)
             assert await engine.weight_version() == 7
             await engine._weights_call("/begin_weight_update", {}, "begin")
@@ -77,6 +79,17 @@ def test_a_version_broadcast_by_rlorchs_group_arrives_bit_for_bit_inside_a_sessi
         assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
 
 
+def _distributed_run(apps, model_dir, run_dir, steps: int, *extra: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "rlorch.cli", "train", "inference=sglang", "trainer=fsdp",
+               "trainer.fsdp.device=cpu", f"model.path={model_dir}",
+               f"inference.addresses=[{','.join(app.address for app in apps)}]",
+               "inference.weight_transfer=distributed", f"run.dir={run_dir}", "run.progress=false",
+               "run.report=false", f"train.steps={steps}", "rollout.batch_size=8", "rollout.group_size=4",
+               "rollout.max_new_tokens=4", "rollout.max_staleness=1", "eval.enabled=false",
+               "trainer.allow_uncorrected=true", *extra]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+
 @pytest.mark.slow
 def test_a_distributed_run_against_two_real_apps_trains_to_the_end_receiving_every_version(stand_in, model_dir,
                                                                                         tmp_path):
@@ -86,13 +99,7 @@ def test_a_distributed_run_against_two_real_apps_trains_to_the_end_receiving_eve
     apps = [stand_in("--dump-dir", str(dump), "--token-delay", "0.002") for dump in dumps]
     run_dir = tmp_path / "run"
     steps = 4
-    command = [sys.executable, "-m", "rlorch.cli", "train", "inference=sglang", "trainer=fsdp",
-               "trainer.fsdp.device=cpu", f"model.path={model_dir}",
-               f"inference.addresses=[{apps[0].address},{apps[1].address}]", "inference.weight_transfer=distributed",
-               "inference.transfer_timeout=60", f"run.dir={run_dir}", "run.progress=false", "run.report=false",
-               f"train.steps={steps}", "rollout.batch_size=8", "rollout.group_size=4", "rollout.max_new_tokens=4",
-               "rollout.max_staleness=1", "eval.enabled=false", "trainer.allow_uncorrected=true"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    result = _distributed_run(apps, model_dir, run_dir, steps, "inference.transfer_timeout=60")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["lost"] == 0 and summary["steps"] == steps and summary["transfer_fallbacks"] == 0, summary
@@ -106,3 +113,22 @@ def test_a_distributed_run_against_two_real_apps_trains_to_the_end_receiving_eve
         for name, tensor in published.items():
             key = name if name in received else next(k for k in received if k.endswith(name))
             assert torch.equal(received[key], tensor), name
+
+
+@pytest.mark.slow
+def test_a_server_that_refuses_weight_sessions_costs_no_wait_every_version_goes_by_disk(stand_in, model_dir,
+                                                                                     tmp_path):
+    """The refusal is answered to the trainer at once (``refused``), so nothing waits for
+    ``inference.transfer_timeout``; the run trains to the end and says every version went by disk."""
+    import time
+
+    apps = [stand_in("--token-delay", "0.002"), stand_in("--token-delay", "0.002", "--refuse-sessions")]
+    run_dir = tmp_path / "run"
+    steps = 4
+    started = time.monotonic()
+    result = _distributed_run(apps, model_dir, run_dir, steps, "inference.transfer_timeout=120")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert time.monotonic() - started < 120, "a version waited for transfer_timeout"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["lost"] == 0 and summary["steps"] == steps and summary["transfer_fallbacks"] == steps, summary
+    assert f"{steps} version(s) went by disk" in result.stderr + result.stdout
