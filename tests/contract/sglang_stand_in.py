@@ -316,14 +316,15 @@ class StandInTokenizerManager:
         return True, "Succeeded to destroy custom process group."
 
 
-def build_app(*, model_path: str, shape: str, token_delay: float, health_timeout: float):
+def build_app(*, model_path: str, shape: str, token_delay: float, health_timeout: float, tp_size: int = 1):
     """sglang's FastAPI app with the stand-in installed as its global tokenizer manager."""
     install_torchvision_placeholder()
     from sglang.srt.entrypoints import http_server
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import prepare_server_args
 
-    server_args = prepare_server_args(["--model-path", model_path, "--device", "cpu", "--weight-version", "0"])
+    server_args = prepare_server_args(["--model-path", model_path, "--device", "cpu", "--weight-version", "0",
+                                       "--tp-size", str(tp_size)])
     publish(server_args, role="tokenizer")
     http_server.HEALTH_CHECK_TIMEOUT = health_timeout
     manager = StandInTokenizerManager(model_path=model_path, shape=shape, token_delay=token_delay)
@@ -342,11 +343,12 @@ def main() -> None:
     parser.add_argument("--health-timeout", type=float, default=20.0)
     parser.add_argument("--dump-dir", default=None, help="save each version received over the weight group here")
     parser.add_argument("--refuse-sessions", action="store_true", help="refuse every /begin_weight_update")
+    parser.add_argument("--tp-size", type=int, default=1, help="the tensor parallelism /server_info reports")
     args = parser.parse_args()
     import uvicorn
 
     app = build_app(model_path=args.model_path, shape=args.shape, token_delay=args.token_delay,
-                    health_timeout=args.health_timeout)
+                    health_timeout=args.health_timeout, tp_size=args.tp_size)
     from sglang.srt.entrypoints import http_server
 
     http_server._global_state.tokenizer_manager.dump_dir = args.dump_dir

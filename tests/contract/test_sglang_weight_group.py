@@ -34,6 +34,24 @@ def test_the_pinned_sglang_keeps_the_session_rules_and_group_construction_the_st
     assert "rank = rank_offset + self.tp_rank" in runner
 
 
+def test_servers_at_addresses_take_one_rank_per_tp_rank_read_from_server_info(stand_in):
+    from rlorch.inference.pool import EnginePool
+
+    apps = [stand_in("--tp-size", "2"), stand_in("--tp-size", "2")]
+
+    async def scenario():
+        engines = [SGLangEngine(app.address) for app in apps]
+        pool = EnginePool(engines)
+        try:
+            for engine in engines:
+                await engine.server_info()
+            return pool.weight_group_ranks()
+        finally:
+            await pool.close()
+
+    assert asyncio.run(scenario()) == ([1, 3], 5)
+
+
 def test_a_version_broadcast_by_rlorchs_group_arrives_bit_for_bit_inside_a_session(stand_in, tmp_path):
     app = stand_in("--dump-dir", str(tmp_path))
     spec = GroupSpec(master_address="127.0.0.1", master_port=free_port(), rank_offset=1, world_size=2,
