@@ -170,13 +170,15 @@ def serve(
     parent_pid: Optional[int] = typer.Option(None, "--parent-pid", help="Exit when this process is gone."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="RLORCH_API_KEY", show_envvar=True,
                                           help="Require 'Authorization: Bearer KEY' on every endpoint but /health*."),
+    min_step_time: float = typer.Option(0.0, "--min-step-time",
+                                        help="Seconds each decoding step takes at least: a slow server, for tests."),
 ) -> None:
     """Run the CPU inference engine: a real HTTP server speaking SGLang's native API."""
     from rlorch.serve.server import serve_command
 
     config = _config_or_exit(overrides or [])
     raise typer.Exit(serve_command(config, host=host, port=port, weight_version=weight_version,
-                                   parent=parent_pid, api_key=api_key))
+                                   parent=parent_pid, api_key=api_key, min_step_time=min_step_time))
 
 
 def main() -> None:

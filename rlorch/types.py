@@ -293,6 +293,11 @@ class Engine(Protocol):
         """Numbers for the metrics loop (servers up, in flight, ...)."""
         ...
 
+    def health(self) -> dict:
+        """What each step record carries of the engines: servers up, suspect and dead, restarts,
+        per-server throughput ({} for an engine with no servers of its own)."""
+        ...
+
     async def close(self) -> None: ...
 
 

@@ -283,6 +283,24 @@ class InferenceConfig:
     transfer_timeout: float = 60.0
     """weight_transfer=distributed: seconds the group may take to form and one version to
     arrive before the trainer publishes that version to disk instead."""
+    control_timeout: float = 30.0
+    """Seconds a pause, continue, abort or other control call may take on one server; past it the
+    server is suspect: it takes no new work until it answers again and holds the current weights."""
+    reload_timeout: float = 300.0
+    """Seconds one server may take to load a version (from disk or over the group); past it the
+    server is suspect and the version goes live on the servers that loaded it."""
+    health_interval: float = 5.0
+    """Seconds between probes (``/health_generate``: one generated token) of each server in rotation."""
+    health_timeout: float = 10.0
+    """Seconds a probe may take; a slower answer is a miss."""
+    health_failures: int = 3
+    """Consecutive missed probes that make a server suspect (its requests are aborted here and
+    continue on the other servers)."""
+    hang_timeout: float = 60.0
+    """Seconds a launched server may stay suspect before it is killed (and restarted, up to
+    max_restarts); a server that cannot be restarted is out of the run."""
+    max_restarts: int = 3
+    """Restarts of each launched server killed for hanging (0: a hung server is only killed)."""
     sim: SimEngineConfig = field(default_factory=SimEngineConfig)
     cpu: CpuEngineConfig = field(default_factory=CpuEngineConfig)
 
@@ -297,6 +315,10 @@ class InferenceConfig:
         _require(self.transfer_timeout > 0, "inference.transfer_timeout", "must be > 0 seconds")
         _require(self.ready_timeout > 0, "inference.ready_timeout", "must be > 0 seconds")
         _require(self.tp_size >= 1, "inference.tp_size", "must be >= 1")
+        for key in ("control_timeout", "reload_timeout", "health_interval", "health_timeout", "hang_timeout"):
+            _require(getattr(self, key) > 0, f"inference.{key}", "must be > 0 seconds")
+        _require(self.health_failures >= 1, "inference.health_failures", "must be >= 1")
+        _require(self.max_restarts >= 0, "inference.max_restarts", "must be >= 0")
 
 
 @dataclass

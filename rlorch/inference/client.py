@@ -92,9 +92,11 @@ class SGLangEngine:
     """One SGLang-compatible server. Keeps one keep-alive ``aiohttp.ClientSession``."""
 
     def __init__(self, address: str, *, request_timeout: float = 300.0, control_timeout: float = 600.0,
-                 extra_params: Optional[dict] = None, name: Optional[str] = None, api_key: Optional[str] = None):
-        """``request_timeout`` bounds each /generate call; ``control_timeout`` bounds pause, continue
-        and weight updates. ``extra_params`` are added to every request's sampling_params
+                 reload_timeout: Optional[float] = None, extra_params: Optional[dict] = None,
+                 name: Optional[str] = None, api_key: Optional[str] = None):
+        """``request_timeout`` bounds each /generate call; ``control_timeout`` bounds pause, continue,
+        abort and the other control calls; ``reload_timeout`` (default ``control_timeout``) bounds a
+        weight update, from disk or over the group. ``extra_params`` are added to every request's sampling_params
         (e.g. ``{"ignore_eos": True}``). ``api_key`` goes out as ``Authorization: Bearer`` (SGLang's
         ``--api-key``)."""
         self.url = normalize_address(address)
@@ -102,6 +104,7 @@ class SGLangEngine:
         self.name = name or self.url.split("://", 1)[1]
         self.request_timeout = request_timeout
         self.control_timeout = control_timeout
+        self.reload_timeout = control_timeout if reload_timeout is None else reload_timeout
         self.extra_params = dict(extra_params or {})
         self._session: Optional[aiohttp.ClientSession] = None
         self._cancelled: set[str] = set()
@@ -366,7 +369,7 @@ class SGLangEngine:
         """Load the HF checkpoint at ``path`` as policy ``version``; raise with the server's message."""
         payload = {"model_path": str(path), "load_format": None, "abort_all_requests": False,
                    "weight_version": str(version)}
-        status, body = await self._request("POST", "/update_weights_from_disk", timeout=self.control_timeout,
+        status, body = await self._request("POST", "/update_weights_from_disk", timeout=self.reload_timeout,
                                            payload=payload)
         if status != 200 or not isinstance(body, dict) or not body.get("success", False):
             raise EngineError(f"{self.name} could not load {path}: {self._message(body)}")
@@ -377,7 +380,8 @@ class SGLangEngine:
         A weight-update session an earlier orchestrator left open (it died mid-update) is closed
         first, best effort, or every later ``/begin_weight_update`` would be refused."""
         await self._request("POST", "/end_weight_update", timeout=self.control_timeout, payload={})
-        await self._weights_call("/init_weights_update_group", spec, "could not join the weight group")
+        await self._weights_call("/init_weights_update_group", spec, "could not join the weight group",
+                                 timeout=self.reload_timeout)
 
     async def begin_weight_update(self) -> None:
         await self._weights_call("/begin_weight_update", {}, "could not open a weight-update session")
@@ -390,20 +394,25 @@ class SGLangEngine:
         SGLang takes it only inside a weight-update session (:meth:`begin_weight_update` ...
         :meth:`end_weight_update`)."""
         payload = {**offer, "flush_cache": True, "abort_all_requests": False, "weight_version": str(version)}
-        await self._weights_call("/update_weights_from_distributed", payload, f"could not receive version {version}")
+        await self._weights_call("/update_weights_from_distributed", payload, f"could not receive version {version}",
+                                 timeout=self.reload_timeout)
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self._weights_call("/destroy_weights_update_group", {"group_name": group_name},
                                  f"could not leave weight group {group_name}")
 
-    async def _weights_call(self, path: str, payload: dict, failure: str) -> None:
-        status, body = await self._request("POST", path, timeout=self.control_timeout, payload=payload)
+    async def _weights_call(self, path: str, payload: dict, failure: str, *, timeout: Optional[float] = None) -> None:
+        timeout = self.control_timeout if timeout is None else timeout
+        status, body = await self._request("POST", path, timeout=timeout, payload=payload)
         if status != 200 or not isinstance(body, dict) or not body.get("success", False):
             raise EngineError(f"{self.name} {failure}: {self._message(body)}")
 
-    async def healthy(self) -> bool:
+    async def healthy(self, timeout: Optional[float] = None) -> bool:
+        """Whether ``/health_generate`` (one generated token) answers 200 within ``timeout``
+        (default: the control deadline, at most 30 s)."""
+        timeout = min(30.0, self.control_timeout) if timeout is None else timeout
         try:
-            status, _ = await self._request("GET", "/health_generate", timeout=min(30.0, self.control_timeout))
+            status, _ = await self._request("GET", "/health_generate", timeout=timeout)
         except EngineUnavailable:
             return False
         return status == 200
@@ -440,6 +449,10 @@ class SGLangEngine:
             return self.version
         raise EngineError(f"{self.name} reports no weight_version (/model_info, /get_model_info, "
                           "/get_weight_version)")
+
+    def health(self) -> dict:
+        """One server on its own has no fleet to report (a pool of servers does)."""
+        return {}
 
     def gauges(self) -> dict:
         """Requests started, resubmissions after pause-aborts, and the server-side seconds

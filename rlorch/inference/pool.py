@@ -6,6 +6,10 @@ Invariants:
   continues on another live server from its partial progress, up to ``max_retries`` attempts.
 - A request resubmitted after a pause-abort stays on the server that started it (the client's
   interruptible generation loop never leaves its server).
+- A server can be *suspect* (down): it stopped answering a request or a control call in time, or
+  missed ``health_failures`` probes in a row. It takes no new work, its requests in flight are
+  aborted here and continue elsewhere, and it rejoins only once it answers again and holds the
+  current checkpoint. A *dead* one (its process exited, or was killed for hanging) never rejoins.
 - :meth:`EnginePool.reload` returns only once every live server runs the new version; a server
   that was down during a reload is brought to the current checkpoint before it rejoins. Every
   response is stamped with the version of the weights that produced it, whatever happens.
@@ -30,10 +34,12 @@ class EnginePool:
     def __init__(self, engines: list[Server], *, request_timeout: float = 300.0, max_retries: int = 3,
                  probe_interval: float = 1.0, name: str = "pool",
                  on_close: Optional[Callable[[], Awaitable[None]]] = None,
-                 diagnose: Optional[Callable[[str], Optional[str]]] = None):
+                 diagnose: Optional[Callable[[str], Optional[str]]] = None,
+                 health_interval: Optional[float] = None, health_timeout: float = 10.0, health_failures: int = 3):
         """``on_close`` runs last in :meth:`close` (the launcher stops its processes there);
         ``diagnose(name)`` says why a server that stopped answering is gone for good (its
-        process exited), else None."""
+        process exited), else None. With ``health_interval`` every server in rotation is probed
+        that often (``/health_generate`` within ``health_timeout``)."""
         if not engines:
             raise ValueError("an EnginePool needs at least one engine")
         self.name = name
@@ -47,6 +53,16 @@ class EnginePool:
         self._dead: dict[str, str] = {}
         self._down_reason: dict[str, str] = {}
         self._in_flight = {e.name: 0 for e in self.engines}
+        self._running: dict[str, set[asyncio.Task]] = {e.name: set() for e in self.engines}
+        """Each server's requests in flight, aborted here when it is marked down."""
+        self._aborted: set[asyncio.Task] = set()
+        self._down_since: dict[str, float] = {}
+        self._misses = {e.name: 0 for e in self.engines}
+        self._tokens = {e.name: 0 for e in self.engines}
+        self._started = time.monotonic()
+        self.health_interval, self.health_timeout, self.health_failures = health_interval, health_timeout, health_failures
+        self._health: Optional[asyncio.Task] = None
+        self.restarts = 0
         self._changed = asyncio.Event()
         self._reload_lock = asyncio.Lock()
         self._weight_group: Optional[str] = None
@@ -64,11 +80,15 @@ class EnginePool:
     def _mark_down(self, engine: Server, reason: str) -> None:
         if self._up[engine.name]:
             log.warning("%s: server %s marked down: %s", self.name, engine.name, reason)
+            self._down_since[engine.name] = time.monotonic()
+            for task in self._running[engine.name]:
+                self._aborted.add(task)
+                task.cancel()
         self._up[engine.name] = False
         self._down_reason[engine.name] = reason
         gone = self._diagnose(engine.name) if self._diagnose is not None else None
         if gone is not None:
-            self._dead[engine.name] = gone
+            self._dead.setdefault(engine.name, gone)
         self._changed.set()
         self._ensure_probe()
 
@@ -80,12 +100,26 @@ class EnginePool:
             if engine.name == name:
                 self._mark_down(engine, reason)
 
+    def down_for(self, name: str) -> Optional[float]:
+        """Seconds server ``name`` has been suspect (down, not dead), or None."""
+        if self._up[name] or name in self._dead:
+            return None
+        return time.monotonic() - self._down_since.get(name, time.monotonic())
+
+    def restarted(self, name: str) -> None:
+        """Server ``name`` was started anew (same address): suspect until it rejoins."""
+        self._dead.pop(name, None)
+        self._down_reason[name] = "restarted; rejoins once it answers and loads the current weights"
+        self._down_since[name] = time.monotonic()
+        self.restarts += 1
+        self._ensure_probe()
+
     def _no_live_server(self, waited: str) -> EngineUnavailable:
         """Names every server and why it is down (a dead one: its exit status and log tail)."""
         for engine in self.engines:
             gone = self._diagnose(engine.name) if self._diagnose is not None and not self._up[engine.name] else None
             if gone is not None:
-                self._dead[engine.name] = gone
+                self._dead.setdefault(engine.name, gone)
         reasons = "; ".join(self._dead.get(e.name) or f"{e.name}: {self._down_reason.get(e.name, 'down')}"
                             for e in self.engines)
         return EngineUnavailable(f"{self.name}: no live server{waited}: {reasons}")
@@ -93,13 +127,18 @@ class EnginePool:
     async def _pick(self) -> Server:
         """The live server with the fewest requests in flight (ties rotate); waits for one to
         come back when none is up, at most ``request_timeout``."""
-        deadline = time.monotonic() + self.request_timeout
+        live = await self._wait_live(time.monotonic() + self.request_timeout)
+        self._turn += 1
+        order = live[self._turn % len(live):] + live[:self._turn % len(live)]
+        return min(order, key=lambda e: self._in_flight[e.name])
+
+    async def _wait_live(self, deadline: float) -> list[Server]:
+        """The live servers, once there is one; raises at once when every server is dead, or at
+        ``deadline`` (naming every server and why it is out)."""
         while True:
             live = self._live()
             if live:
-                self._turn += 1
-                order = live[self._turn % len(live):] + live[:self._turn % len(live)]
-                return min(order, key=lambda e: self._in_flight[e.name])
+                return live
             if len(self._dead) == len(self.engines):
                 raise self._no_live_server("")
             self._changed.clear()
@@ -132,7 +171,7 @@ class EnginePool:
         count = sum(request.n for request in requests)
         self._in_flight[server.name] += count
         try:
-            answers = await server.generate_batch(requests)
+            answers = await self._on(server, server.generate_batch(requests))
         except EngineUnavailable as err:
             self._mark_down(server, str(err))
             self.failovers += 1
@@ -140,7 +179,24 @@ class EnginePool:
         finally:
             self._in_flight[server.name] -= count
         self.completed += count
+        self._tokens[server.name] += sum(len(g.output_ids) for group in answers for g in group)
         return answers
+
+    async def _on(self, server: Server, call: Awaitable):
+        """``call`` on ``server``, aborted here (as :class:`EngineUnavailable`) when the server is
+        marked down meanwhile; a cancellation from outside propagates as ever."""
+        task = asyncio.ensure_future(call)
+        self._running[server.name].add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if task in self._aborted and not asyncio.current_task().cancelling():
+                raise EngineUnavailable(f"{server.name}: aborted here, the server is suspect "
+                                        f"({self._down_reason.get(server.name)})") from None
+            raise
+        finally:
+            self._running[server.name].discard(task)
+            self._aborted.discard(task)
 
     async def _group(self, request: GroupRequest) -> list[Generation]:
         return await gather_all(*(self._generate(request.input_ids, request.params, f"{request.rid}-{i}")
@@ -155,7 +211,7 @@ class EnginePool:
             engine = prefer if use_preferred else await self._pick()
             self._in_flight[engine.name] += 1
             try:
-                result = await engine.generate(input_ids, params, rid, prefix=partial)
+                result = await self._on(engine, engine.generate(input_ids, params, rid, prefix=partial))
             except EngineUnavailable as err:
                 partial = err.partial if err.partial is not None else partial
                 self._mark_down(engine, str(err))
@@ -167,6 +223,7 @@ class EnginePool:
             finally:
                 self._in_flight[engine.name] -= 1
             self.completed += 1
+            self._tokens[engine.name] += len(result.output_ids)
             return result
         raise AssertionError("unreachable")
 
@@ -253,23 +310,31 @@ class EnginePool:
         await self._update(version, receive)
 
     async def _update(self, version: int, load: Callable[[list[Server]], Awaitable[list]]) -> None:
-        """Pause every live server, ``load`` the paused ones (it returns their failures), continue."""
-        async with self._reload_lock:
-            live = self._live()
-            if not live:
-                raise self._no_live_server(f" to load version {version}")
-            failed = await self._each(live, lambda e: e.pause())
-            try:
-                refused = {e.name for e, _ in failed}
-                paused = [e for e in self._live() if e.name not in refused]
-                failed += await load(paused)
-            finally:
-                failed += await self._each(self._live(), lambda e: e.resume())
-            if failed:
-                raise EngineError(f"{self.name}: version {version} not loaded everywhere: "
-                                  + "; ".join(str(err) for _, err in failed))
-            if not self._live():
-                raise self._no_live_server(f" after loading version {version}")
+        """Pause every live server, ``load`` the paused ones (it returns their failures), continue.
+
+        The version goes live on the servers that loaded it; one that did not answer in time is
+        suspect and catches up before it rejoins. When none is left live, this waits (without the
+        reload lock, so a server can rejoin) for one to come back and loads again, at most
+        ``request_timeout``; it raises at once when every server is dead."""
+        deadline = time.monotonic() + self.request_timeout
+        while True:
+            await self._wait_live(deadline)
+            async with self._reload_lock:
+                live = self._live()
+                if not live:
+                    continue
+                failed = await self._each(live, lambda e: e.pause())
+                try:
+                    refused = {e.name for e, _ in failed}
+                    paused = [e for e in self._live() if e.name not in refused]
+                    failed += await load(paused)
+                finally:
+                    failed += await self._each(self._live(), lambda e: e.resume())
+                if failed:
+                    raise EngineError(f"{self.name}: version {version} not loaded everywhere: "
+                                      + "; ".join(str(err) for _, err in failed))
+                if self._live():
+                    return
 
     async def healthy(self) -> bool:
         live = self._live()
@@ -277,8 +342,21 @@ class EnginePool:
             return False
         return any(await asyncio.gather(*(e.healthy() for e in live)))
 
+    def health(self) -> dict:
+        """Servers up, suspect and dead, restarts, and generated tokens/s per server (p10, p50,
+        p90 over servers since the start) with the count of slow ones (under half the median):
+        a straggler shows here, and is not a hang."""
+        rates = sorted(self._tokens[e.name] / max(time.monotonic() - self._started, 1e-9) for e in self.engines)
+        median = rates[len(rates) // 2]
+        pick = (lambda q: round(rates[min(len(rates) - 1, int(q * len(rates)))], 1))
+        return {"servers_up": len(self._live()), "servers_suspect": len(self.engines) - len(self._live()) - len(self._dead),
+                "servers_dead": len(self._dead), "server_restarts": self.restarts,
+                "server_tokens_per_s_p10": pick(0.1), "server_tokens_per_s_p50": pick(0.5),
+                "server_tokens_per_s_p90": pick(0.9), "servers_slow": sum(r < median / 2 for r in rates),
+                "server_slowest": min(self.engines, key=lambda e: self._tokens[e.name]).name}
+
     def gauges(self) -> dict:
-        return {"servers_up": len(self._live()), "servers": len(self.engines),
+        return {**self.health(), "servers": len(self.engines),
                 "in_flight": dict(self._in_flight), "in_flight_total": sum(self._in_flight.values()),
                 "failovers": self.failovers, "completed": self.completed,
                 "version": self._checkpoint[1] if self._checkpoint else None}
@@ -288,6 +366,23 @@ class EnginePool:
     def _ensure_probe(self) -> None:
         if self._probe is None or self._probe.done():
             self._probe = asyncio.get_running_loop().create_task(self._probe_loop(), name=f"{self.name}-probe")
+        if self.health_interval is not None and (self._health is None or self._health.done()):
+            self._health = asyncio.get_running_loop().create_task(self._health_loop(), name=f"{self.name}-health")
+
+    async def _health_loop(self) -> None:
+        """Probe every server in rotation each ``health_interval``; ``health_failures`` misses in a
+        row make it suspect. No probe runs while weights load (the servers are paused then)."""
+        while True:
+            await asyncio.sleep(self.health_interval)
+            live = [] if self._reload_lock.locked() else self._live()
+            answers = await asyncio.gather(*(e.healthy(self.health_timeout) for e in live))
+            for engine, ok in zip(live, answers):
+                self._misses[engine.name] = 0 if ok else self._misses[engine.name] + 1
+                if self._misses[engine.name] >= self.health_failures and self._up[engine.name]:
+                    self._misses[engine.name] = 0
+                    self._mark_down(engine, f"missed {self.health_failures} health probes in a row "
+                                            f"(inference.health_interval={self.health_interval:g}s, "
+                                            f"inference.health_timeout={self.health_timeout:g}s)")
 
     async def _probe_loop(self) -> None:
         """Bring down servers back once they continue, ``/health_generate`` answers and they
@@ -318,6 +413,7 @@ class EnginePool:
                 log.warning("%s: server %s answers but cannot rejoin: %s", self.name, engine.name, err)
                 return
             self._up[engine.name] = True
+            self._misses[engine.name] = 0
             self._changed.set()
             log.info("%s: server %s is back", self.name, engine.name)
 
@@ -326,7 +422,7 @@ class EnginePool:
 
     async def stop(self, timeout: Optional[float] = None) -> None:
         """Stop the probe, close every client and stop what the launcher started."""
-        await cancel_and_wait(self._probe, timeout=timeout)
+        await cancel_and_wait(self._probe, self._health, timeout=timeout)
         try:
             await asyncio.wait_for(self.destroy_weights_update_group(), 10.0)
         except (asyncio.TimeoutError, EngineError, OSError):

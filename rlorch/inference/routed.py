@@ -79,5 +79,8 @@ class RoutedServer:
     def gauges(self) -> dict:
         return self.router.gauges()
 
+    def health(self) -> dict:
+        return self.router.health()
+
     async def close(self) -> None:
         await asyncio.gather(self.router.close(), *(w.close() for w in self.workers), return_exceptions=True)

@@ -21,22 +21,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import secrets
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from rlorch.backends import inference_backend
 from rlorch.config.schema import Config, InferenceBackend
 from rlorch.inference.client import SGLangEngine
 from rlorch.inference.pool import EnginePool
 from rlorch.launch.base import LaunchError, Launched, Launcher, exit_reason
+from rlorch.launch.placement import server_env
 from rlorch.launch.server_command import API_KEY_ENV
 from rlorch.lifecycle import cancel_and_wait
 from rlorch.rundir.layout import RunDir
 from rlorch.types import PolicyVersion
 
+log = logging.getLogger("rlorch.servers")
 READY_POLL_S = 0.05
 """Seconds between readiness probes of a starting server: a probe of a server not yet
 listening is a refused connection, cheap to repeat, and every run waits for the first that
@@ -57,14 +60,11 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
         api_key = os.environ.get(API_KEY_ENV) or None
         servers = [Launched("server", i, a, None) for i, a in enumerate(inference.addresses)]
     else:
-        from rlorch.launch.placement import server_env
-
         api_key = secrets.token_urlsafe(24)
         servers = [launcher.start_server(config, i, log_dir=log_dir, model_path=model_path, api_key=api_key,
                                          env=server_env(config, i))
                    for i in range(inference.num_servers)]
-    engines = [SGLangEngine(s.address, request_timeout=config.rollout.request_timeout, api_key=api_key)
-               for s in servers]
+    engines = [_client(config, s.address, api_key) for s in servers]
     monitor: list[asyncio.Task] = []
 
     async def shutdown() -> None:
@@ -82,27 +82,68 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
     if inference.router:
         from rlorch.inference.routed import RoutedServer
 
-        router = SGLangEngine(inference.router, request_timeout=config.rollout.request_timeout, api_key=api_key)
-        engines = [RoutedServer(router, engines)]
+        engines = [RoutedServer(_client(config, inference.router, api_key), engines)]
         by_name = {}
     pool = EnginePool(engines, request_timeout=config.rollout.request_timeout,
                       max_retries=config.rollout.max_retries, name=f"{inference.backend.value}-pool", on_close=shutdown,
-                      diagnose=lambda name: exit_reason(launcher, by_name[name]) if name in by_name else None)
-    monitor.append(asyncio.create_task(watch_exits(launcher, by_name, pool), name="server-exits"))
+                      diagnose=lambda name: exit_reason(launcher, by_name[name]) if name in by_name else None,
+                      health_interval=inference.health_interval, health_timeout=inference.health_timeout,
+                      health_failures=inference.health_failures)
+
+    def restart(server: Launched) -> Launched:
+        fresh = launcher.start_server(config, server.index, log_dir=log_dir, model_path=model_path, api_key=api_key,
+                                      env=server_env(config, server.index), port=int(server.address.rsplit(":", 1)[1]))
+        servers[server.index] = fresh
+        return fresh
+
+    monitor.append(asyncio.create_task(supervise(launcher, by_name, pool, restart=restart,
+                                                 hang_timeout=inference.hang_timeout,
+                                                 max_restarts=inference.max_restarts), name="server-supervisor"))
     return pool
 
 
-async def watch_exits(launcher: Launcher, servers: dict[str, Launched], pool: EnginePool,
-                      interval: float = 0.5) -> None:
-    """A launched server that exits is out of the pool within ``interval`` seconds, even with no
-    request in flight to notice it (a launched process never comes back)."""
-    reported: set[str] = set()
-    while len(reported) < sum(s.handle is not None for s in servers.values()):
-        for name, server in servers.items():
-            reason = exit_reason(launcher, server) if name not in reported else None
-            if reason is not None:
-                reported.add(name)
-                pool.mark_dead(name, reason)
+def _client(config, address: str, api_key: Optional[str]) -> SGLangEngine:
+    inference = config.inference
+    return SGLangEngine(address, request_timeout=config.rollout.request_timeout, api_key=api_key,
+                        control_timeout=inference.control_timeout, reload_timeout=inference.reload_timeout)
+
+
+async def supervise(launcher: Launcher, servers: dict[str, Launched], pool: EnginePool, *,
+                    restart: Callable[[Launched], Launched], hang_timeout: float, max_restarts: int,
+                    interval: float = 0.5) -> None:
+    """Launched servers, watched every ``interval`` seconds, even with no request in flight:
+
+    - one whose process exits is dead at once (a launched process never comes back by itself);
+    - one the pool has held suspect for longer than ``hang_timeout`` (alive but answering
+      nothing: a hung GPU, a stuck collective, a swapping host) is killed and started again on
+      its address, up to ``max_restarts`` times; it rejoins through the pool's probe once it
+      answers and holds the current weights. Past that it is dead, and the run goes on with the
+      others (with none left, a request fails naming every server).
+    """
+    restarts = {name: 0 for name in servers}
+    gone: set[str] = set()
+    while True:
+        for name, server in list(servers.items()):
+            if name in gone or server.handle is None:
+                continue
+            reason = exit_reason(launcher, server)
+            hung = pool.down_for(name) if reason is None else None
+            if reason is None and (hung is None or hung <= hang_timeout):
+                continue
+            if reason is None:
+                await launcher.stop([server], timeout=2.0)
+                if restarts[name] < max_restarts:
+                    restarts[name] += 1
+                    log.warning("%s hung for %.0fs (inference.hang_timeout=%g): killed, restart %d of %d",
+                                server.name, hung, hang_timeout, restarts[name], max_restarts)
+                    servers[name] = restart(server)
+                    pool.restarted(name)
+                    continue
+                reason = (f"{server.name} hung: suspect for {hung:.0f}s (inference.hang_timeout={hang_timeout:g}), "
+                          f"killed; no restart left (inference.max_restarts={max_restarts}); log {server.log} "
+                          f"ends:\n{server.tail(10)}")
+            gone.add(name)
+            pool.mark_dead(name, reason)
         await asyncio.sleep(interval)
 
 

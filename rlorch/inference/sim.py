@@ -97,6 +97,10 @@ class SimEngine:
     def gauges(self) -> dict:
         return {"servers_up": 1, "calls": self.calls}
 
+    def health(self) -> dict:
+        """An in-process engine neither hangs nor dies apart from the run."""
+        return {}
+
 
 @inference_backend(InferenceBackend.sim)
 async def start_sim(config: Config, run_dir: RunDir, policy: PolicyVersion, launcher: object) -> tuple[SimEngine, None]:

@@ -52,8 +52,9 @@ class Launcher(Protocol):
     name: str
 
     def start_server(self, config: Any, index: int, *, model_path: Path, api_key: str, log_dir: Path,
-                     env: dict[str, str]) -> Launched:
-        """Start launched server ``index`` on a free port; its address is in the result."""
+                     env: dict[str, str], port: Optional[int] = None) -> Launched:
+        """Start launched server ``index`` on ``port`` (a free one by default: a restart reuses its
+        address); its address is in the result."""
         ...
 
     def start_trainer(self, command: list[str], *, env: dict[str, str], log: Path, workers: Path) -> Launched:

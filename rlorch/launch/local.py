@@ -40,8 +40,8 @@ class LocalLauncher:
     name = "local"
 
     def start_server(self, config, index: int, *, model_path: Path, api_key: str, log_dir: Path,
-                     env: dict[str, str]) -> Launched:
-        port = free_port()
+                     env: dict[str, str], port: Optional[int] = None) -> Launched:
+        port = free_port() if port is None else port
         log = log_dir / f"server-{index}.log"
         command = server_command(config, model_path=model_path, port=port)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **env, API_KEY_ENV: api_key}

@@ -200,7 +200,7 @@ class Orchestrator:
             self._raise_alarm(StopReason(StopKind.bookkeeping, f"bookkeeping failed: {type(error).__name__}: {error}"))
 
     def _after_version(self, evaluate: bool = True, final: bool = False) -> None:
-        extra = {"version": self.policy.value, **self.dispatcher.gauges(), **self.watcher.step_fields()}
+        extra = {"version": self.policy.value, **self.dispatcher.gauges(), **self.watcher.step_fields(), **self.engines.health()}
         records = self.steps.ready(self.policy.value, extra, final=final)
         self.stats.stamp(records, loop_started=self.loop_started)
         for record in records:
@@ -294,7 +294,7 @@ class Orchestrator:
     def _summary(self, status: str, error: Optional[str]) -> dict:
         reason = self.stop_reason
         return {"status": status, "error": error, "reason": str(reason) if reason else None,
-                "stop": reason.kind.value if reason else None, "version": self.policy.value,
+                "stop": reason.kind.value if reason else None, "version": self.policy.value, **self.engines.health(),
                 **self.snapshots.account(self.policy.value), "short_batches": self.sink.totals.short_batches,
                 "parked_s": round(self.shipping.parked_s, 4), "transfer_fallbacks": self.watcher.transfer_fallbacks,
                 **self.evaluations.summary(), **self.stats.summary(loop_started=self.loop_started)}

@@ -82,6 +82,9 @@ class RunView:
             "queue": _num(self.gauges.get("out_queue"), "d"),
             # Only when weights asked to travel over the process group went by disk instead.
             **({"by_disk": str(fallbacks)} if fallbacks else {}),
+            # Only while some server is out of rotation: up/suspect/dead.
+            **({"servers": f"{step['servers_up']}/{step.get('servers_suspect', 0)}/{step.get('servers_dead', 0)}"}
+               if step.get("servers_suspect") or step.get("servers_dead") else {}),
         }
 
 
@@ -179,6 +182,12 @@ def report_lines(summary: dict, phases: Optional[dict] = None) -> list[str]:
         f"rollouts    admitted {s['admitted']} trained {s['trained']} filtered {s['filtered']} "
         f"dropped_stale {s['dropped_stale']} untrained {s['persisted_untrained']} lost {s['lost']}",
     ]
+    if s.get("servers_suspect") or s.get("servers_dead") or s.get("server_restarts") or s.get("servers_slow"):
+        lines.append(f"servers     {s.get('servers_up')} up, {s.get('servers_suspect')} suspect, {s.get('servers_dead')} "
+                     f"dead, {s.get('server_restarts')} restarted after hanging; tokens/s per server p10/p50/p90 "
+                     f"{s.get('server_tokens_per_s_p10')}/{s.get('server_tokens_per_s_p50')}/"
+                     f"{s.get('server_tokens_per_s_p90')}, {s.get('servers_slow')} slow (slowest "
+                     f"{s.get('server_slowest')})")
     if s.get("transfer_fallbacks"):
         lines.append(f"weights     {s['transfer_fallbacks']} version(s) went by disk although "
                      "inference.weight_transfer=distributed (see logs/trainer.log for why)")

@@ -526,7 +526,7 @@ async def _serve_until_signal(server: CpuServer, host: str, port: int, parent: O
 
 
 def serve_command(config, *, host: str, port: int, weight_version: str = "0",
-                  parent: Optional[int] = None, api_key: Optional[str] = None) -> int:
+                  parent: Optional[int] = None, api_key: Optional[str] = None, min_step_time: float = 0.0) -> int:
     """Run the CPU engine until SIGINT/SIGTERM (or until process ``parent`` is gone); the exit
     status (2 for a bad model path)."""
     from rlorch.config.schema import ConfigError
@@ -540,7 +540,7 @@ def serve_command(config, *, host: str, port: int, weight_version: str = "0",
         return 2
     server = CpuServer(path, dtype=config.model.dtype, max_batch=config.inference.cpu.max_batch,
                        seed=config.run.seed, weight_version=weight_version, threads=config.inference.cpu.threads,
-                       api_key=api_key or None)
+                       api_key=api_key or None, min_step_time=min_step_time)
     try:
         asyncio.run(_serve_until_signal(server, host, port, parent))
     except OSError as err:
