@@ -273,6 +273,48 @@ def kill_engine(tmp: Path) -> Outcome:
     return out.done()
 
 
+HANG = ["inference.health_interval=0.5", "inference.health_timeout=1", "inference.health_failures=2",
+        "inference.control_timeout=2", "inference.hang_timeout=4"]
+"""Hang detection sized for a test: suspect after ~2 s of silence, killed after 4 s more."""
+
+
+def freeze_engine(tmp: Path, *, only: bool) -> Outcome:
+    """SIGSTOP an engine mid-run (alive, answering nothing). One of two: the run goes on with the
+    other, the frozen one is killed after inference.hang_timeout and restarted, nothing is lost.
+    The only one (no restarts): the run fails within hang_timeout + a few seconds, naming it."""
+    out = Outcome("SIGSTOP only engine" if only else "SIGSTOP one of two engines")
+    run_dir = tmp / ("freeze-only" if only else "freeze-one")
+    layout = ["inference.num_servers=1", "inference.max_restarts=0"] if only else ["inference.num_servers=2"]
+    run = Run("train", f"run.dir={run_dir}", "train.steps=60", *REAL, *HANG, *layout)
+    frozen = None
+    try:
+        wait_for(lambda: trainer_steps(run_dir) >= 3, 240, "three trainer steps")
+        frozen = json.loads((run_dir / "servers.json").read_text())[0]["pid"]
+        stopped = time.monotonic()
+        os.kill(frozen, signal.SIGSTOP)
+        code = run.wait(240)
+        out.exit_s = round(time.monotonic() - stopped, 2)
+        out.leftovers = leftovers_after(run.tag)
+    finally:
+        if frozen is not None:
+            try:
+                os.kill(frozen, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        run.kill_all()
+    result = summary(run_dir)
+    out.lost, out.duplicates = result.get("lost"), duplicate_groups(run_dir)
+    if only:
+        out.check(code == 1 and out.exit_s < 4 + 20, f"exit {code} after {out.exit_s}s: {run.output[-800:]}")
+        out.check("hung" in (result.get("error") or "") and "inference.hang_timeout" in result["error"],
+                  f"error does not say the engine hung: {result.get('error')}")
+    else:
+        out.check(code == 0 and result.get("status") == "completed", f"exit {code}: {run.output[-800:]}")
+        out.check(result.get("server_restarts", 0) >= 1, f"no restart: {result}")
+    out.check(out.lost == 0 and out.leftovers == 0 and out.duplicates == 0, "lost/leftovers/duplicates")
+    return out.done()
+
+
 def signal_during_startup(tmp: Path, sig: signal.Signals = signal.SIGTERM) -> Outcome:
     """A signal while the trainer is still starting: clean exit, a summary, no orphan."""
     out, run_dir = Outcome(f"{sig.name} during start-up"), tmp / f"startup-{sig.name}"
@@ -546,6 +588,8 @@ CASES: dict[str, Callable[[Path], Outcome]] = {
     "kill_torchrun": lambda tmp: kill_trainer_process(tmp, "torch.distributed.run", "kill -9 torchrun"),
     "kill_worker": lambda tmp: kill_trainer_process(tmp, "rlorch.trainer.fsdp", "kill -9 trainer rank"),
     "kill_engine": kill_engine,
+    "freeze_engine": lambda tmp: freeze_engine(tmp, only=False),
+    "freeze_only_engine": lambda tmp: freeze_engine(tmp, only=True),
     "sigterm_startup": signal_during_startup,
     "sigint_startup": lambda tmp: signal_during_startup(tmp, signal.SIGINT),
     "sigint_twice": signal_twice_midrun_then_resume,
