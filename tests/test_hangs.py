@@ -118,3 +118,44 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_a_weight_update_goes_live_on_the_engines_that_answer_within_the_control_deadline(tmp_path, model_dir,
+                                                                                          perturbed_dir):
+    """One engine frozen as the update starts: the update waits for it no longer than
+    inference.control_timeout, goes live on the other, and the frozen one is suspect."""
+    import asyncio
+
+    from rlorch.inference.client import SGLangEngine
+    from rlorch.inference.pool import EnginePool
+    from rlorch.serve.server import CpuServer, ServerThread
+
+    port = free_port()
+    frozen = subprocess.Popen([sys.executable, "-m", "rlorch.cli", "serve", f"model.path={model_dir}", "--port",
+                               str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    healthy = ServerThread(CpuServer(model_dir, threads=1))
+    try:
+        async def scenario():
+            engines = [SGLangEngine(f"127.0.0.1:{port}", control_timeout=1.0, reload_timeout=30.0),
+                       SGLangEngine(healthy.address, control_timeout=1.0, reload_timeout=30.0)]
+            pool = EnginePool(engines)
+            try:
+                deadline = time.monotonic() + 120
+                while not await engines[0].healthy(2.0):
+                    assert time.monotonic() < deadline, "rlorch serve did not start"
+                os.kill(frozen.pid, signal.SIGSTOP)
+                started = time.monotonic()
+                await pool.reload(str(perturbed_dir), 1)
+                took = time.monotonic() - started
+                return took, await engines[1].weight_version(), pool.health()
+            finally:
+                os.kill(frozen.pid, signal.SIGCONT)
+                await pool.close()
+
+        took, live_version, health = asyncio.run(scenario())
+    finally:
+        frozen.kill()
+        frozen.wait(30)
+        healthy.stop()
+    assert live_version == 1 and health["servers_up"] == 1 and health["servers_suspect"] == 1, health
+    assert took < 1.0 + 10, f"the update waited {took:.1f}s for the frozen engine"

@@ -57,6 +57,8 @@ class EnginePool:
         """Each server's requests in flight, aborted here when it is marked down."""
         self._aborted: set[asyncio.Task] = set()
         self._down_since: dict[str, float] = {}
+        self._suspect_s = 0.0
+        """Seconds servers spent suspect before their current stretch (rejoined or dead since)."""
         self._misses = {e.name: 0 for e in self.engines}
         self._tokens = {e.name: 0 for e in self.engines}
         self._started = time.monotonic()
@@ -96,9 +98,15 @@ class EnginePool:
         """Server ``name`` is gone for good (its process exited): out of rotation now, and once
         every server is dead a request fails at once with ``reason`` instead of waiting."""
         self._dead[name] = reason
+        self._end_suspect(name)
         for engine in self.engines:
             if engine.name == name:
                 self._mark_down(engine, reason)
+
+    def _end_suspect(self, name: str) -> None:
+        since = self._down_since.pop(name, None)
+        if since is not None:
+            self._suspect_s += time.monotonic() - since
 
     def down_for(self, name: str) -> Optional[float]:
         """Seconds server ``name`` has been suspect (down, not dead), or None."""
@@ -110,6 +118,7 @@ class EnginePool:
         """Server ``name`` was started anew (same address): suspect until it rejoins."""
         self._dead.pop(name, None)
         self._down_reason[name] = "restarted; rejoins once it answers and loads the current weights"
+        self._end_suspect(name)
         self._down_since[name] = time.monotonic()
         self.restarts += 1
         self._ensure_probe()
@@ -351,6 +360,8 @@ class EnginePool:
         pick = (lambda q: round(rates[min(len(rates) - 1, int(q * len(rates)))], 1))
         return {"servers_up": len(self._live()), "servers_suspect": len(self.engines) - len(self._live()) - len(self._dead),
                 "servers_dead": len(self._dead), "server_restarts": self.restarts,
+                "servers_suspect_s": round(self._suspect_s + sum(time.monotonic() - since for name, since
+                                                                 in self._down_since.items() if name not in self._dead), 1),
                 "server_tokens_per_s_p10": pick(0.1), "server_tokens_per_s_p50": pick(0.5),
                 "server_tokens_per_s_p90": pick(0.9), "servers_slow": sum(r < median / 2 for r in rates),
                 "server_slowest": min(self.engines, key=lambda e: self._tokens[e.name]).name}
@@ -414,6 +425,7 @@ class EnginePool:
                 return
             self._up[engine.name] = True
             self._misses[engine.name] = 0
+            self._end_suspect(engine.name)
             self._changed.set()
             log.info("%s: server %s is back", self.name, engine.name)
 

@@ -184,7 +184,8 @@ def report_lines(summary: dict, phases: Optional[dict] = None) -> list[str]:
     ]
     if s.get("servers_suspect") or s.get("servers_dead") or s.get("server_restarts") or s.get("servers_slow"):
         lines.append(f"servers     {s.get('servers_up')} up, {s.get('servers_suspect')} suspect, {s.get('servers_dead')} "
-                     f"dead, {s.get('server_restarts')} restarted after hanging; tokens/s per server p10/p50/p90 "
+                     f"dead, {s.get('server_restarts')} restarted after hanging, {s.get('servers_suspect_s')} s suspect in all; "
+                     "tokens/s per server p10/p50/p90 "
                      f"{s.get('server_tokens_per_s_p10')}/{s.get('server_tokens_per_s_p50')}/"
                      f"{s.get('server_tokens_per_s_p90')}, {s.get('servers_slow')} slow (slowest "
                      f"{s.get('server_slowest')})")
