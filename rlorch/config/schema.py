@@ -283,7 +283,7 @@ class InferenceConfig:
     transfer_timeout: float = 60.0
     """weight_transfer=distributed: seconds the group may take to form and one version to
     arrive before the trainer publishes that version to disk instead."""
-    control_timeout: float = 30.0
+    control_timeout: float = 10.0
     """Seconds a pause, continue, abort or other control call may take on one server; past it the
     server is suspect: it takes no new work until it answers again and holds the current weights."""
     reload_timeout: float = 300.0

@@ -28,6 +28,11 @@ from rlorch.lifecycle import cancel_and_wait, gather_all
 from rlorch.types import Generation, GroupRequest, SamplingParams, Server
 
 log = logging.getLogger("rlorch.pool")
+SETTLE_FACTOR = 4.0
+SETTLE_MIN_S = 2.0
+"""A weight update's steps (pause, load, continue) wait for a server still busy once another has
+finished at most SETTLE_FACTOR times as long as that one took, and at least SETTLE_MIN_S: a
+straggler that loads twice as slowly keeps up, a hung server never holds the update."""
 
 
 class EnginePool:
@@ -238,13 +243,19 @@ class EnginePool:
 
     # ---- control --------------------------------------------------------------------------
 
-    async def _each(self, engines: list[Server], call: Callable[[Server], Awaitable]) -> list:
+    async def _each(self, engines: list[Server], call: Callable[[Server], Awaitable], *, settle: bool = False) -> list:
         """Run ``call`` on every engine in parallel; mark unreachable ones down; return the
-        (engine, EngineError) pairs of servers that answered with a failure."""
-        results = await asyncio.gather(*(call(e) for e in engines), return_exceptions=True)
+        (engine, EngineError) pairs of servers that answered with a failure. With ``settle`` a
+        server still busy past the settle time (SETTLE_FACTOR) is marked down and its call
+        abandoned."""
+        tasks = [asyncio.ensure_future(call(e)) for e in engines]
+        late = await _settle(tasks) if settle and len(tasks) > 1 else None
+        results = await asyncio.gather(*tasks, return_exceptions=True)
         failed = []
         for engine, result in zip(engines, results):
-            if isinstance(result, EngineUnavailable):
+            if isinstance(result, asyncio.CancelledError):
+                self._mark_down(engine, f"still busy {late:.1f}s into a weight update the others had finished")
+            elif isinstance(result, EngineUnavailable):
                 self._mark_down(engine, str(result))
             elif isinstance(result, BaseException):
                 failed.append((engine, result))
@@ -268,7 +279,7 @@ class EnginePool:
         ``weight_version`` (loading is all-or-nothing), so it stays in rotation; one that stops
         answering is marked down and loads the current checkpoint before it rejoins.
         """
-        await self._update(version, lambda engines: self._each(engines, lambda e: e.reload(path, version)))
+        await self._update(version, lambda engines: self._each(engines, lambda e: e.reload(path, version), settle=True))
         self._checkpoint = (str(path), version)
 
     def weight_group_ranks(self) -> tuple[list[int], int]:
@@ -332,13 +343,13 @@ class EnginePool:
                 live = self._live()
                 if not live:
                     continue
-                failed = await self._each(live, lambda e: e.pause())
+                failed = await self._each(live, lambda e: e.pause(), settle=True)
                 try:
                     refused = {e.name for e, _ in failed}
                     paused = [e for e in self._live() if e.name not in refused]
                     failed += await load(paused)
                 finally:
-                    failed += await self._each(self._live(), lambda e: e.resume())
+                    failed += await self._each(self._live(), lambda e: e.resume(), settle=True)
                 if failed:
                     raise EngineError(f"{self.name}: version {version} not loaded everywhere: "
                                       + "; ".join(str(err) for _, err in failed))
@@ -445,3 +456,23 @@ class EnginePool:
 
     async def close(self) -> None:
         await self.stop()
+
+
+async def _settle(tasks: list[asyncio.Task]) -> float:
+    """Wait for ``tasks`` until the first has finished, then at most until SETTLE_FACTOR times its
+    time (at least SETTLE_MIN_S) from the start; cancel those still running. Returns the seconds
+    waited."""
+    started = time.monotonic()
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        if pending:
+            first = time.monotonic() - started
+            limit = max(SETTLE_MIN_S, SETTLE_FACTOR * first) - first
+            _, pending = await asyncio.wait(pending, timeout=max(0.0, limit))
+    except asyncio.CancelledError:
+        pending = set(tasks)
+        raise
+    finally:
+        for task in pending:
+            task.cancel()
+    return time.monotonic() - started
