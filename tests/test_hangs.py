@@ -49,7 +49,7 @@ def freeze_server_after(run_dir: Path, index: int, steps: int) -> int:
 
 def test_a_frozen_engine_is_routed_around_killed_restarted_and_loses_nothing(tmp_path):
     run_dir = tmp_path / "frozen"
-    process = start_train(run_dir, "train.steps=150", "inference.num_servers=2")
+    process = start_train(run_dir, "train.steps=200", "inference.num_servers=2")
     frozen = freeze_server_after(run_dir, 0, 10)
     frozen_at = time.monotonic()
     try:
@@ -58,12 +58,14 @@ def test_a_frozen_engine_is_routed_around_killed_restarted_and_loses_nothing(tmp
         os.kill(frozen, signal.SIGCONT) if _alive(frozen) else None
     assert process.returncode == 0, output[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["lost"] == 0 and summary["steps"] == 150, summary
+    assert summary["status"] == "completed" and summary["lost"] == 0 and summary["steps"] == 200, summary
     assert summary["server_restarts"] >= 1 and summary["servers_dead"] == 0, summary
     assert not _alive(frozen), "the frozen server was not killed"
     steps = steps_of(run_dir)
     # Training went on while the server was frozen: steps were recorded before the hang timeout.
     assert any(r["step"] > 10 and r.get("servers_suspect") for r in steps), "no step while the server was suspect"
+    # ... and the restarted server rejoined: both up again after a restart.
+    assert any(r.get("server_restarts") and r.get("servers_up") == 2 for r in steps), "the restarted server never rejoined"
     assert time.monotonic() - frozen_at < 300
 
 
