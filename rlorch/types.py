@@ -287,7 +287,9 @@ class Engine(Protocol):
 
     async def reload(self, path: str, version: int) -> None: ...
 
-    async def healthy(self) -> bool: ...
+    async def healthy(self, timeout: Optional[float] = None) -> bool:
+        """Whether it generates (``/health_generate``) within ``timeout`` seconds (default: its own)."""
+        ...
 
     def gauges(self) -> dict:
         """Numbers for the metrics loop (servers up, in flight, ...)."""

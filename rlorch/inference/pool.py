@@ -356,11 +356,11 @@ class EnginePool:
                 if self._live():
                     return
 
-    async def healthy(self) -> bool:
+    async def healthy(self, timeout: Optional[float] = None) -> bool:
         live = self._live()
         if not live:
             return False
-        return any(await asyncio.gather(*(e.healthy() for e in live)))
+        return any(await asyncio.gather(*(e.healthy(timeout) for e in live)))
 
     def health(self) -> dict:
         """Servers up, suspect and dead, restarts, and generated tokens/s per server (p10, p50,

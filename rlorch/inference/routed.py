@@ -69,8 +69,8 @@ class RoutedServer:
         self.router.version = version
         return version
 
-    async def healthy(self) -> bool:
-        return await self.router.healthy()
+    async def healthy(self, timeout: Optional[float] = None) -> bool:
+        return await self.router.healthy(timeout)
 
     async def server_info(self) -> dict:
         """The first worker's (the router's own has no ``version``)."""

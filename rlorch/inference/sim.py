@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Sequence
+from typing import Optional, Sequence
 
 from rlorch.backends import inference_backend
 from rlorch.config.schema import Config, InferenceBackend, SimEngineConfig
@@ -88,7 +88,7 @@ class SimEngine:
     async def reload(self, path: str, version: int) -> None:
         self.loaded_path, self.loaded_version = path, version
 
-    async def healthy(self) -> bool:
+    async def healthy(self, timeout: Optional[float] = None) -> bool:
         return True
 
     async def close(self) -> None:
