@@ -47,6 +47,23 @@ class Correction(str, enum.Enum):
     none = "none"
 
 
+class Advantage(str, enum.Enum):
+    """Advantage estimator (baselines in :mod:`rlorch.trainer.advantages`)."""
+
+    grpo = "grpo"
+    dr_grpo = "dr_grpo"
+    rloo = "rloo"
+    reinforce = "reinforce"
+
+
+class ScaleRewards(str, enum.Enum):
+    """What centred rewards are divided by: the group's std, the batch's std, or nothing."""
+
+    group = "group"
+    batch = "batch"
+    none = "none"
+
+
 class InferenceBackend(str, enum.Enum):
     """Registered in :mod:`rlorch.backends`; each has a preset in conf/inference/."""
 
@@ -364,6 +381,12 @@ class TrainerConfig:
     (truncated importance sampling vs behaviour logprobs) or none (only sound for S=0)."""
     allow_uncorrected: bool = False
     """Permit correction=none with max_staleness > 0 (off-policy data trained as on-policy)."""
+    advantage: Advantage = Advantage.grpo
+    """Advantage estimator: grpo (group mean and std), dr_grpo (group mean, no std), rloo
+    (leave-one-out mean of the group's other samples), reinforce (batch mean)."""
+    scale_rewards: Optional[ScaleRewards] = None
+    """Divide the centred rewards by the std of the group, of the batch, or none; unset: the
+    estimator's own (group for grpo, none for the others). dr_grpo takes none only."""
     lr: float = 1e-3
     """AdamW learning rate."""
     weight_decay: float = 0.0
@@ -399,6 +422,9 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "trainer.lr", "must be > 0")
+        _require(self.advantage is not Advantage.dr_grpo or self.scale_rewards in (None, ScaleRewards.none),
+                 "trainer.scale_rewards", "dr_grpo is the group mean without a std divisor: leave "
+                 "trainer.scale_rewards unset or none (grpo divides by the group's std)")
         _require(self.clip_eps > 0, "trainer.clip_eps", "must be > 0")
         _require(self.is_cap >= 1, "trainer.is_cap", "must be >= 1")
         _require(self.entropy_coef >= 0, "trainer.entropy_coef", "must be >= 0")
