@@ -310,3 +310,20 @@ def test_later_versions_are_written_as_save_pretrained_writes_them(tmp_path, tie
             assert mine.read_bytes() == theirs.read_bytes(), mine.name
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "v2")
     assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), model.state_dict().values()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("agg", ["seq_mean_token_sum", "seq_mean_token_mean"])
+def test_loss_aggregation_is_the_same_on_two_ranks_as_on_one(tmp_path, agg):
+    """Five sequences of different lengths in micro-batches of one: rank 0 trains three, rank 1
+    two. With the minibatch's counts as normalisers the loss and the gradient norm (before
+    clipping) equal one rank's; a per-rank normaliser would scale the ranks' shares unequally.
+    (The weights after one AdamW step are not compared: its first update is about lr * sign(g),
+    which rounding flips where a gradient is near 0.)"""
+    overrides = (f"trainer.loss_agg={agg}", "trainer.fsdp.micro_batch_size=1")
+    one, _ = _one_step_weights(tmp_path / "one", "trainer.fsdp.nproc=1", *overrides)
+    two, _ = _one_step_weights(tmp_path / "two", "trainer.fsdp.nproc=2", *overrides)
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    token_mean, _ = _one_step_weights(tmp_path / "token", "trainer.fsdp.nproc=1", "trainer.fsdp.micro_batch_size=1")
+    assert token_mean["loss"] != pytest.approx(one["loss"], rel=1e-3)

@@ -64,6 +64,14 @@ class ScaleRewards(str, enum.Enum):
     none = "none"
 
 
+class LossAgg(str, enum.Enum):
+    """How per-token losses combine into a minibatch's loss (see :mod:`rlorch.trainer.loss`)."""
+
+    token_mean = "token_mean"
+    seq_mean_token_sum = "seq_mean_token_sum"
+    seq_mean_token_mean = "seq_mean_token_mean"
+
+
 class InferenceBackend(str, enum.Enum):
     """Registered in :mod:`rlorch.backends`; each has a preset in conf/inference/."""
 
@@ -387,6 +395,12 @@ class TrainerConfig:
     scale_rewards: Optional[ScaleRewards] = None
     """Divide the centred rewards by the std of the group, of the batch, or none; unset: the
     estimator's own (group for grpo, none for the others). dr_grpo takes none only."""
+    loss_agg: LossAgg = LossAgg.token_mean
+    """How per-token losses make a minibatch's loss: token_mean (every trained token of the
+    minibatch, all ranks, weighs the same: DAPO), seq_mean_token_sum (each sequence's token sum,
+    averaged over sequences: Dr. GRPO's constant normaliser), seq_mean_token_mean (each
+    sequence's token mean, averaged over sequences: the original GRPO). The entropy bonus is
+    aggregated the same way."""
     lr: float = 1e-3
     """AdamW learning rate."""
     weight_decay: float = 0.0

@@ -34,7 +34,7 @@ from rlorch.trainer import checkpoint
 from rlorch.trainer.broadcast import Broadcaster, plan
 from rlorch.trainer.batch import BatchError, micro_batches, minibatch_slices, read_batch
 from rlorch.trainer.checkpoint import CheckpointError
-from rlorch.trainer.loss import LossStats, MismatchStats, policy_loss, token_entropy, token_logprobs
+from rlorch.trainer.loss import LossStats, MismatchStats, aggregate, policy_loss, token_entropy, token_logprobs
 from rlorch.trainer.publish import HFWriter, clear_staging, discard_newer, prune, publish
 
 POLL_SECONDS = 0.01
@@ -181,22 +181,22 @@ def train_step(worker: Worker, step: int) -> dict:
         tokens = sum(sum(s.loss_mask) for s in chunk)
         count = max(1, math.ceil(math.ceil(len(chunk) / worker.world) / trainer.fsdp.micro_batch_size))
         plan.append((micro_batches(chunk[worker.rank::worker.world], trainer.fsdp.micro_batch_size, count, pad_id),
-                     tokens))
+                     Counts(tokens, len(chunk))))
     model.train()
     probe = ProximalProbe(mismatch=MismatchStats(), version=step - 1)
     later = _proximal_pass(worker, [micro for micros, _ in plan[1:] for micro in micros], probe)
     loss_sum, stats, norms, skipped = 0.0, LossStats(), [], 0
-    for index, (micros, tokens) in enumerate(plan):
+    for index, (micros, counts) in enumerate(plan):
         worker.optimizer.zero_grad(set_to_none=True)
         proximal = [None] * len(micros) if index == 0 else [later.pop(0) for _ in micros]
-        part_loss, part_stats = _accumulate(worker, micros, max(tokens, 1), proximal, probe)
+        part_loss, part_stats = _accumulate(worker, micros, counts, proximal, probe)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         norms.append(float(grad_norm))
         if not math.isfinite(float(grad_norm)):
             skipped += 1
-        elif tokens > 0:
+        elif counts.tokens > 0:
             worker.optimizer.step()
         loss_sum += part_loss / len(plan)
         stats = stats.merge(part_stats)
@@ -206,7 +206,7 @@ def train_step(worker: Worker, step: int) -> dict:
     rewards = [s.reward for s in sequences]
     return {"step": step, "loss": summed[5], "grad_norm": sum(norms) / len(norms), **merged.summary(),
             **probe.summary(summed[6:], maxima[1]), "minibatches": len(plan), "skipped_updates": skipped,
-            "tokens": int(sum(t for _, t in plan)), "sequences": len(sequences),
+            "tokens": int(sum(c.tokens for _, c in plan)), "sequences": len(sequences),
             "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "step_s": time.perf_counter() - started}
 
@@ -255,8 +255,18 @@ def _proximal_pass(worker: Worker, micros: list, probe: ProximalProbe) -> list:
     return prox
 
 
-def _accumulate(worker: Worker, micros: list, total_tokens: int, proximal: list, probe: ProximalProbe):
-    """Forward/backward every micro-batch; gradients accumulate to the minibatch's token mean.
+@dataclass(frozen=True)
+class Counts:
+    """A minibatch's masked tokens and sequences over all its micro-batches and ranks: the
+    normalisers that make the summed micro-batch losses its ``trainer.loss_agg`` exactly."""
+
+    tokens: int
+    sequences: int
+
+
+def _accumulate(worker: Worker, micros: list, counts: Counts, proximal: list, probe: ProximalProbe):
+    """Forward/backward every micro-batch; gradients accumulate to the minibatch's aggregate
+    (``trainer.loss_agg``).
 
     A micro-batch without proximal logprobs runs on the proximal weights themselves (the first
     minibatch): its detached logprobs are the proximal ones, recorded in ``probe``."""
@@ -276,11 +286,12 @@ def _accumulate(worker: Worker, micros: list, total_tokens: int, proximal: list,
         loss, micro_stats = policy_loss(
             logp, micro.behaviour.to(device), mask, micro.advantages.to(device),
             correction=trainer.correction, clip_eps=trainer.clip_eps, is_cap=trainer.is_cap,
-            prox=prox, normalizer=total_tokens)
+            prox=prox, normalizer=max(counts.tokens, 1), agg=trainer.loss_agg, sequences=max(counts.sequences, 1))
         if trainer.entropy_coef:
             if entropy is None:
                 entropy = token_entropy(logits, temperature)
-            loss = loss - trainer.entropy_coef * (entropy * mask).sum() / total_tokens
+            loss = loss - trainer.entropy_coef * aggregate(entropy, mask, trainer.loss_agg, tokens=max(counts.tokens, 1),
+                                                           sequences=max(counts.sequences, 1))
         # FSDP averages gradients over ranks; scaling by the world size keeps the global token mean.
         (loss * worker.world).backward()
         loss_sum += loss.item()
