@@ -327,3 +327,37 @@ def test_loss_aggregation_is_the_same_on_two_ranks_as_on_one(tmp_path, agg):
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
     token_mean, _ = _one_step_weights(tmp_path / "token", "trainer.fsdp.nproc=1", "trainer.fsdp.micro_batch_size=1")
     assert token_mean["loss"] != pytest.approx(one["loss"], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_the_learning_rate_curve_exactly(tmp_path):
+    """Cosine with warm-up over 3 batches of 2 minibatches (horizon 6 updates); batch 1 holds
+    one sequence, so it takes one update. The step records carry the lr of each batch's last
+    update, and a run resumed from step 2 trains step 3 at the uninterrupted run's lr: the
+    schedule's position (3 updates) comes from the checkpoint, not from 0 nor from
+    steps * minibatches (4)."""
+    from rlorch.trainer.schedule import lr_factor
+
+    schedule = ("trainer.lr_schedule=cosine", "trainer.warmup_steps=2", "trainer.min_lr_ratio=0.1",
+                "trainer.minibatches=2", "trainer.lr=0.01", "trainer.fsdp.nproc=1")
+    run, config = _make_run(tmp_path / "run", *schedule)
+    _write_batch(run, 1, [_rollout("123=", "321", 1.0)])
+    for step in (2, 3):
+        _write_batch(run, step)
+    code, output = _finish(_launch(config, run))
+    assert code == 0, output
+    first = _metrics(run)
+    assert [m["minibatches"] for m in first] == [1, 2, 2]
+    expected = [0.01 * lr_factor(position, schedule="cosine", warmup_steps=2, total_steps=6,
+                                 min_lr_ratio=0.1) for position in (0, 2, 4)]
+    assert [m["lr"] for m in first] == pytest.approx(expected)
+    assert len(set(m["lr"] for m in first)) == 3
+    state = json.loads((run.checkpoint(2) / "trainer" / "trainer_state.json").read_text())
+    assert state["optimizer_steps"] == 3
+
+    code, output = _finish(_launch(config, run, run.checkpoint(2)))
+    assert code == 0, output
+    resumed = _metrics(run)[3]
+    assert resumed["step"] == 3 and resumed["lr"] == first[2]["lr"]
+    assert resumed["loss"] == pytest.approx(first[2]["loss"], rel=1e-4, abs=1e-6)
+    assert resumed["grad_norm"] == pytest.approx(first[2]["grad_norm"], rel=1e-4)

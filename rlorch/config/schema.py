@@ -72,6 +72,14 @@ class LossAgg(str, enum.Enum):
     seq_mean_token_mean = "seq_mean_token_mean"
 
 
+class LrSchedule(str, enum.Enum):
+    """Learning-rate curve after warm-up (see :mod:`rlorch.trainer.schedule`)."""
+
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+
+
 class InferenceBackend(str, enum.Enum):
     """Registered in :mod:`rlorch.backends`; each has a preset in conf/inference/."""
 
@@ -402,7 +410,14 @@ class TrainerConfig:
     sequence's token mean, averaged over sequences: the original GRPO). The entropy bonus is
     aggregated the same way."""
     lr: float = 1e-3
-    """AdamW learning rate."""
+    """AdamW learning rate (the peak of the schedule)."""
+    lr_schedule: LrSchedule = LrSchedule.constant
+    """Learning rate after warm-up: constant, linear or cosine decay to min_lr_ratio * lr over
+    train.steps * minibatches optimizer steps."""
+    warmup_steps: int = 0
+    """Optimizer steps (minibatches included) of linear warm-up from lr / warmup_steps to lr."""
+    min_lr_ratio: float = 0.0
+    """Floor of the linear and cosine decays, as a fraction of lr."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     clip_eps: float = 0.2
@@ -439,6 +454,8 @@ class TrainerConfig:
         _require(self.advantage is not Advantage.dr_grpo or self.scale_rewards in (None, ScaleRewards.none),
                  "trainer.scale_rewards", "dr_grpo is the group mean without a std divisor: leave "
                  "trainer.scale_rewards unset or none (grpo divides by the group's std)")
+        _require(self.warmup_steps >= 0, "trainer.warmup_steps", "must be >= 0")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, "trainer.min_lr_ratio", "must be within [0, 1]")
         _require(self.clip_eps > 0, "trainer.clip_eps", "must be > 0")
         _require(self.is_cap >= 1, "trainer.is_cap", "must be >= 1")
         _require(self.entropy_coef >= 0, "trainer.entropy_coef", "must be >= 0")

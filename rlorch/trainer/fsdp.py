@@ -36,6 +36,7 @@ from rlorch.trainer.batch import BatchError, micro_batches, minibatch_slices, re
 from rlorch.trainer.checkpoint import CheckpointError
 from rlorch.trainer.loss import LossStats, MismatchStats, aggregate, policy_loss, token_entropy, token_logprobs
 from rlorch.trainer.publish import HFWriter, clear_staging, discard_newer, prune, publish
+from rlorch.trainer.schedule import lr_factor
 
 POLL_SECONDS = 0.01
 """Between looks for the next batch when the ranks must agree on what they saw (a collective
@@ -76,6 +77,9 @@ class Worker:
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlorch-publish"))
     nonfinite: int = 0
     """Consecutive steps that skipped every update for a non-finite gradient."""
+    optimizer_steps: int = 0
+    """Updates taken, minibatches (and skipped ones) included: the learning-rate schedule's
+    position, saved in checkpoints."""
 
 
 def _setup_distributed(device_setting: str):
@@ -121,7 +125,10 @@ def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
     tokenizer = AutoTokenizer.from_pretrained(path) if rank == 0 else None
     worker = Worker(config, run, model, optimizer, tokenizer, HFWriter(model, tokenizer), device, rank, world)
     if resume is not None:
-        worker.step = checkpoint.load(resume, model, optimizer)
+        worker.step, optimizer_steps = checkpoint.load(resume, model, optimizer)
+        # An older checkpoint lacks the count: every batch before it took the configured minibatches.
+        worker.optimizer_steps = (optimizer_steps if optimizer_steps is not None
+                                  else worker.step * config.trainer.minibatches)
         worker.saved.add(worker.step)
     return worker
 
@@ -194,6 +201,8 @@ def train_step(worker: Worker, step: int) -> dict:
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         norms.append(float(grad_norm))
+        lr = set_lr(worker)
+        worker.optimizer_steps += 1
         if not math.isfinite(float(grad_norm)):
             skipped += 1
         elif counts.tokens > 0:
@@ -205,10 +214,21 @@ def train_step(worker: Worker, step: int) -> dict:
     merged = type(stats).from_tensor(torch.tensor(summed[:5]), maxima[0])
     rewards = [s.reward for s in sequences]
     return {"step": step, "loss": summed[5], "grad_norm": sum(norms) / len(norms), **merged.summary(),
-            **probe.summary(summed[6:], maxima[1]), "minibatches": len(plan), "skipped_updates": skipped,
+            **probe.summary(summed[6:], maxima[1]), "minibatches": len(plan), "skipped_updates": skipped, "lr": lr,
             "tokens": int(sum(c.tokens for _, c in plan)), "sequences": len(sequences),
             "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "step_s": time.perf_counter() - started}
+
+
+def set_lr(worker: Worker) -> float:
+    """Set (and return) the learning rate of the update at ``worker.optimizer_steps``."""
+    trainer = worker.config.trainer
+    lr = trainer.lr * lr_factor(worker.optimizer_steps, schedule=trainer.lr_schedule.value,
+                                warmup_steps=trainer.warmup_steps, min_lr_ratio=trainer.min_lr_ratio,
+                                total_steps=worker.config.train.steps * trainer.minibatches)
+    for group in worker.optimizer.param_groups:
+        group["lr"] = lr
+    return lr
 
 
 @dataclass
@@ -364,7 +384,8 @@ def save_checkpoint(worker: Worker, step: int) -> None:
         return
     worker.saved.add(step)
     checkpoint.save(worker.run, step, worker.model, worker.optimizer, rank=worker.rank,
-                    write_weights=lambda target: write_weights(worker, target))
+                    write_weights=lambda target: write_weights(worker, target),
+                    optimizer_steps=worker.optimizer_steps)
 
 
 def _append_metrics(run, record: dict) -> None:
