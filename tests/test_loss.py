@@ -247,3 +247,34 @@ def test_policy_loss_uses_the_aggregation_and_the_default_is_the_token_mean():
     default, _, _ = _grad(_leaf(values), values, mask, [1.0, -2.0], Correction.tis)
     token_mean, _, _ = _grad(_leaf(values), values, mask, [1.0, -2.0], Correction.tis, agg=LossAgg.token_mean)
     assert default.item() == token_mean.item()
+
+
+def test_reference_kl_estimators_by_hand():
+    """log_ratio = log 2 (the policy doubled a token's probability over the reference)."""
+    from rlorch.config.schema import KlEstimator
+    from rlorch.trainer.loss import reference_kl
+
+    ref = torch.tensor([[math.log(0.25)]], dtype=torch.float64)
+    expected = {KlEstimator.k1: (math.log(2), 1.0), KlEstimator.k2: (0.5 * math.log(2) ** 2, math.log(2)),
+                KlEstimator.k3: (0.5 - 1 + math.log(2), 1 - 0.5)}  # (value, d value / d logp)
+    for estimator, (value, slope) in expected.items():
+        logp = _leaf([[math.log(0.5)]])
+        kl = reference_kl(logp, ref, estimator)
+        kl.sum().backward()
+        assert kl.item() == pytest.approx(value) and logp.grad.item() == pytest.approx(slope), estimator
+        same = _leaf([[math.log(0.25)]])
+        at_reference = reference_kl(same, ref, estimator)
+        at_reference.sum().backward()
+        assert at_reference.item() == 0.0
+        assert same.grad.item() == (1.0 if estimator is KlEstimator.k1 else 0.0)
+
+
+def test_no_reference_is_built_at_kl_coef_zero():
+    from rlorch.config.compose import compose
+    from rlorch.trainer.fsdp import build_reference
+
+    assert build_reference(compose([]), "no/such/model", torch.device("cpu")) is None
+    with pytest.raises(Exception, match="trainer.kl_coef"):
+        compose(["trainer.kl_coef=-0.1"])
+    with pytest.raises(Exception, match="trainer.kl_estimator"):
+        compose(["trainer.kl_estimator=k4"])

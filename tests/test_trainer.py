@@ -101,6 +101,7 @@ def test_trains_publishes_checkpoints_resumes_and_stops(tmp_path):
     assert first_life[0]["tokens"] == 19 and first_life[0]["sequences"] == 5
     assert first_life[0]["grad_norm"] > 0
     assert set(first_life[0]) >= {"loss", "kl", "ratio_mean", "ratio_max", "clip_frac", "step_s"}
+    assert "ref_kl" not in first_life[0]  # trainer.kl_coef=0: no reference policy at all
     assert [step for step, _ in run.published_weights()] == [2, 3]  # keep=2 pruned version 1
     model = AutoModelForCausalLM.from_pretrained(run.weights_for(3))
     assert model.config.vocab_size > 0 and (run.weights_for(3) / "tokenizer.json").exists()
@@ -361,3 +362,29 @@ def test_a_resumed_run_continues_the_learning_rate_curve_exactly(tmp_path):
     assert resumed["step"] == 3 and resumed["lr"] == first[2]["lr"]
     assert resumed["loss"] == pytest.approx(first[2]["loss"], rel=1e-4, abs=1e-6)
     assert resumed["grad_norm"] == pytest.approx(first[2]["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_kl_to_the_reference_is_zero_before_the_first_update_and_resumes_exactly(tmp_path):
+    """Two ranks hold the reference sharded like the policy: at step 1 both are the initial
+    weights (ref_kl 0), later the policy moved (ref_kl > 0). One rank resumed from step 2
+    reloads the same reference and re-trains step 3 with the same ref_kl and loss."""
+    run, config = _make_run(tmp_path / "run", "trainer.fsdp.nproc=2", "trainer.kl_coef=0.5", "trainer.lr=0.01")
+    for step in (1, 2, 3):
+        _write_batch(run, step)
+    code, output = _finish(_launch(config, run))
+    assert code == 0, output
+    first = _metrics(run)
+    assert first[0]["ref_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert first[1]["ref_kl"] > 1e-6 and first[2]["ref_kl"] > 1e-6
+
+    config = compose(["trainer.fsdp.device=cpu", "train.steps=3", "trainer.checkpoint_every=2",
+                      "trainer.fsdp.micro_batch_size=2", "trainer.fsdp.nproc=1", "trainer.kl_coef=0.5",
+                      "trainer.lr=0.01"])
+    save_config(config, run.config)
+    code, output = _finish(_launch(config, run, run.checkpoint(2)))
+    assert code == 0, output
+    resumed = _metrics(run)[3]
+    assert resumed["step"] == 3
+    assert resumed["ref_kl"] == pytest.approx(first[2]["ref_kl"], rel=1e-4)
+    assert resumed["loss"] == pytest.approx(first[2]["loss"], rel=1e-4, abs=1e-6)

@@ -80,6 +80,14 @@ class LrSchedule(str, enum.Enum):
     cosine = "cosine"
 
 
+class KlEstimator(str, enum.Enum):
+    """Per-token estimator of KL(policy || reference) (see :mod:`rlorch.trainer.loss`)."""
+
+    k1 = "k1"
+    k2 = "k2"
+    k3 = "k3"
+
+
 class InferenceBackend(str, enum.Enum):
     """Registered in :mod:`rlorch.backends`; each has a preset in conf/inference/."""
 
@@ -428,6 +436,12 @@ class TrainerConfig:
     """Gradient clipping norm."""
     entropy_coef: float = 0.0
     """Weight of an entropy bonus on trained tokens (keeps a collapsing policy exploring)."""
+    kl_coef: float = 0.0
+    """Weight of a KL penalty to the reference policy (the initial weights, frozen, sharded like
+    the policy, never published); 0 keeps no reference at all: no forward, no memory."""
+    kl_estimator: KlEstimator = KlEstimator.k3
+    """Per-token estimator of KL(policy || reference) on the trained tokens: k1 (log ratio),
+    k2 (half its square), k3 (r - 1 - log r with r = reference / policy: unbiased and >= 0)."""
     minibatches: int = 1
     """Optimizer steps per batch (PPO-style): the batch is cut into this many minibatches, and
     the proximal logprobs are computed once, before the first. Above 1, decoupled (clip against
@@ -459,6 +473,7 @@ class TrainerConfig:
         _require(self.clip_eps > 0, "trainer.clip_eps", "must be > 0")
         _require(self.is_cap >= 1, "trainer.is_cap", "must be >= 1")
         _require(self.entropy_coef >= 0, "trainer.entropy_coef", "must be >= 0")
+        _require(self.kl_coef >= 0, "trainer.kl_coef", "must be >= 0 (0 = no reference policy)")
         _require(self.minibatches >= 1, "trainer.minibatches", "must be >= 1")
         _require(self.publish_every >= 1, "trainer.publish_every", "must be >= 1")
         _require(self.checkpoint_every >= 1, "trainer.checkpoint_every", "must be >= 1")

@@ -34,7 +34,8 @@ from rlorch.trainer import checkpoint
 from rlorch.trainer.broadcast import Broadcaster, plan
 from rlorch.trainer.batch import BatchError, micro_batches, minibatch_slices, read_batch
 from rlorch.trainer.checkpoint import CheckpointError
-from rlorch.trainer.loss import LossStats, MismatchStats, aggregate, policy_loss, token_entropy, token_logprobs
+from rlorch.trainer.loss import (LossStats, MismatchStats, aggregate, policy_loss, reference_kl, token_entropy,
+                                 token_logprobs)
 from rlorch.trainer.publish import HFWriter, clear_staging, discard_newer, prune, publish
 from rlorch.trainer.schedule import lr_factor
 
@@ -69,6 +70,8 @@ class Worker:
     step: int = 0
     saved: set = field(default_factory=set)
     """Checkpoints this life resumed from or wrote; any other one on disk gets overwritten."""
+    reference: Optional[torch.nn.Module] = None
+    """With ``trainer.kl_coef > 0``: the initial weights, frozen and sharded like the policy."""
     broadcaster: Optional[Broadcaster] = None
     """Rank 0 with ``inference.weight_transfer=distributed``: sends each version to the engines."""
     handing_off: Optional[Future] = None
@@ -104,12 +107,9 @@ def _decoder_layers(model) -> list:
     return [module for module in model.modules() if type(module).__name__ in names]
 
 
-def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
-    torch.manual_seed(config.run.seed)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    path = resolve_model_path(config.model.path) if rank == 0 else None
-    path = _broadcast(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, config.model.dtype))
+def _sharded(model, device):
+    """``model`` with each decoder layer and the root as FSDP2 units over every rank."""
+    world = dist.get_world_size()
     if world > 1:
         # One rank has nothing to shard: FSDP2's per-parameter DTensor dispatch would cost about
         # a quarter of a tiny model's CPU step for nothing. DCP checkpoints reshard on load, so a
@@ -118,12 +118,33 @@ def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
         for layer in _decoder_layers(model):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
+    return model
+
+
+def build_reference(config, path: str, device) -> Optional[torch.nn.Module]:
+    """The reference policy for ``trainer.kl_coef > 0``: the initial weights, loaded from the
+    model path (so a resumed run gets the very same ones without checkpointing them), frozen,
+    sharded like the policy and never published. None at 0: no copy is kept."""
+    if not config.trainer.kl_coef:
+        return None
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, config.model.dtype))
+    reference.requires_grad_(False)
+    return _sharded(reference.eval(), device)
+
+
+def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
+    torch.manual_seed(config.run.seed)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path = resolve_model_path(config.model.path) if rank == 0 else None
+    path = _broadcast(path)
+    model = _sharded(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, config.model.dtype)), device)
     # One rank holds plain tensors, which the fused kernel updates in one call per step instead
     # of a dozen small ops per parameter; DTensor shards keep the default implementation.
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.trainer.lr,
                                   weight_decay=config.trainer.weight_decay, fused=True if world == 1 else None)
     tokenizer = AutoTokenizer.from_pretrained(path) if rank == 0 else None
-    worker = Worker(config, run, model, optimizer, tokenizer, HFWriter(model, tokenizer), device, rank, world)
+    worker = Worker(config, run, model, optimizer, tokenizer, HFWriter(model, tokenizer), device, rank, world,
+                    reference=build_reference(config, path, device))
     if resume is not None:
         worker.step, optimizer_steps = checkpoint.load(resume, model, optimizer)
         # An older checkpoint lacks the count: every batch before it took the configured minibatches.
@@ -211,10 +232,13 @@ def train_step(worker: Worker, step: int) -> dict:
         stats = stats.merge(part_stats)
     summed = _all_reduce(stats.as_tensor().tolist() + [loss_sum] + probe.sums(), worker.device)
     maxima = _all_reduce([stats.ratio_max, probe.mismatch.max_abs], worker.device, "max")
-    merged = type(stats).from_tensor(torch.tensor(summed[:5]), maxima[0])
+    width = len(stats.as_tensor())
+    merged = type(stats).from_tensor(torch.tensor(summed[:width]), maxima[0])
     rewards = [s.reward for s in sequences]
-    return {"step": step, "loss": summed[5], "grad_norm": sum(norms) / len(norms), **merged.summary(),
-            **probe.summary(summed[6:], maxima[1]), "minibatches": len(plan), "skipped_updates": skipped, "lr": lr,
+    # ref_kl only with a reference: its absence says no reference was kept.
+    reference = {"ref_kl": merged.ref_kl_sum / max(merged.tokens, 1.0)} if worker.reference is not None else {}
+    return {"step": step, "loss": summed[width], "grad_norm": sum(norms) / len(norms), **merged.summary(),
+            **reference, **probe.summary(summed[width + 1:], maxima[1]), "minibatches": len(plan), "skipped_updates": skipped, "lr": lr,
             "tokens": int(sum(c.tokens for _, c in plan)), "sequences": len(sequences),
             "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "step_s": time.perf_counter() - started}
@@ -312,6 +336,13 @@ def _accumulate(worker: Worker, micros: list, counts: Counts, proximal: list, pr
                 entropy = token_entropy(logits, temperature)
             loss = loss - trainer.entropy_coef * aggregate(entropy, mask, trainer.loss_agg, tokens=max(counts.tokens, 1),
                                                            sequences=max(counts.sequences, 1))
+        if worker.reference is not None:
+            with torch.no_grad():
+                ref_logp = token_logprobs(worker.reference(input_ids=tokens).logits, tokens, temperature)
+            kl = reference_kl(logp, ref_logp, trainer.kl_estimator)
+            loss = loss + trainer.kl_coef * aggregate(kl, mask, trainer.loss_agg, tokens=max(counts.tokens, 1),
+                                                      sequences=max(counts.sequences, 1))
+            micro_stats.ref_kl_sum = float((kl.detach() * mask).sum())
         # FSDP averages gradients over ranks; scaling by the world size keeps the global token mean.
         (loss * worker.world).backward()
         loss_sum += loss.item()

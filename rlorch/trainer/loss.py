@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from rlorch.config.schema import Correction, LossAgg
+from rlorch.config.schema import Correction, KlEstimator, LossAgg
 
 
 
@@ -63,6 +63,31 @@ def k3_kl(log_ratio: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - 1.0 - log_ratio
 
 
+def _k1(log_ratio):
+    return log_ratio
+
+
+def _k2(log_ratio):
+    return 0.5 * log_ratio ** 2
+
+
+def _k3(log_ratio):
+    return torch.exp(-log_ratio) - 1.0 + log_ratio
+
+
+REFERENCE_KL = {KlEstimator.k1: _k1, KlEstimator.k2: _k2, KlEstimator.k3: _k3}
+"""Per-token estimators of KL(policy || reference) from tokens the policy sampled, of
+``log_ratio = logp_policy - logp_reference`` (Schulman's k1, k2, k3): k1 is unbiased but
+signed and noisy, k2 is >= 0 with a low bias, k3 (``r - 1 - log r``, ``r = reference /
+policy``) is unbiased and >= 0. Gradients flow through the policy's logprobs only."""
+
+
+def reference_kl(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KlEstimator = KlEstimator.k3) -> torch.Tensor:
+    """Per-token KL(policy || reference) estimate (``trainer.kl_estimator``); the reference's
+    logprobs are detached (it is frozen)."""
+    return REFERENCE_KL[KlEstimator(estimator)](logp - ref_logp.detach().to(logp.dtype))
+
+
 @dataclass
 class LossStats:
     """Sums over masked tokens, so micro-batches and ranks combine exactly (see :meth:`merge`)."""
@@ -73,22 +98,25 @@ class LossStats:
     ratio_max: float = 0.0
     clipped: float = 0.0
     capped: float = 0.0
+    ref_kl_sum: float = 0.0
+    """Summed KL-to-reference estimate (0 without a reference)."""
 
     def merge(self, other: "LossStats") -> "LossStats":
         return LossStats(tokens=self.tokens + other.tokens, kl_sum=self.kl_sum + other.kl_sum,
                          ratio_sum=self.ratio_sum + other.ratio_sum,
                          ratio_max=max(self.ratio_max, other.ratio_max),
-                         clipped=self.clipped + other.clipped, capped=self.capped + other.capped)
+                         clipped=self.clipped + other.clipped, capped=self.capped + other.capped,
+                         ref_kl_sum=self.ref_kl_sum + other.ref_kl_sum)
 
     def as_tensor(self) -> torch.Tensor:
         """Summable fields (for an all-reduce SUM); ``ratio_max`` goes through a MAX reduce."""
-        return torch.tensor([self.tokens, self.kl_sum, self.ratio_sum, self.clipped, self.capped],
-                            dtype=torch.float64)
+        return torch.tensor([self.tokens, self.kl_sum, self.ratio_sum, self.clipped, self.capped,
+                             self.ref_kl_sum], dtype=torch.float64)
 
     @classmethod
     def from_tensor(cls, sums: torch.Tensor, ratio_max: float) -> "LossStats":
-        tokens, kl_sum, ratio_sum, clipped, capped = sums.tolist()
-        return cls(tokens, kl_sum, ratio_sum, ratio_max, clipped, capped)
+        tokens, kl_sum, ratio_sum, clipped, capped, ref_kl_sum = sums.tolist()
+        return cls(tokens, kl_sum, ratio_sum, ratio_max, clipped, capped, ref_kl_sum)
 
     def summary(self) -> dict[str, float]:
         """Per-token means: ``kl`` approximates KL(behaviour || current) (k3 estimator),
