@@ -388,3 +388,13 @@ def test_kl_to_the_reference_is_zero_before_the_first_update_and_resumes_exactly
     assert resumed["step"] == 3
     assert resumed["ref_kl"] == pytest.approx(first[2]["ref_kl"], rel=1e-4)
     assert resumed["loss"] == pytest.approx(first[2]["loss"], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_under_fsdp_gives_the_same_step(tmp_path):
+    """Two ranks, each decoder layer an FSDP unit whose forward is recomputed in the backward:
+    the step's loss and gradient norm equal those without checkpointing."""
+    plain, _ = _one_step_weights(tmp_path / "plain", "trainer.fsdp.nproc=2")
+    checkpointed, _ = _one_step_weights(tmp_path / "ac", "trainer.fsdp.nproc=2", "trainer.activation_checkpointing=true")
+    assert checkpointed["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=1e-7)
+    assert checkpointed["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)

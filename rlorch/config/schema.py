@@ -442,6 +442,9 @@ class TrainerConfig:
     kl_estimator: KlEstimator = KlEstimator.k3
     """Per-token estimator of KL(policy || reference) on the trained tokens: k1 (log ratio),
     k2 (half its square), k3 (r - 1 - log r with r = reference / policy: unbiased and >= 0)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them:
+    less memory for about one more forward's time; the same losses and gradients."""
     minibatches: int = 1
     """Optimizer steps per batch (PPO-style): the batch is cut into this many minibatches, and
     the proximal logprobs are computed once, before the first. Above 1, decoupled (clip against

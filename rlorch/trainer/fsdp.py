@@ -107,6 +107,27 @@ def _decoder_layers(model) -> list:
     return [module for module in model.modules() if type(module).__name__ in names]
 
 
+def checkpoint_activations(model) -> None:
+    """Wrap each decoder layer's forward in a non-reentrant ``torch.utils.checkpoint``: its
+    activations are recomputed in the backward pass instead of kept. The layer stays the same
+    module (parameter names, state dicts and checkpoints are unchanged); applied before
+    ``fully_shard`` so the FSDP unit gathers the layer's parameters around the recomputation
+    too. Without gradients (the proximal pass) it runs the plain forward."""
+    from torch.utils.checkpoint import checkpoint
+
+    layers = _decoder_layers(model)
+    if not layers:
+        raise ValueError(f"trainer.activation_checkpointing: {type(model).__name__} names no decoder "
+                         f"layer (_no_split_modules) to wrap")
+    for layer in layers:
+        def forward(*args, _forward=layer.forward, **kwargs):
+            if not torch.is_grad_enabled():
+                return _forward(*args, **kwargs)
+            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = forward
+
+
 def _sharded(model, device):
     """``model`` with each decoder layer and the root as FSDP2 units over every rank."""
     world = dist.get_world_size()
@@ -137,7 +158,10 @@ def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
     rank, world = dist.get_rank(), dist.get_world_size()
     path = resolve_model_path(config.model.path) if rank == 0 else None
     path = _broadcast(path)
-    model = _sharded(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, config.model.dtype)), device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, config.model.dtype))
+    if config.trainer.activation_checkpointing:
+        checkpoint_activations(model)
+    model = _sharded(model, device)
     # One rank holds plain tensors, which the fused kernel updates in one call per step instead
     # of a dozen small ops per parameter; DTensor shards keep the default implementation.
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.trainer.lr,
