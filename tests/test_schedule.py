@@ -51,3 +51,11 @@ def test_config_checks_name_the_key():
         assert caught.value.key == key
     with pytest.raises(Exception, match="trainer.lr_schedule"):
         compose(["trainer.lr_schedule=step"])
+
+
+def test_a_warmup_longer_than_the_run_is_warned_about():
+    from rlorch.config.schema import warnings_for
+
+    assert not warnings_for(compose(["train.steps=10", "trainer.warmup_steps=9"]))
+    found = warnings_for(compose(["train.steps=10", "trainer.minibatches=2", "trainer.warmup_steps=20"]))
+    assert len(found) == 1 and found[0].startswith("trainer.warmup_steps (20) >= train.steps * trainer.minibatches (20)")

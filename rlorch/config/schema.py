@@ -634,6 +634,10 @@ def warnings_for(config: Config) -> list[str]:
     if r.max_concurrent > usable:
         found.append(f"rollout.max_concurrent ({r.max_concurrent}) > (S+1)*B = {usable}: "
                      f"{r.max_concurrent - usable} slots can never be used")
+    updates = config.train.steps * config.trainer.minibatches
+    if config.trainer.warmup_steps >= updates:
+        found.append(f"trainer.warmup_steps ({config.trainer.warmup_steps}) >= train.steps * trainer.minibatches "
+                     f"({updates}) optimizer steps: the run ends before the learning rate reaches trainer.lr")
     return found
 
 
