@@ -8,7 +8,8 @@ from pathlib import Path
 
 from rlorch.orchestrator.dispatcher import Dispatcher, GenerationFailed
 from rlorch.orchestrator.gate import CapacityGate
-from rlorch.orchestrator.sinks import TrainSink, Verdict, group_advantages, zero_variance_filter
+from rlorch.trainer.advantages import group_advantages
+from rlorch.orchestrator.sinks import TrainSink, Verdict, zero_variance_filter
 from rlorch.orchestrator.watcher import WeightWatcher, WatcherStalled
 from rlorch.config.schema import WatcherConfig
 from rlorch.rundir.layout import PUBLISHED, RunDir, mark

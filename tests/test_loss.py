@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from rlorch.config.schema import Correction
-from rlorch.trainer.loss import LossStats, policy_loss, token_logprobs
+from rlorch.config.schema import Correction, LossAgg
+from rlorch.trainer.loss import LossStats, aggregate, policy_loss, token_logprobs
 
 ARGS = dict(clip_eps=0.2, is_cap=2.0)
 
@@ -198,3 +198,83 @@ def test_after_an_update_the_three_corrections_give_different_gradients():
     assert not torch.allclose(grads[Correction.decoupled], grads[Correction.tis])
     assert not torch.allclose(grads[Correction.decoupled], grads[Correction.none])
     assert not torch.allclose(grads[Correction.tis], grads[Correction.none])
+
+
+def _agg_batch():
+    per_token = torch.tensor([[0.0, 1.0, 2.0, 3.0], [0.0, 4.0, 0.0, 0.0], [0.0, 5.0, 7.0, 0.0],
+                              [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[0, 1, 1, 1], [0, 1, 0, 0], [0, 1, 1, 0], [0, 0, 0, 0]], dtype=torch.float64)
+    return per_token, mask
+
+
+@pytest.mark.parametrize("agg, expected", [
+    # 6 masked tokens summing to 22 over 4 sequences (the last has no trained token).
+    (LossAgg.token_mean, 22 / 6),
+    (LossAgg.seq_mean_token_sum, 22 / 4),
+    (LossAgg.seq_mean_token_mean, (6 / 3 + 4 / 1 + 12 / 2 + 0) / 4),
+])
+def test_each_aggregation_by_hand(agg, expected):
+    per_token, mask = _agg_batch()
+    assert aggregate(per_token, mask, agg).item() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("agg", list(LossAgg))
+def test_aggregations_are_exact_across_micro_batches_and_rank_strides(agg):
+    """Rank r takes rows r, r + W, ...; each rank cuts its rows into micro-batches of one. With
+    the minibatch's counts as normalisers, the summed pieces equal the whole minibatch's loss."""
+    per_token, mask = _agg_batch()
+    whole = aggregate(per_token, mask, agg)
+    counts = dict(tokens=mask.sum().item(), sequences=4)
+    world = 2
+    pieces = [aggregate(per_token[row:row + 1], mask[row:row + 1], agg, **counts)
+              for rank in range(world) for row in range(rank, 4, world)]
+    assert sum(pieces).item() == pytest.approx(whole.item())
+    # Normalising by a micro-batch's own counts instead would be wrong (the test can fail):
+    local = [aggregate(per_token[row:row + 1], mask[row:row + 1], agg) for row in range(4)]
+    assert sum(local).item() != pytest.approx(whole.item())
+
+
+def test_policy_loss_uses_the_aggregation_and_the_default_is_the_token_mean():
+    values = [[0.0, -1.0, -2.0, -0.5], [0.0, -0.3, 0.0, 0.0]]
+    mask = [[0, 1, 1, 1], [0, 1, 0, 0]]
+    expected = {LossAgg.token_mean: torch.tensor([[0, -1, -1, -1], [0, 2, 0, 0]]) / 4,
+                LossAgg.seq_mean_token_sum: torch.tensor([[0, -1, -1, -1], [0, 2, 0, 0]]) / 2,
+                LossAgg.seq_mean_token_mean: torch.tensor([[0, -1 / 3, -1 / 3, -1 / 3], [0, 2, 0, 0]]) / 2}
+    for agg, grad in expected.items():
+        logp = _leaf(values)
+        _, _, got = _grad(logp, values, mask, [1.0, -2.0], Correction.tis, agg=agg)
+        assert torch.allclose(got, grad.to(torch.float64)), agg
+    default, _, _ = _grad(_leaf(values), values, mask, [1.0, -2.0], Correction.tis)
+    token_mean, _, _ = _grad(_leaf(values), values, mask, [1.0, -2.0], Correction.tis, agg=LossAgg.token_mean)
+    assert default.item() == token_mean.item()
+
+
+def test_reference_kl_estimators_by_hand():
+    """log_ratio = log 2 (the policy doubled a token's probability over the reference)."""
+    from rlorch.config.schema import KlEstimator
+    from rlorch.trainer.loss import reference_kl
+
+    ref = torch.tensor([[math.log(0.25)]], dtype=torch.float64)
+    expected = {KlEstimator.k1: (math.log(2), 1.0), KlEstimator.k2: (0.5 * math.log(2) ** 2, math.log(2)),
+                KlEstimator.k3: (0.5 - 1 + math.log(2), 1 - 0.5)}  # (value, d value / d logp)
+    for estimator, (value, slope) in expected.items():
+        logp = _leaf([[math.log(0.5)]])
+        kl = reference_kl(logp, ref, estimator)
+        kl.sum().backward()
+        assert kl.item() == pytest.approx(value) and logp.grad.item() == pytest.approx(slope), estimator
+        same = _leaf([[math.log(0.25)]])
+        at_reference = reference_kl(same, ref, estimator)
+        at_reference.sum().backward()
+        assert at_reference.item() == 0.0
+        assert same.grad.item() == (1.0 if estimator is KlEstimator.k1 else 0.0)
+
+
+def test_no_reference_is_built_at_kl_coef_zero():
+    from rlorch.config.compose import compose
+    from rlorch.trainer.fsdp import build_reference
+
+    assert build_reference(compose([]), "no/such/model", torch.device("cpu")) is None
+    with pytest.raises(Exception, match="trainer.kl_coef"):
+        compose(["trainer.kl_coef=-0.1"])
+    with pytest.raises(Exception, match="trainer.kl_estimator"):
+        compose(["trainer.kl_estimator=k4"])

@@ -101,6 +101,7 @@ def test_trains_publishes_checkpoints_resumes_and_stops(tmp_path):
     assert first_life[0]["tokens"] == 19 and first_life[0]["sequences"] == 5
     assert first_life[0]["grad_norm"] > 0
     assert set(first_life[0]) >= {"loss", "kl", "ratio_mean", "ratio_max", "clip_frac", "step_s"}
+    assert "ref_kl" not in first_life[0]  # trainer.kl_coef=0: no reference policy at all
     assert [step for step, _ in run.published_weights()] == [2, 3]  # keep=2 pruned version 1
     model = AutoModelForCausalLM.from_pretrained(run.weights_for(3))
     assert model.config.vocab_size > 0 and (run.weights_for(3) / "tokenizer.json").exists()
@@ -310,3 +311,90 @@ def test_later_versions_are_written_as_save_pretrained_writes_them(tmp_path, tie
             assert mine.read_bytes() == theirs.read_bytes(), mine.name
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "v2")
     assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), model.state_dict().values()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("agg", ["seq_mean_token_sum", "seq_mean_token_mean"])
+def test_loss_aggregation_is_the_same_on_two_ranks_as_on_one(tmp_path, agg):
+    """Five sequences of different lengths in micro-batches of one: rank 0 trains three, rank 1
+    two. With the minibatch's counts as normalisers the loss and the gradient norm (before
+    clipping) equal one rank's; a per-rank normaliser would scale the ranks' shares unequally.
+    (The weights after one AdamW step are not compared: its first update is about lr * sign(g),
+    which rounding flips where a gradient is near 0.)"""
+    overrides = (f"trainer.loss_agg={agg}", "trainer.fsdp.micro_batch_size=1")
+    one, _ = _one_step_weights(tmp_path / "one", "trainer.fsdp.nproc=1", *overrides)
+    two, _ = _one_step_weights(tmp_path / "two", "trainer.fsdp.nproc=2", *overrides)
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    token_mean, _ = _one_step_weights(tmp_path / "token", "trainer.fsdp.nproc=1", "trainer.fsdp.micro_batch_size=1")
+    assert token_mean["loss"] != pytest.approx(one["loss"], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_the_learning_rate_curve_exactly(tmp_path):
+    """Cosine with warm-up over 3 batches of 2 minibatches (horizon 6 updates); batch 1 holds
+    one sequence, so it takes one update. The step records carry the lr of each batch's last
+    update, and a run resumed from step 2 trains step 3 at the uninterrupted run's lr: the
+    schedule's position (3 updates) comes from the checkpoint, not from 0 nor from
+    steps * minibatches (4)."""
+    from rlorch.trainer.schedule import lr_factor
+
+    schedule = ("trainer.lr_schedule=cosine", "trainer.warmup_steps=2", "trainer.min_lr_ratio=0.1",
+                "trainer.minibatches=2", "trainer.lr=0.01", "trainer.fsdp.nproc=1")
+    run, config = _make_run(tmp_path / "run", *schedule)
+    _write_batch(run, 1, [_rollout("123=", "321", 1.0)])
+    for step in (2, 3):
+        _write_batch(run, step)
+    code, output = _finish(_launch(config, run))
+    assert code == 0, output
+    first = _metrics(run)
+    assert [m["minibatches"] for m in first] == [1, 2, 2]
+    expected = [0.01 * lr_factor(position, schedule="cosine", warmup_steps=2, total_steps=6,
+                                 min_lr_ratio=0.1) for position in (0, 2, 4)]
+    assert [m["lr"] for m in first] == pytest.approx(expected)
+    assert len(set(m["lr"] for m in first)) == 3
+    state = json.loads((run.checkpoint(2) / "trainer" / "trainer_state.json").read_text())
+    assert state["optimizer_steps"] == 3
+
+    code, output = _finish(_launch(config, run, run.checkpoint(2)))
+    assert code == 0, output
+    resumed = _metrics(run)[3]
+    assert resumed["step"] == 3 and resumed["lr"] == first[2]["lr"]
+    assert resumed["loss"] == pytest.approx(first[2]["loss"], rel=1e-4, abs=1e-6)
+    assert resumed["grad_norm"] == pytest.approx(first[2]["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_kl_to_the_reference_is_zero_before_the_first_update_and_resumes_exactly(tmp_path):
+    """Two ranks hold the reference sharded like the policy: at step 1 both are the initial
+    weights (ref_kl 0), later the policy moved (ref_kl > 0). One rank resumed from step 2
+    reloads the same reference and re-trains step 3 with the same ref_kl and loss."""
+    run, config = _make_run(tmp_path / "run", "trainer.fsdp.nproc=2", "trainer.kl_coef=0.5", "trainer.lr=0.01")
+    for step in (1, 2, 3):
+        _write_batch(run, step)
+    code, output = _finish(_launch(config, run))
+    assert code == 0, output
+    first = _metrics(run)
+    assert first[0]["ref_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert first[1]["ref_kl"] > 1e-6 and first[2]["ref_kl"] > 1e-6
+
+    config = compose(["trainer.fsdp.device=cpu", "train.steps=3", "trainer.checkpoint_every=2",
+                      "trainer.fsdp.micro_batch_size=2", "trainer.fsdp.nproc=1", "trainer.kl_coef=0.5",
+                      "trainer.lr=0.01"])
+    save_config(config, run.config)
+    code, output = _finish(_launch(config, run, run.checkpoint(2)))
+    assert code == 0, output
+    resumed = _metrics(run)[3]
+    assert resumed["step"] == 3
+    assert resumed["ref_kl"] == pytest.approx(first[2]["ref_kl"], rel=1e-4)
+    assert resumed["loss"] == pytest.approx(first[2]["loss"], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_under_fsdp_gives_the_same_step(tmp_path):
+    """Two ranks, each decoder layer an FSDP unit whose forward is recomputed in the backward:
+    the step's loss and gradient norm equal those without checkpointing."""
+    plain, _ = _one_step_weights(tmp_path / "plain", "trainer.fsdp.nproc=2")
+    checkpointed, _ = _one_step_weights(tmp_path / "ac", "trainer.fsdp.nproc=2", "trainer.activation_checkpointing=true")
+    assert checkpointed["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=1e-7)
+    assert checkpointed["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)

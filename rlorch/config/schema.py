@@ -47,6 +47,47 @@ class Correction(str, enum.Enum):
     none = "none"
 
 
+class Advantage(str, enum.Enum):
+    """Advantage estimator (baselines in :mod:`rlorch.trainer.advantages`)."""
+
+    grpo = "grpo"
+    dr_grpo = "dr_grpo"
+    rloo = "rloo"
+    reinforce = "reinforce"
+
+
+class ScaleRewards(str, enum.Enum):
+    """What centred rewards are divided by: the group's std, the batch's std, or nothing."""
+
+    group = "group"
+    batch = "batch"
+    none = "none"
+
+
+class LossAgg(str, enum.Enum):
+    """How per-token losses combine into a minibatch's loss (see :mod:`rlorch.trainer.loss`)."""
+
+    token_mean = "token_mean"
+    seq_mean_token_sum = "seq_mean_token_sum"
+    seq_mean_token_mean = "seq_mean_token_mean"
+
+
+class LrSchedule(str, enum.Enum):
+    """Learning-rate curve after warm-up (see :mod:`rlorch.trainer.schedule`)."""
+
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+
+
+class KlEstimator(str, enum.Enum):
+    """Per-token estimator of KL(policy || reference) (see :mod:`rlorch.trainer.loss`)."""
+
+    k1 = "k1"
+    k2 = "k2"
+    k3 = "k3"
+
+
 class InferenceBackend(str, enum.Enum):
     """Registered in :mod:`rlorch.backends`; each has a preset in conf/inference/."""
 
@@ -386,8 +427,27 @@ class TrainerConfig:
     (truncated importance sampling vs behaviour logprobs) or none (only sound for S=0)."""
     allow_uncorrected: bool = False
     """Permit correction=none with max_staleness > 0 (off-policy data trained as on-policy)."""
+    advantage: Advantage = Advantage.grpo
+    """Advantage estimator: grpo (group mean and std), dr_grpo (group mean, no std), rloo
+    (leave-one-out mean of the group's other samples), reinforce (batch mean)."""
+    scale_rewards: Optional[ScaleRewards] = None
+    """Divide the centred rewards by the std of the group, of the batch, or none; unset: the
+    estimator's own (group for grpo, none for the others). dr_grpo takes none only."""
+    loss_agg: LossAgg = LossAgg.token_mean
+    """How per-token losses make a minibatch's loss: token_mean (every trained token of the
+    minibatch, all ranks, weighs the same: DAPO), seq_mean_token_sum (each sequence's token sum,
+    averaged over sequences: Dr. GRPO's constant normaliser), seq_mean_token_mean (each
+    sequence's token mean, averaged over sequences: the original GRPO). The entropy bonus is
+    aggregated the same way."""
     lr: float = 1e-3
-    """AdamW learning rate."""
+    """AdamW learning rate (the peak of the schedule)."""
+    lr_schedule: LrSchedule = LrSchedule.constant
+    """Learning rate after warm-up: constant, linear or cosine decay to min_lr_ratio * lr over
+    train.steps * minibatches optimizer steps."""
+    warmup_steps: int = 0
+    """Optimizer steps (minibatches included) of linear warm-up from lr / warmup_steps to lr."""
+    min_lr_ratio: float = 0.0
+    """Floor of the linear and cosine decays, as a fraction of lr."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     clip_eps: float = 0.2
@@ -398,6 +458,15 @@ class TrainerConfig:
     """Gradient clipping norm."""
     entropy_coef: float = 0.0
     """Weight of an entropy bonus on trained tokens (keeps a collapsing policy exploring)."""
+    kl_coef: float = 0.0
+    """Weight of a KL penalty to the reference policy (the initial weights, frozen, sharded like
+    the policy, never published); 0 keeps no reference at all: no forward, no memory."""
+    kl_estimator: KlEstimator = KlEstimator.k3
+    """Per-token estimator of KL(policy || reference) on the trained tokens: k1 (log ratio),
+    k2 (half its square), k3 (r - 1 - log r with r = reference / policy: unbiased and >= 0)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them:
+    less memory for about one more forward's time; the same losses and gradients."""
     minibatches: int = 1
     """Optimizer steps per batch (PPO-style): the batch is cut into this many minibatches, and
     the proximal logprobs are computed once, before the first. Above 1, decoupled (clip against
@@ -421,9 +490,15 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "trainer.lr", "must be > 0")
+        _require(self.advantage is not Advantage.dr_grpo or self.scale_rewards in (None, ScaleRewards.none),
+                 "trainer.scale_rewards", "dr_grpo is the group mean without a std divisor: leave "
+                 "trainer.scale_rewards unset or none (grpo divides by the group's std)")
+        _require(self.warmup_steps >= 0, "trainer.warmup_steps", "must be >= 0")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, "trainer.min_lr_ratio", "must be within [0, 1]")
         _require(self.clip_eps > 0, "trainer.clip_eps", "must be > 0")
         _require(self.is_cap >= 1, "trainer.is_cap", "must be >= 1")
         _require(self.entropy_coef >= 0, "trainer.entropy_coef", "must be >= 0")
+        _require(self.kl_coef >= 0, "trainer.kl_coef", "must be >= 0 (0 = no reference policy)")
         _require(self.minibatches >= 1, "trainer.minibatches", "must be >= 1")
         _require(self.publish_every >= 1, "trainer.publish_every", "must be >= 1")
         _require(self.checkpoint_every >= 1, "trainer.checkpoint_every", "must be >= 1")
@@ -581,6 +656,10 @@ def warnings_for(config: Config) -> list[str]:
     if r.max_concurrent > usable:
         found.append(f"rollout.max_concurrent ({r.max_concurrent}) > (S+1)*B = {usable}: "
                      f"{r.max_concurrent - usable} slots can never be used")
+    updates = config.train.steps * config.trainer.minibatches
+    if config.trainer.warmup_steps >= updates:
+        found.append(f"trainer.warmup_steps ({config.trainer.warmup_steps}) >= train.steps * trainer.minibatches "
+                     f"({updates}) optimizer steps: the run ends before the learning rate reaches trainer.lr")
     return found
 
 

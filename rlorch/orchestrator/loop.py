@@ -64,9 +64,9 @@ class Orchestrator:
                                      # only share one timeout, one retry and the slowest's latency.
                                      pack_groups=r.pack_groups if getattr(work, "batched", True) else 1)
         env = getattr(prompts, "env", None)
-        self.sink = TrainSink(batch_size=r.batch_size, max_staleness=r.max_staleness,
-                              strict=r.enforce is Enforce.strict, max_reward=max_reward(env) if env else 1.0,
-                              filter_budget=r.filter_budget * r.batch_size)
+        self.sink = TrainSink(batch_size=r.batch_size, max_staleness=r.max_staleness, strict=r.enforce is Enforce.strict,
+                              max_reward=max_reward(env) if env else 1.0, filter_budget=r.filter_budget * r.batch_size,
+                              advantage=config.trainer.advantage, scale_rewards=config.trainer.scale_rewards)
         self.version_changed = asyncio.Event()
         self.watcher = WeightWatcher(config.watcher, policy=policy, engines=engines,
                                      published=run_dir.published_weights, offers=run_dir.broadcast_offers,

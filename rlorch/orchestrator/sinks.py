@@ -9,13 +9,13 @@ back (to regenerate or drop) and never trained.
 from __future__ import annotations
 
 import enum
-import math
 from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Callable, Optional, Sequence
 
+from rlorch.trainer.advantages import advantages as estimate
 from rlorch.types import Batch, Rollout, head_ages
 
 
@@ -64,13 +64,6 @@ def zero_variance_filter(max_reward: float = 1.0) -> GroupFilter:
     return check
 
 
-def group_advantages(rewards: Sequence[float], eps: float = 1e-6) -> list[float]:
-    """(r - mean) / (std + eps) within one group (GRPO)."""
-    mean = sum(rewards) / len(rewards)
-    std = math.sqrt(sum([(r - mean) ** 2 for r in rewards]) / len(rewards))
-    return [(r - mean) / (std + eps) for r in rewards]
-
-
 @dataclass
 class SinkTotals:
     batches: int = 0
@@ -101,8 +94,12 @@ class TrainSink:
     """
 
     def __init__(self, *, batch_size: int, max_staleness: int, strict: bool, max_reward: float = 1.0,
-                 filters: Optional[Sequence[GroupFilter]] = None, filter_budget: int = 0):
+                 filters: Optional[Sequence[GroupFilter]] = None, filter_budget: int = 0,
+                 advantage: object = "grpo", scale_rewards: object = None):
         self.batch_size = batch_size
+        # Config enums or their names: the estimator table is keyed by name.
+        self.advantage = getattr(advantage, "value", advantage)
+        self.scale_rewards = getattr(scale_rewards, "value", scale_rewards)
         self.filter_budget = filter_budget
         self.flat = zero_variance_filter(max_reward)
         self.max_staleness = max_staleness
@@ -234,9 +231,11 @@ class TrainSink:
         """Take B rollouts (whole groups, oldest first) as the batch for ``step``, fewer when the
         filter budget ran out.
 
-        Groups of one sample are normalised across the batch instead; a batch whose rewards
-        are then all equal carries no signal: it is counted as empty and comes back with
-        ``trainable`` false (its rollouts are the caller's to discard).
+        Advantages are ``trainer.advantage`` / ``trainer.scale_rewards``'s (see
+        :mod:`rlorch.trainer.advantages`); groups of one sample are normalised across the
+        batch instead. A batch whose advantages are then all 0 carries no signal: it is counted
+        as empty and comes back with ``trainable`` false (its rollouts are the caller's to
+        discard).
         """
         groups = self._groups
         sizes = [len(group) for group in groups]
@@ -250,10 +249,8 @@ class TrainSink:
         if count < self.batch_size:
             self.totals.short_batches += 1
         rollouts = [r for group in taken for r in group]
-        if set(sizes[:end]) <= {1}:
-            advantages = group_advantages([r.reward for r in rollouts])
-        else:
-            advantages = [a for group in taken for a in group_advantages([r.reward for r in group])]
+        rewards = [[r.reward for r in group] for group in taken]
+        advantages = [a for group in estimate(rewards, self.advantage, self.scale_rewards) for a in group]
         batch = Batch(step=step, rollouts=rollouts, advantages=advantages)
         if not batch.trainable:
             self.totals.empty_batches += 1

@@ -20,7 +20,8 @@ import numpy as np
 from rlorch.types import Batch, head_ages
 
 TRAINER_KEYS = ("loss", "grad_norm", "kl", "ratio_mean", "ratio_max", "clip_frac", "is_capped_frac", "step_s",
-                "mismatch_kl", "mismatch_max", "mismatch_tokens", "entropy", "skipped_updates")
+                "mismatch_kl", "mismatch_max", "mismatch_tokens", "entropy", "skipped_updates", "lr",
+                "ref_kl")
 """Trainer figures joined into each step record (``loss`` and ``grad_norm`` always, null if missing)."""
 
 

@@ -1,7 +1,7 @@
 """Full resumable trainer state under ``checkpoints/step_N/``.
 
 Layout: ``trainer/dcp/`` (model and optimizer, sharded, torch.distributed.checkpoint),
-``trainer/trainer_state.json`` (step, RNG states), ``weights/`` (HF copy of version N) and,
+``trainer/trainer_state.json`` (step, RNG states, optimizer steps taken), ``weights/`` (HF copy of version N) and,
 last, ``trainer/COMPLETE``. Invariant: a checkpoint without COMPLETE is never resumed from and
 is overwritten by the next save of the same step.
 """
@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -72,12 +72,13 @@ def link_or_copy_tree(source: Path, target: Path, skip: tuple[str, ...] = (PUBLI
 
 
 def save(run: RunDir, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-         rank: int, write_weights: Callable[[Path], None]) -> Path:
+         rank: int, write_weights: Callable[[Path], None], optimizer_steps: int = 0) -> Path:
     """Collective: every rank calls it. Replaces whatever ``checkpoints/step_N/trainer`` and
     ``weights`` held (a checkpoint of an abandoned trajectory, or a partial one): COMPLETE goes
     first and comes back last, after a barrier. ``write_weights(dir)`` is called on every rank
     (it gathers the full state dict) when version ``step`` was not published, else rank 0 links
-    the published files."""
+    the published files. ``optimizer_steps`` (the learning-rate schedule's position) goes into
+    the state file."""
     checkpoint = run.checkpoint(step)
     parts = CheckpointDir(checkpoint)
     trainer_dir = parts.trainer
@@ -97,7 +98,8 @@ def save(run: RunDir, step: int, model: torch.nn.Module, optimizer: torch.optim.
         write_weights(parts.weights)
     if rank == 0:
         write_json_atomic(trainer_dir / STATE_FILE, {"step": step, "rng": rng_state(),
-                                                     "world_size": dist.get_world_size()})
+                                                     "world_size": dist.get_world_size(),
+                                                     "optimizer_steps": optimizer_steps})
     dist.barrier()
     if rank == 0:
         from rlorch.trainer.publish import fsync_tree
@@ -108,8 +110,9 @@ def save(run: RunDir, step: int, model: torch.nn.Module, optimizer: torch.optim.
     return checkpoint
 
 
-def load(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Restore model, optimizer and RNG from a COMPLETE checkpoint; returns its step."""
+def load(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, Optional[int]]:
+    """Restore model, optimizer and RNG from a COMPLETE checkpoint; returns its step and the
+    optimizer steps taken (None in a checkpoint written before they were recorded)."""
     trainer_dir = CheckpointDir(checkpoint).trainer
     if not is_complete(checkpoint):
         raise CheckpointError(f"{checkpoint}: not a complete checkpoint (no trainer/{COMPLETE})")
@@ -130,4 +133,5 @@ def load(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
         set_rng_state(state["rng"])
     except (KeyError, TypeError, ValueError, RuntimeError) as err:
         raise CheckpointError(f"{trainer_dir / STATE_FILE}: bad rng state ({type(err).__name__}: {err})") from err
-    return step
+    optimizer_steps = state.get("optimizer_steps")
+    return step, int(optimizer_steps) if optimizer_steps is not None else None

@@ -34,8 +34,10 @@ from rlorch.trainer import checkpoint
 from rlorch.trainer.broadcast import Broadcaster, plan
 from rlorch.trainer.batch import BatchError, micro_batches, minibatch_slices, read_batch
 from rlorch.trainer.checkpoint import CheckpointError
-from rlorch.trainer.loss import LossStats, MismatchStats, policy_loss, token_entropy, token_logprobs
+from rlorch.trainer.loss import (LossStats, MismatchStats, aggregate, policy_loss, reference_kl, token_entropy,
+                                 token_logprobs)
 from rlorch.trainer.publish import HFWriter, clear_staging, discard_newer, prune, publish
+from rlorch.trainer.schedule import lr_factor
 
 POLL_SECONDS = 0.01
 """Between looks for the next batch when the ranks must agree on what they saw (a collective
@@ -68,6 +70,8 @@ class Worker:
     step: int = 0
     saved: set = field(default_factory=set)
     """Checkpoints this life resumed from or wrote; any other one on disk gets overwritten."""
+    reference: Optional[torch.nn.Module] = None
+    """With ``trainer.kl_coef > 0``: the initial weights, frozen and sharded like the policy."""
     broadcaster: Optional[Broadcaster] = None
     """Rank 0 with ``inference.weight_transfer=distributed``: sends each version to the engines."""
     handing_off: Optional[Future] = None
@@ -76,6 +80,9 @@ class Worker:
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlorch-publish"))
     nonfinite: int = 0
     """Consecutive steps that skipped every update for a non-finite gradient."""
+    optimizer_steps: int = 0
+    """Updates taken, minibatches (and skipped ones) included: the learning-rate schedule's
+    position, saved in checkpoints."""
 
 
 def _setup_distributed(device_setting: str):
@@ -100,12 +107,30 @@ def _decoder_layers(model) -> list:
     return [module for module in model.modules() if type(module).__name__ in names]
 
 
-def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
-    torch.manual_seed(config.run.seed)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    path = resolve_model_path(config.model.path) if rank == 0 else None
-    path = _broadcast(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, config.model.dtype))
+def checkpoint_activations(model) -> None:
+    """Wrap each decoder layer's forward in a non-reentrant ``torch.utils.checkpoint``: its
+    activations are recomputed in the backward pass instead of kept. The layer stays the same
+    module (parameter names, state dicts and checkpoints are unchanged); applied before
+    ``fully_shard`` so the FSDP unit gathers the layer's parameters around the recomputation
+    too. Without gradients (the proximal pass) it runs the plain forward."""
+    from torch.utils.checkpoint import checkpoint
+
+    layers = _decoder_layers(model)
+    if not layers:
+        raise ValueError(f"trainer.activation_checkpointing: {type(model).__name__} names no decoder "
+                         f"layer (_no_split_modules) to wrap")
+    for layer in layers:
+        def forward(*args, _forward=layer.forward, **kwargs):
+            if not torch.is_grad_enabled():
+                return _forward(*args, **kwargs)
+            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = forward
+
+
+def _sharded(model, device):
+    """``model`` with each decoder layer and the root as FSDP2 units over every rank."""
+    world = dist.get_world_size()
     if world > 1:
         # One rank has nothing to shard: FSDP2's per-parameter DTensor dispatch would cost about
         # a quarter of a tiny model's CPU step for nothing. DCP checkpoints reshard on load, so a
@@ -114,14 +139,41 @@ def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
         for layer in _decoder_layers(model):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
+    return model
+
+
+def build_reference(config, path: str, device) -> Optional[torch.nn.Module]:
+    """The reference policy for ``trainer.kl_coef > 0``: the initial weights, loaded from the
+    model path (so a resumed run gets the very same ones without checkpointing them), frozen,
+    sharded like the policy and never published. None at 0: no copy is kept."""
+    if not config.trainer.kl_coef:
+        return None
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, config.model.dtype))
+    reference.requires_grad_(False)
+    return _sharded(reference.eval(), device)
+
+
+def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
+    torch.manual_seed(config.run.seed)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path = resolve_model_path(config.model.path) if rank == 0 else None
+    path = _broadcast(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, config.model.dtype))
+    if config.trainer.activation_checkpointing:
+        checkpoint_activations(model)
+    model = _sharded(model, device)
     # One rank holds plain tensors, which the fused kernel updates in one call per step instead
     # of a dozen small ops per parameter; DTensor shards keep the default implementation.
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.trainer.lr,
                                   weight_decay=config.trainer.weight_decay, fused=True if world == 1 else None)
     tokenizer = AutoTokenizer.from_pretrained(path) if rank == 0 else None
-    worker = Worker(config, run, model, optimizer, tokenizer, HFWriter(model, tokenizer), device, rank, world)
+    worker = Worker(config, run, model, optimizer, tokenizer, HFWriter(model, tokenizer), device, rank, world,
+                    reference=build_reference(config, path, device))
     if resume is not None:
-        worker.step = checkpoint.load(resume, model, optimizer)
+        worker.step, optimizer_steps = checkpoint.load(resume, model, optimizer)
+        # An older checkpoint lacks the count: every batch before it took the configured minibatches.
+        worker.optimizer_steps = (optimizer_steps if optimizer_steps is not None
+                                  else worker.step * config.trainer.minibatches)
         worker.saved.add(worker.step)
     return worker
 
@@ -181,34 +233,50 @@ def train_step(worker: Worker, step: int) -> dict:
         tokens = sum(sum(s.loss_mask) for s in chunk)
         count = max(1, math.ceil(math.ceil(len(chunk) / worker.world) / trainer.fsdp.micro_batch_size))
         plan.append((micro_batches(chunk[worker.rank::worker.world], trainer.fsdp.micro_batch_size, count, pad_id),
-                     tokens))
+                     Counts(tokens, len(chunk))))
     model.train()
     probe = ProximalProbe(mismatch=MismatchStats(), version=step - 1)
     later = _proximal_pass(worker, [micro for micros, _ in plan[1:] for micro in micros], probe)
     loss_sum, stats, norms, skipped = 0.0, LossStats(), [], 0
-    for index, (micros, tokens) in enumerate(plan):
+    for index, (micros, counts) in enumerate(plan):
         worker.optimizer.zero_grad(set_to_none=True)
         proximal = [None] * len(micros) if index == 0 else [later.pop(0) for _ in micros]
-        part_loss, part_stats = _accumulate(worker, micros, max(tokens, 1), proximal, probe)
+        part_loss, part_stats = _accumulate(worker, micros, counts, proximal, probe)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         norms.append(float(grad_norm))
+        lr = set_lr(worker)
+        worker.optimizer_steps += 1
         if not math.isfinite(float(grad_norm)):
             skipped += 1
-        elif tokens > 0:
+        elif counts.tokens > 0:
             worker.optimizer.step()
         loss_sum += part_loss / len(plan)
         stats = stats.merge(part_stats)
     summed = _all_reduce(stats.as_tensor().tolist() + [loss_sum] + probe.sums(), worker.device)
     maxima = _all_reduce([stats.ratio_max, probe.mismatch.max_abs], worker.device, "max")
-    merged = type(stats).from_tensor(torch.tensor(summed[:5]), maxima[0])
+    width = len(stats.as_tensor())
+    merged = type(stats).from_tensor(torch.tensor(summed[:width]), maxima[0])
     rewards = [s.reward for s in sequences]
-    return {"step": step, "loss": summed[5], "grad_norm": sum(norms) / len(norms), **merged.summary(),
-            **probe.summary(summed[6:], maxima[1]), "minibatches": len(plan), "skipped_updates": skipped,
-            "tokens": int(sum(t for _, t in plan)), "sequences": len(sequences),
+    # ref_kl only with a reference: its absence says no reference was kept.
+    reference = {"ref_kl": merged.ref_kl_sum / max(merged.tokens, 1.0)} if worker.reference is not None else {}
+    return {"step": step, "loss": summed[width], "grad_norm": sum(norms) / len(norms), **merged.summary(),
+            **reference, **probe.summary(summed[width + 1:], maxima[1]), "minibatches": len(plan), "skipped_updates": skipped, "lr": lr,
+            "tokens": int(sum(c.tokens for _, c in plan)), "sequences": len(sequences),
             "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "step_s": time.perf_counter() - started}
+
+
+def set_lr(worker: Worker) -> float:
+    """Set (and return) the learning rate of the update at ``worker.optimizer_steps``."""
+    trainer = worker.config.trainer
+    lr = trainer.lr * lr_factor(worker.optimizer_steps, schedule=trainer.lr_schedule.value,
+                                warmup_steps=trainer.warmup_steps, min_lr_ratio=trainer.min_lr_ratio,
+                                total_steps=worker.config.train.steps * trainer.minibatches)
+    for group in worker.optimizer.param_groups:
+        group["lr"] = lr
+    return lr
 
 
 @dataclass
@@ -255,8 +323,18 @@ def _proximal_pass(worker: Worker, micros: list, probe: ProximalProbe) -> list:
     return prox
 
 
-def _accumulate(worker: Worker, micros: list, total_tokens: int, proximal: list, probe: ProximalProbe):
-    """Forward/backward every micro-batch; gradients accumulate to the minibatch's token mean.
+@dataclass(frozen=True)
+class Counts:
+    """A minibatch's masked tokens and sequences over all its micro-batches and ranks: the
+    normalisers that make the summed micro-batch losses its ``trainer.loss_agg`` exactly."""
+
+    tokens: int
+    sequences: int
+
+
+def _accumulate(worker: Worker, micros: list, counts: Counts, proximal: list, probe: ProximalProbe):
+    """Forward/backward every micro-batch; gradients accumulate to the minibatch's aggregate
+    (``trainer.loss_agg``).
 
     A micro-batch without proximal logprobs runs on the proximal weights themselves (the first
     minibatch): its detached logprobs are the proximal ones, recorded in ``probe``."""
@@ -276,11 +354,19 @@ def _accumulate(worker: Worker, micros: list, total_tokens: int, proximal: list,
         loss, micro_stats = policy_loss(
             logp, micro.behaviour.to(device), mask, micro.advantages.to(device),
             correction=trainer.correction, clip_eps=trainer.clip_eps, is_cap=trainer.is_cap,
-            prox=prox, normalizer=total_tokens)
+            prox=prox, normalizer=max(counts.tokens, 1), agg=trainer.loss_agg, sequences=max(counts.sequences, 1))
         if trainer.entropy_coef:
             if entropy is None:
                 entropy = token_entropy(logits, temperature)
-            loss = loss - trainer.entropy_coef * (entropy * mask).sum() / total_tokens
+            loss = loss - trainer.entropy_coef * aggregate(entropy, mask, trainer.loss_agg, tokens=max(counts.tokens, 1),
+                                                           sequences=max(counts.sequences, 1))
+        if worker.reference is not None:
+            with torch.no_grad():
+                ref_logp = token_logprobs(worker.reference(input_ids=tokens).logits, tokens, temperature)
+            kl = reference_kl(logp, ref_logp, trainer.kl_estimator)
+            loss = loss + trainer.kl_coef * aggregate(kl, mask, trainer.loss_agg, tokens=max(counts.tokens, 1),
+                                                      sequences=max(counts.sequences, 1))
+            micro_stats.ref_kl_sum = float((kl.detach() * mask).sum())
         # FSDP averages gradients over ranks; scaling by the world size keeps the global token mean.
         (loss * worker.world).backward()
         loss_sum += loss.item()
@@ -353,7 +439,8 @@ def save_checkpoint(worker: Worker, step: int) -> None:
         return
     worker.saved.add(step)
     checkpoint.save(worker.run, step, worker.model, worker.optimizer, rank=worker.rank,
-                    write_weights=lambda target: write_weights(worker, target))
+                    write_weights=lambda target: write_weights(worker, target),
+                    optimizer_steps=worker.optimizer_steps)
 
 
 def _append_metrics(run, record: dict) -> None:

@@ -4,9 +4,12 @@ Pure functions on tensors. Shapes: ``[batch, seq]`` per-token tensors aligned wi
 tokens (position ``t`` holds the logprob of token ``t`` given tokens ``< t``), ``[batch]``
 advantages (one group-normalised advantage per rollout, shared by all its tokens).
 
-Aggregation is a global token mean: every masked token of the whole batch (all micro-batches,
-all ranks) has the same weight, so the caller passes ``normalizer`` = the batch's total masked
-token count and sums the returned losses (gradient accumulation) instead of averaging them.
+Aggregation (``trainer.loss_agg``, :data:`AGGREGATIONS`) is exact across micro-batches and
+ranks: every term is a sum over this micro-batch's rows divided by a count of the whole
+minibatch (all micro-batches, all ranks), so the caller passes those counts (``normalizer`` =
+masked tokens, ``sequences`` = sequences) and sums the returned losses (gradient accumulation)
+instead of averaging them. A row's own token count is local to the row, so the per-sequence
+mean needs no collective either.
 
 Corrections (``behaviour`` = logprobs of the engine that sampled the tokens; ``prox`` = the
 trainer's logprobs before the batch's first optimizer step, computed once per batch):
@@ -29,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from rlorch.config.schema import Correction
+from rlorch.config.schema import Correction, KlEstimator, LossAgg
 
 
 
@@ -60,6 +63,31 @@ def k3_kl(log_ratio: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - 1.0 - log_ratio
 
 
+def _k1(log_ratio):
+    return log_ratio
+
+
+def _k2(log_ratio):
+    return 0.5 * log_ratio ** 2
+
+
+def _k3(log_ratio):
+    return torch.exp(-log_ratio) - 1.0 + log_ratio
+
+
+REFERENCE_KL = {KlEstimator.k1: _k1, KlEstimator.k2: _k2, KlEstimator.k3: _k3}
+"""Per-token estimators of KL(policy || reference) from tokens the policy sampled, of
+``log_ratio = logp_policy - logp_reference`` (Schulman's k1, k2, k3): k1 is unbiased but
+signed and noisy, k2 is >= 0 with a low bias, k3 (``r - 1 - log r``, ``r = reference /
+policy``) is unbiased and >= 0. Gradients flow through the policy's logprobs only."""
+
+
+def reference_kl(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KlEstimator = KlEstimator.k3) -> torch.Tensor:
+    """Per-token KL(policy || reference) estimate (``trainer.kl_estimator``); the reference's
+    logprobs are detached (it is frozen)."""
+    return REFERENCE_KL[KlEstimator(estimator)](logp - ref_logp.detach().to(logp.dtype))
+
+
 @dataclass
 class LossStats:
     """Sums over masked tokens, so micro-batches and ranks combine exactly (see :meth:`merge`)."""
@@ -70,22 +98,25 @@ class LossStats:
     ratio_max: float = 0.0
     clipped: float = 0.0
     capped: float = 0.0
+    ref_kl_sum: float = 0.0
+    """Summed KL-to-reference estimate (0 without a reference)."""
 
     def merge(self, other: "LossStats") -> "LossStats":
         return LossStats(tokens=self.tokens + other.tokens, kl_sum=self.kl_sum + other.kl_sum,
                          ratio_sum=self.ratio_sum + other.ratio_sum,
                          ratio_max=max(self.ratio_max, other.ratio_max),
-                         clipped=self.clipped + other.clipped, capped=self.capped + other.capped)
+                         clipped=self.clipped + other.clipped, capped=self.capped + other.capped,
+                         ref_kl_sum=self.ref_kl_sum + other.ref_kl_sum)
 
     def as_tensor(self) -> torch.Tensor:
         """Summable fields (for an all-reduce SUM); ``ratio_max`` goes through a MAX reduce."""
-        return torch.tensor([self.tokens, self.kl_sum, self.ratio_sum, self.clipped, self.capped],
-                            dtype=torch.float64)
+        return torch.tensor([self.tokens, self.kl_sum, self.ratio_sum, self.clipped, self.capped,
+                             self.ref_kl_sum], dtype=torch.float64)
 
     @classmethod
     def from_tensor(cls, sums: torch.Tensor, ratio_max: float) -> "LossStats":
-        tokens, kl_sum, ratio_sum, clipped, capped = sums.tolist()
-        return cls(tokens, kl_sum, ratio_sum, ratio_max, clipped, capped)
+        tokens, kl_sum, ratio_sum, clipped, capped, ref_kl_sum = sums.tolist()
+        return cls(tokens, kl_sum, ratio_sum, ratio_max, clipped, capped, ref_kl_sum)
 
     def summary(self) -> dict[str, float]:
         """Per-token means: ``kl`` approximates KL(behaviour || current) (k3 estimator),
@@ -139,14 +170,50 @@ LOSSES = {Correction.decoupled: _decoupled, Correction.tis: _tis, Correction.non
 Only ``decoupled`` reads ``prox``."""
 
 
+def _token_mean(per_token, mask, tokens, sequences):
+    return (per_token * mask).sum() / tokens
+
+
+def _seq_mean_token_sum(per_token, mask, tokens, sequences):
+    return (per_token * mask).sum() / sequences
+
+
+def _seq_mean_token_mean(per_token, mask, tokens, sequences):
+    # A row without trained tokens (filler for a rank short of data) adds 0, not 0/0.
+    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / sequences
+
+
+AGGREGATIONS = {LossAgg.token_mean: _token_mean, LossAgg.seq_mean_token_sum: _seq_mean_token_sum,
+                LossAgg.seq_mean_token_mean: _seq_mean_token_mean}
+"""One aggregation per ``trainer.loss_agg``: ``(per_token [b, s], mask [b, s], tokens, sequences)
+-> scalar``, where ``tokens`` and ``sequences`` count the whole minibatch:
+
+* ``token_mean``: sum over every masked token / the minibatch's masked tokens (DAPO);
+* ``seq_mean_token_sum``: the same sum / the minibatch's sequences (Dr. GRPO: a normaliser that
+  does not depend on lengths, so long answers are not down-weighted per token);
+* ``seq_mean_token_mean``: each sequence's mean over its own tokens, summed / the minibatch's
+  sequences (GRPO as first published: every sequence weighs the same, whatever its length)."""
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: LossAgg = LossAgg.token_mean, *,
+              tokens: Optional[float] = None, sequences: Optional[float] = None) -> torch.Tensor:
+    """``per_token`` over ``mask`` aggregated per ``agg``; the counts default to this
+    micro-batch's (masked tokens, rows)."""
+    mask = mask.to(per_token.dtype)
+    tokens = float(tokens) if tokens is not None else max(mask.sum().item(), 1.0)
+    sequences = float(sequences) if sequences is not None else max(float(mask.shape[0]), 1.0)
+    return AGGREGATIONS[LossAgg(agg)](per_token, mask, tokens, sequences)
+
+
 def policy_loss(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
                 advantages: torch.Tensor, *, correction: Correction, clip_eps: float, is_cap: float,
-                prox: Optional[torch.Tensor] = None,
-                normalizer: Optional[float] = None) -> tuple[torch.Tensor, LossStats]:
-    """The loss of one micro-batch (sum over masked tokens / ``normalizer``) and its stats.
+                prox: Optional[torch.Tensor] = None, normalizer: Optional[float] = None,
+                agg: LossAgg = LossAgg.token_mean,
+                sequences: Optional[float] = None) -> tuple[torch.Tensor, LossStats]:
+    """The loss of one micro-batch (its share of the minibatch's ``agg``) and its stats.
 
-    ``prox`` is required for ``decoupled`` (no gradient flows through it). ``normalizer``
-    defaults to this micro-batch's masked token count.
+    ``prox`` is required for ``decoupled`` (no gradient flows through it). ``normalizer`` (the
+    minibatch's masked tokens) and ``sequences`` (its sequences) default to this micro-batch's.
     """
     mask = mask.to(logp.dtype)
     behaviour = behaviour.to(logp.dtype)
@@ -154,9 +221,7 @@ def policy_loss(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
     if prox is not None:
         prox = prox.detach().to(logp.dtype)
     per_token, clipped, capped = LOSSES[Correction(correction)](logp, behaviour, prox, adv, clip_eps, is_cap)
-    total = mask.sum().item()
-    denom = float(normalizer) if normalizer is not None else max(total, 1.0)
-    loss = (per_token * mask).sum() / denom
+    loss = aggregate(per_token, mask, agg, tokens=normalizer, sequences=sequences)
     return loss, _stats(logp.detach(), behaviour, mask, clipped, capped)
 
 

@@ -1,0 +1,100 @@
+"""Advantage estimators: one baseline and one scale per batch of groups, as pure functions.
+
+Plain Python on reward lists: the train sink computes them in the orchestrator, which never
+imports torch. A batch is a list of groups, each the rewards of one prompt's samples; the result
+has the same shape. An estimator is a baseline (what is subtracted from each reward) followed by
+a scale (what the difference is divided by):
+
+* ``grpo``: group mean, divided by the group's std (``scale_rewards=group``, the default);
+* ``dr_grpo``: group mean, no division (Dr. GRPO: the std divisor over-weights easy and hard
+  prompts);
+* ``rloo``: leave-one-out mean of the other samples of the group, ``r_i - mean_{j != i} r_j``
+  (an unbiased baseline: it does not depend on ``r_i``);
+* ``reinforce``: the batch mean.
+
+Scales: ``group`` (population std of the group's rewards), ``batch`` (population std of all the
+batch's rewards), ``none``. A divisor is ``std + EPS``, so a zero-variance group's advantages stay
+0 instead of dividing by zero.
+
+Groups of one sample have no group baseline: when every group of a batch has one sample, the
+batch is treated as one group (GRPO across prompts); a lone sample among larger groups gets 0
+under the group baselines (``grpo``, ``dr_grpo``, ``rloo``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Sequence
+
+EPS = 1e-6
+"""Added to every std divisor (a zero-variance group divides by EPS: its differences are 0)."""
+
+Groups = Sequence[Sequence[float]]
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _std(values: Sequence[float]) -> float:
+    mean = _mean(values)
+    return math.sqrt(sum([(v - mean) ** 2 for v in values]) / len(values))
+
+
+def group_mean_baseline(groups: Groups) -> list[list[float]]:
+    """``r - mean(group)`` (GRPO, Dr. GRPO)."""
+    return [[r - mean for r in group] for group in groups for mean in (_mean(group),)]
+
+
+def leave_one_out_baseline(groups: Groups) -> list[list[float]]:
+    """``r_i - mean_{j != i} r_j`` (RLOO); a group of one has no other sample: 0."""
+    out = []
+    for group in groups:
+        n, total = len(group), sum(group)
+        out.append([r - (total - r) / (n - 1) for r in group] if n > 1 else [0.0])
+    return out
+
+
+def batch_mean_baseline(groups: Groups) -> list[list[float]]:
+    """``r - mean(batch)`` (REINFORCE with a batch-mean baseline)."""
+    mean = _mean([r for group in groups for r in group])
+    return [[r - mean for r in group] for group in groups]
+
+
+BASELINES: dict[str, Callable[[Groups], list[list[float]]]] = {
+    "grpo": group_mean_baseline, "dr_grpo": group_mean_baseline,
+    "rloo": leave_one_out_baseline, "reinforce": batch_mean_baseline}
+"""``trainer.advantage`` -> its baseline."""
+
+DEFAULT_SCALE = {"grpo": "group", "dr_grpo": "none", "rloo": "none", "reinforce": "none"}
+"""The scale an estimator uses when ``trainer.scale_rewards`` is unset."""
+
+
+def scaled(groups: Groups, centred: Groups, scale: str) -> list[list[float]]:
+    """``centred`` divided by the rewards' std (+ EPS) per ``scale``: group, batch or none."""
+    if scale == "none":
+        return [list(group) for group in centred]
+    if scale == "batch":
+        divisor = _std([r for group in groups for r in group]) + EPS
+        return [[a / divisor for a in group] for group in centred]
+    if scale == "group":
+        return [[a / divisor for a in advantages]
+                for rewards, advantages in zip(groups, centred) for divisor in (_std(rewards) + EPS,)]
+    raise ValueError(f"trainer.scale_rewards: unknown scale {scale!r} (group, batch or none)")
+
+
+def advantages(groups: Groups, estimator: str = "grpo", scale: Optional[str] = None) -> list[list[float]]:
+    """Per-sample advantages of a batch of groups (same shape as ``groups``).
+
+    ``scale`` None uses the estimator's own (:data:`DEFAULT_SCALE`). A batch whose groups all
+    have one sample is normalised as one group; see the module docstring."""
+    if estimator not in BASELINES:
+        raise ValueError(f"trainer.advantage: unknown estimator {estimator!r} ({', '.join(BASELINES)})")
+    if len(groups) > 1 and all(len(group) == 1 for group in groups):
+        return [[a] for a in advantages([[r for group in groups for r in group]], estimator, scale)[0]]
+    return scaled(groups, BASELINES[estimator](groups), scale or DEFAULT_SCALE[estimator])
+
+
+def group_advantages(rewards: Sequence[float]) -> list[float]:
+    """(r - mean) / (std + EPS) within one group (GRPO)."""
+    return advantages([rewards])[0]

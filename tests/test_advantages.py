@@ -1,0 +1,118 @@
+"""Advantage estimators as pure functions, checked against values worked out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from rlorch.config.compose import compose
+from rlorch.config.schema import ConfigError
+from rlorch.trainer.advantages import EPS, advantages
+
+GROUPS = [[1.0, 0.0, 0.0, 1.0], [2.0, 0.0, 1.0, 1.0]]
+"""Group 1: mean 0.5, std 0.5. Group 2: mean 1, std sqrt(0.5). Batch: mean 0.75, std sqrt(0.4375)."""
+
+
+def _close(got, expected):
+    assert len(got) == len(expected)
+    for row, want in zip(got, expected):
+        assert row == pytest.approx(want, abs=1e-9)
+
+
+def test_grpo_divides_the_group_centred_rewards_by_the_group_std():
+    a, b = 0.5 / (0.5 + EPS), 1 / (math.sqrt(0.5) + EPS)
+    _close(advantages(GROUPS, "grpo"), [[a, -a, -a, a], [b, -b, 0.0, 0.0]])
+    assert advantages(GROUPS, "grpo")[0][0] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_dr_grpo_keeps_the_group_mean_and_drops_the_std():
+    _close(advantages(GROUPS, "dr_grpo"), [[0.5, -0.5, -0.5, 0.5], [1.0, -1.0, 0.0, 0.0]])
+
+
+def test_rloo_subtracts_the_mean_of_the_other_samples():
+    # 1 - (0 + 0 + 1) / 3 = 2/3; 0 - 2/3; group 2: 2 - 2/3 = 4/3, 0 - 4/3, 1 - 1 = 0.
+    _close(advantages(GROUPS, "rloo"), [[2 / 3, -2 / 3, -2 / 3, 2 / 3], [4 / 3, -4 / 3, 0.0, 0.0]])
+
+
+def test_reinforce_subtracts_the_batch_mean():
+    _close(advantages(GROUPS, "reinforce"), [[0.25, -0.75, -0.75, 0.25], [1.25, -0.75, 0.25, 0.25]])
+
+
+def test_scale_rewards_batch_and_none_override_the_estimators_own():
+    batch_std = math.sqrt(0.4375) + EPS
+    _close(advantages(GROUPS, "grpo", "batch"), [[0.5 / batch_std, -0.5 / batch_std, -0.5 / batch_std, 0.5 / batch_std],
+                                                 [1 / batch_std, -1 / batch_std, 0.0, 0.0]])
+    _close(advantages(GROUPS, "grpo", "none"), advantages(GROUPS, "dr_grpo"))
+    _close(advantages(GROUPS, "reinforce", "group"),
+           [[0.25 / (0.5 + EPS), -0.75 / (0.5 + EPS), -0.75 / (0.5 + EPS), 0.25 / (0.5 + EPS)],
+            [1.25 / (math.sqrt(0.5) + EPS), -0.75 / (math.sqrt(0.5) + EPS), 0.25 / (math.sqrt(0.5) + EPS),
+             0.25 / (math.sqrt(0.5) + EPS)]])
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_a_zero_variance_group_gets_zero_advantages_from_group_baselines(estimator):
+    got = advantages([[1.0, 1.0, 1.0], [0.0, 1.0, 1.0]], estimator)
+    assert got[0] == [0.0, 0.0, 0.0]
+    assert got[1][0] < 0 < got[1][1] == got[1][2]
+
+
+def test_reinforce_gives_a_zero_variance_group_the_batch_mean_difference():
+    _close(advantages([[1.0, 1.0], [0.0, 0.0]], "reinforce"), [[0.5, 0.5], [-0.5, -0.5]])
+    _close(advantages([[1.0, 1.0], [1.0, 1.0]], "reinforce", "batch"), [[0.0, 0.0], [0.0, 0.0]])
+
+
+@pytest.mark.parametrize("estimator, expected", [
+    ("grpo", [1 / (1 + EPS), -1 / (1 + EPS), 1 / (1 + EPS), -1 / (1 + EPS)]),  # batch mean 1, std 1
+    ("dr_grpo", [1.0, -1.0, 1.0, -1.0]),
+    ("rloo", [2 - 2 / 3, 0 - 4 / 3, 2 - 2 / 3, 0 - 4 / 3]),  # others' mean: (0 + 2 + 0) / 3, (2 + 2 + 0) / 3
+    ("reinforce", [1.0, -1.0, 1.0, -1.0]),
+])
+def test_groups_of_one_are_normalised_as_one_group_across_the_batch(estimator, expected):
+    got = advantages([[2.0], [0.0], [2.0], [0.0]], estimator)
+    _close(got, [[a] for a in expected])
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce"])
+def test_a_lone_sample_has_no_baseline_but_itself(estimator):
+    assert advantages([[3.0]], estimator) == [[0.0]]
+
+
+def test_a_lone_sample_among_larger_groups_gets_zero_under_group_baselines():
+    for estimator in ("grpo", "dr_grpo", "rloo"):
+        assert advantages([[1.0, 0.0], [1.0]], estimator)[1] == [0.0]
+    assert advantages([[1.0, 0.0], [1.0]], "reinforce")[1] == [pytest.approx(1 / 3)]
+
+
+def test_the_default_is_todays_grpo_bit_for_bit():
+    rewards = [0.3, 0.7, 0.1, 0.9, 0.9]
+    mean = sum(rewards) / len(rewards)
+    std = math.sqrt(sum([(r - mean) ** 2 for r in rewards]) / len(rewards))
+    assert advantages([rewards]) == [[(r - mean) / (std + 1e-6) for r in rewards]]
+
+
+def test_config_refuses_dr_grpo_with_a_std_divisor_and_unknown_names():
+    assert compose(["trainer.advantage=dr_grpo"]).trainer.scale_rewards is None
+    assert compose(["trainer.advantage=rloo", "trainer.scale_rewards=batch"]).trainer.scale_rewards.value == "batch"
+    with pytest.raises(ConfigError) as caught:
+        compose(["trainer.advantage=dr_grpo", "trainer.scale_rewards=group"])
+    assert caught.value.key == "trainer.scale_rewards"
+    with pytest.raises(Exception, match="trainer.advantage"):
+        compose(["trainer.advantage=ppo"])
+    with pytest.raises(ValueError, match="trainer.advantage"):
+        advantages(GROUPS, "ppo")
+
+
+def test_the_train_sink_emits_the_configured_estimators_advantages():
+    from rlorch.orchestrator.sinks import TrainSink
+    from test_components import rollout
+
+    def emitted(**kwargs):
+        sink = TrainSink(batch_size=4, max_staleness=2, strict=False, **kwargs)
+        for group, rewards in enumerate(([1.0, 0.0], [2.0, 1.0])):
+            sink.add([rollout(group, r, [[0, 1]], token=i) for i, r in enumerate(rewards)], step=1)
+        return sink.emit(1).advantages
+
+    assert emitted() == pytest.approx([1.0, -1.0, 1.0, -1.0], abs=1e-5)
+    assert emitted(advantage="rloo") == pytest.approx([1.0, -1.0, 1.0, -1.0])
+    assert emitted(advantage="reinforce") == pytest.approx([0.0, -1.0, 1.0, 0.0])
