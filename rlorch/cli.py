@@ -48,7 +48,7 @@ def _config_or_exit(overrides: list[str]):
     try:
         return compose(overrides)
     except ConfigError as err:
-        Console(stderr=True).print(f"[bold red]invalid config[/] [bold]{escape(err.key)}[/]: "
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]invalid config[/] [bold]{escape(err.key)}[/]: "
                                    f"{escape(str(err).split(': ', 1)[-1])}", highlight=False)
         raise typer.Exit(2)
 
@@ -63,7 +63,7 @@ def _preflight_or_exit(config) -> None:
     try:
         preflight(config)
     except ConfigError as err:
-        Console(stderr=True).print(f"[bold red]invalid config[/] [bold]{escape(err.key)}[/]: "
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]invalid config[/] [bold]{escape(err.key)}[/]: "
                                    f"{escape(str(err).split(': ', 1)[-1])}", highlight=False)
         raise typer.Exit(2)
 

@@ -25,7 +25,7 @@ from rlorch.rundir.layout import RunDir, parse_step, save_config, write_json_ato
 from rlorch.types import PolicyVersion
 
 EXIT_INTERRUPTED = {"SIGINT": 130, "SIGTERM": 143}
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 
 
 def new_run_dir(config: Config) -> RunDir:

@@ -266,7 +266,7 @@ def simulate_command(overrides: list[str], *, json_lines: bool, plot: Optional[s
             writable_file(plot, "--plot")
         results = simulate(overrides)
     except ConfigError as err:
-        Console(stderr=True).print(f"[bold red]invalid config[/] [bold]{escape(err.key)}[/]: "
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]invalid config[/] [bold]{escape(err.key)}[/]: "
                                    f"{escape(str(err).split(': ', 1)[-1])}", highlight=False)
         return 2
     if json_lines:

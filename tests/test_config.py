@@ -160,3 +160,12 @@ def test_console_script_entry_point():
     done = _console_script("validate-config", "rollout.batch_size=0")
     assert done.returncode == 2
     assert "rollout.batch_size" in done.stderr
+
+
+def test_an_error_is_one_line_when_piped():
+    """Piped (no terminal, 80 columns) an error still comes as one line, however long."""
+    done = subprocess.run([sys.executable, "-m", "rlorch.cli", "validate-config", "rollout.batch_size=lots"],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "80"})
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "rollout.batch_size" in lines[0] and "lots" in lines[0], done.stderr

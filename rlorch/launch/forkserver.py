@@ -221,7 +221,7 @@ def _child(request: dict, ready: int) -> None:
     sys.argv = [request["module"], *request["argv"][1:]]
     code = 0
     try:
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        _run_module(request["module"], runpy)
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     except BaseException:
@@ -232,6 +232,18 @@ def _child(request: dict, ready: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _run_module(name: str, runpy) -> None:
+    """Run ``python -m name``. A module the fork server preloaded is already in ``sys.modules``:
+    running it again through runpy would execute a second copy of it beside the first (and
+    warn that it was found there); its ``main()`` entry runs the loaded one instead."""
+    loaded = sys.modules.get(name)
+    entry = getattr(loaded, "main", None)
+    if entry is None:
+        runpy.run_module(name, run_name="__main__", alter_sys=True)
+        return
+    sys.exit(entry())
 
 
 def _set_name(module: str) -> None:
