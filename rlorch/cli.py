@@ -93,15 +93,19 @@ def train(overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_H
 
 @app.command()
 def resume(overrides: Optional[List[str]] = typer.Argument(
-        None, help="checkpoint=RUN_DIR (its newest complete checkpoint) or RUN_DIR/checkpoints/step_N, "
-                   "then overrides as for train.")) -> None:
+        None, help="RUN_DIR or checkpoint=RUN_DIR (its newest complete checkpoint), or "
+                   "RUN_DIR/checkpoints/step_N, then overrides as for train.")) -> None:
     """Continue a run from a full checkpoint: model, optimizer, data position, version, untrained rollouts."""
     from rlorch.runner import resume_training
 
-    checkpoint = [o.split("=", 1)[1] for o in overrides or [] if o.startswith("checkpoint=")]
-    rest = [o for o in overrides or [] if not o.startswith("checkpoint=")]
+    items = list(overrides or [])
+    # A bare first argument (no '=') is the checkpoint, as `rlorch report RUN_DIR` takes its run.
+    if items and "=" not in items[0]:
+        items[0] = f"checkpoint={items[0]}"
+    checkpoint = [o.split("=", 1)[1] for o in items if o.startswith("checkpoint=")]
+    rest = [o for o in items if not o.startswith("checkpoint=")]
     if not checkpoint:
-        typer.echo("resume needs checkpoint=RUN_DIR or checkpoint=RUN_DIR/checkpoints/step_N", err=True)
+        typer.echo("resume needs RUN_DIR, checkpoint=RUN_DIR or checkpoint=RUN_DIR/checkpoints/step_N", err=True)
         raise typer.Exit(2)
     raise typer.Exit(resume_training(checkpoint[-1], rest))
 

@@ -34,6 +34,9 @@ def new_run_dir(config: Config) -> RunDir:
         holder = RunLock(root).holder() if root.is_dir() else None
         if holder is not None:
             raise ConfigError("run.dir", f"{root} is in use by process {holder}; one process per run directory")
+        if root.exists() and any(root.iterdir()) and not RunDir(root).is_run:
+            raise ConfigError("run.dir", f"{root} is not empty and is not an rlorch run (no config.yaml); "
+                                         "pick an empty or a new run.dir")
         if root.exists() and any(root.iterdir()) and not set_aside_failed_start(root):
             raise ConfigError("run.dir", f"{root} already holds a run; continue it with "
                                          f"`rlorch resume checkpoint={root}` or pick another run.dir")
@@ -76,22 +79,32 @@ def run_training(config: Config, overrides: list[str]) -> int:
 def resume_training(checkpoint: str, overrides: list[str]) -> int:
     from rlorch.rundir import resume
     from rlorch.config.keys import check_overrides
-    from rlorch.rundir.targets import finished_run, locate_checkpoint
+    from rlorch.rundir.targets import continues_converged, finished_run, locate_checkpoint, run_root
 
     try:
         check_overrides(overrides)
-        path = locate_checkpoint(Path(checkpoint))
-        config, run_dir = resume.resume_target(path, overrides)
-        config = resolve_layout(config)
-        lock = RunLock(run_dir.root).acquire()
+        # The lock first: a run still going prunes its checkpoints, so nothing of it is read
+        # before this process alone holds the directory.
+        lock = RunLock(run_root(Path(checkpoint))).acquire()
     except ConfigError as err:
         console.print(f"[bold red]cannot resume[/] {err}", highlight=False)
         return 2
     with lock:
+        try:
+            path = locate_checkpoint(Path(checkpoint))
+            config, run_dir = resume.resume_target(path, overrides)
+            config = resolve_layout(config)
+        except ConfigError as err:
+            console.print(f"[bold red]cannot resume[/] {err}", highlight=False)
+            return 2
         done = finished_run(path, config, overrides)
         if done:
             console.print(done, highlight=False, soft_wrap=True)
             return 0
+        if continues_converged(path, overrides):
+            config.train.stop_on_converged = False
+            console.print("continuing a run that converged: train.stop_on_converged=false for this resume "
+                          "(set it to stop again once solved)", highlight=False)
         step = resume.step_of(path)
         resume.prepare(run_dir, step, config, overrides)
         _warm_up(config)

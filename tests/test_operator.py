@@ -296,3 +296,43 @@ def test_versions_that_went_by_disk_under_distributed_show_in_the_live_line_and_
     assert not any("went by disk" in text for text in report_lines({**summary, "transfer_fallbacks": 0}))
     assert any("2 version(s) went by disk" in text and "inference.weight_transfer=distributed" in text
                for text in report_lines({**summary, "transfer_fallbacks": 2}))
+
+
+# the run directory: what is a run, who holds it ------------------------------------------------------
+def test_resume_takes_the_lock_before_it_reads_anything(tmp_path, capsys):
+    """A run still going prunes its checkpoints: a resume beside it is refused on the lock,
+    naming the holder, before it reads a checkpoint the holder may be deleting."""
+    from rlorch.launch.runlock import RunLock
+
+    run_dir = tmp_path / "run"
+    train(run_dir, "train.steps=10", "trainer.checkpoint_every=5", "run.report=false", "eval.enabled=false")
+    for state in (run_dir / "checkpoints").glob("step_*/orchestrator.json"):
+        state.unlink()    # what pruning by the holder looks like mid-read
+    capsys.readouterr()
+    with RunLock(run_dir).acquire():
+        assert resume_training(str(run_dir), ["train.steps=14"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"in use by process {os.getpid()}" in err, err
+
+
+def test_a_directory_without_rlorchs_files_is_not_a_run(tmp_path, capsys):
+    notes = tmp_path / "ne"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine\n")
+    config = compose(["conf=sim", f"run.dir={notes}", *FAST, "train.steps=2"])
+    assert run_training(config, []) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "not an rlorch run" in err and "already holds a run" not in err and "resume" not in err, err
+    assert resume_training(str(notes), []) == 2
+    assert "not an rlorch run directory" in " ".join(capsys.readouterr().err.split())
+    assert sorted(p.name for p in notes.iterdir()) == ["notes.txt"]
+
+
+def test_resume_takes_a_bare_run_dir_and_names_a_path_that_does_not_exist(tmp_path):
+    run_dir = tmp_path / "run"
+    train(run_dir, "train.steps=5", "trainer.checkpoint_every=5", "run.report=false", "eval.enabled=false")
+    runner = CliRunner()
+    done = runner.invoke(app, ["resume", str(run_dir)], env={"COLUMNS": "200"})
+    assert done.exit_code == 0 and "is finished" in done.output, done.output
+    done = runner.invoke(app, ["resume", f"checkpoint={tmp_path / 'nonexistent'}"], env={"COLUMNS": "200"})
+    assert done.exit_code == 2 and "does not exist" in done.output, done.output

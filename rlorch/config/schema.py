@@ -191,7 +191,12 @@ class TrainConfig:
     steps: int = 60
     """Training steps (batches) to run before the drain phase."""
     max_empty_batches: int = 3
-    """Stop the run after this many consecutive batches with nothing trainable."""
+    """Stop the run after this many consecutive batch-worths of finished rollouts with nothing
+    trainable (and, for a task with a prompt set, not before one pass over it: see
+    rlorch.orchestrator.sinks)."""
+    stop_on_converged: bool = True
+    """End the run as ``converged`` when the empty-batch guard finds the task solved and, where
+    there is an evaluation, the latest held-out accuracy agrees; false: train to train.steps."""
 
     def __post_init__(self) -> None:
         _require(self.steps >= 1, "train.steps", "must be >= 1")
