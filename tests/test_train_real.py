@@ -182,3 +182,29 @@ def test_a_tool_using_environment_runs_its_episodes_end_to_end(env, tmp_path):
             assert all(lp == 0.0 for lp, m in zip(rollout["logprobs"], mask) if not m)
             assert sum(count for _, count in rollout["versions"]) == sum(mask)
             assert all(0 <= version <= number - 1 for version, _ in rollout["versions"])
+
+
+@pytest.mark.slow
+def test_the_sync_preset_trains_only_age_0_tokens_for_400_steps_past_convergence(env, tmp_path):
+    """S=0 means every trained token was sampled by the weights being trained, through the
+    filtered groups, regenerated groups and short batches of a run that has learned the task."""
+    run_dir = tmp_path / "sync400"
+    done = rlorch(env, "train", "conf=sync", f"run.dir={run_dir}", "train.steps=400", "train.stop_on_converged=false",
+                  "run.report=false", "run.progress=false", "inference.num_servers=1", "inference.cpu.max_batch=128",
+                  "rollout.pack_samples=128", timeout=600)
+    assert done.returncode == 0, done.stderr
+    summary, lines = records(run_dir)
+    steps = steps_of(lines)
+    assert len(steps) == 400 and summary["lost"] == 0
+    assert summary["eval_accuracy_last"] == 1.0, summary
+    assert any(r["rollouts"] < 128 for r in steps), "no short batch: the run never reached the filtered regime"
+    assert [r["step"] for r in steps if r["age_max"] != 0] == []
+
+
+def test_the_sync_preset_is_strict():
+    """Admission alone lets a short batch's leftovers train one version old."""
+    from rlorch.config.compose import compose
+    from rlorch.config.schema import Enforce
+
+    config = compose(["conf=sync"])
+    assert config.rollout.max_staleness == 0 and config.rollout.enforce is Enforce.strict

@@ -161,6 +161,11 @@ class RolloutConfig:
         return (self.max_staleness + 1) * self.batch_size
 
     @property
+    def prompts_per_batch(self) -> int:
+        """B / group_size: the prompts one full batch trains on."""
+        return self.batch_size // self.group_size
+
+    @property
     def pack_groups(self) -> int:
         """Groups per engine call: as many whole groups as fit in pack_samples, at least one."""
         return max(1, self.pack_samples // self.group_size)
