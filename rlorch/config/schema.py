@@ -201,7 +201,8 @@ class TrainConfig:
     rlorch.orchestrator.sinks)."""
     stop_on_converged: bool = True
     """End the run as ``converged`` when the empty-batch guard finds the task solved and, where
-    there is an evaluation, the latest held-out accuracy agrees; false: train to train.steps."""
+    there is an evaluation, held-out accuracy of the same weights agrees; false: train on while
+    any group is trainable (a run left with nothing to train still ends converged)."""
 
     def __post_init__(self) -> None:
         _require(self.steps >= 1, "train.steps", "must be >= 1")
