@@ -3,9 +3,23 @@ so ``rlorch --help`` answers fast."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import sys
 from typing import List, Optional
 
-import typer
+
+def _interrupted_at_start(signum, frame) -> None:
+    sys.stderr.write("interrupted while rlorch was starting: nothing was done\n")
+    raise SystemExit(130)
+
+
+# Ctrl-C during the CLI's own imports says so (Python would exit without a word); the commands
+# restore Python's handler as they start. Only for the command line itself, not an importer.
+if (__name__ == "__main__" or sys.argv[0].endswith("rlorch")) and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _interrupted_at_start)
+
+import typer  # noqa: E402
 
 app = typer.Typer(
     name="rlorch",
@@ -32,6 +46,19 @@ def _version(value: bool) -> None:
 def _main(show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                             help="Print the version and exit.")) -> None:
     """Asynchronous RL post-training control loop."""
+    if signal.getsignal(signal.SIGINT) is _interrupted_at_start:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@contextlib.contextmanager
+def _interruptible():
+    """Ctrl-C before a run installs its own handlers (composing the config, starting the fork
+    server) ends the command with a word and status 130, not silently."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        typer.echo("interrupted before the run started: no run directory was made", err=True)
+        raise typer.Exit(130)
 
 
 OVERRIDES_HELP = ("Hydra overrides, key=value (e.g. rollout.max_staleness=4 inference=sim); "
@@ -73,11 +100,12 @@ def train(overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_H
           dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch plan, one JSON line per "
                                                                   "process, and start nothing.")) -> None:
     """Run an RL job: engines, trainer and the orchestrator, into a new run directory."""
-    from rlorch.runner import run_training, warm_up_early
+    with _interruptible():
+        from rlorch.runner import run_training, warm_up_early
 
-    if not dry_run:
-        warm_up_early(overrides or [])
-    config = _config_or_exit(overrides or [])
+        if not dry_run:
+            warm_up_early(overrides or [])
+        config = _config_or_exit(overrides or [])
     if dry_run:
         from rlorch.config.schema import ConfigError
         from rlorch.launch.plan import print_plan

@@ -152,6 +152,7 @@ def test_sigterm_mid_run_checkpoints_within_the_window_and_resume_trains_the_res
     process.wait(timeout=30)
     assert time.monotonic() - sent < 5 + 2
     assert process.returncode == 143
+    assert f"next        rlorch resume {run_dir}" in process.stdout.read().decode()
     summary, _ = read_run(run_dir)
     assert summary["status"] == "interrupted" and summary["lost"] == 0
     assert summary["checkpoint"] and summary["persisted_untrained"] + summary["requeued"] > 0
@@ -294,3 +295,16 @@ def test_the_failure_window_is_one_pass_over_the_data_between_the_setting_and_it
     assert failure_window(3, 20, 16) == 3
     assert failure_window(3, 160, 16) == 10
     assert failure_window(3, 10**6, 16) == 3 * FAILURE_WINDOW_CAP
+
+
+def test_ctrl_c_in_the_first_second_says_so(tmp_path):
+    """Before the run's own handlers are in (imports, composing the config) a Ctrl-C still ends
+    the command with a word, status 130."""
+    for delay in (0.8, 1.5):
+        process = subprocess.Popen([sys.executable, "-m", "rlorch.cli", "train", "conf=sim",
+                                    f"run.dir={tmp_path / str(delay)}"], stderr=subprocess.PIPE, text=True,
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        time.sleep(delay)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=30)
+        assert process.returncode == 130 and "interrupted" in err, (delay, err)

@@ -208,3 +208,26 @@ def test_the_sync_preset_is_strict():
 
     config = compose(["conf=sync"])
     assert config.rollout.max_staleness == 0 and config.rollout.enforce is Enforce.strict
+
+
+@pytest.mark.slow
+def test_an_interrupt_in_start_up_ends_at_once_says_what_to_do_and_leaves_no_stop_file(env, tmp_path):
+    """Start-up blocks on nothing the signal waits for: the run ends within seconds, says it
+    was interrupted in start-up (not a report of dashes), shows the command that starts it
+    again, and leaves no STOP request behind."""
+    run_dir = tmp_path / "early"
+    process = subprocess.Popen([sys.executable, "-m", "rlorch.cli", "train", f"run.dir={run_dir}"], env=env,
+                               stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 60
+    while not (run_dir / "logs").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    sent = time.monotonic()
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err
+    assert time.monotonic() - sent < 6, err
+    assert "interrupted in start-up: nothing was admitted or trained" in err and "- -> -" not in err, err
+    assert f"start again with: rlorch train run.dir={run_dir}" in err, err
+    assert not (run_dir / "STOP").exists()

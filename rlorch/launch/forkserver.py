@@ -104,6 +104,8 @@ class ForkServer:
         self.exits: dict[int, int] = {}
         self.spawned = 0
         """How many processes it was asked to fork."""
+        self.forked = 0
+        """How many it has forked (answered with a pid)."""
         self._pids: dict[int, int] = {}
         self._arrived = threading.Condition()
         self._next = 0
@@ -118,6 +120,7 @@ class ForkServer:
                     self.exits[message["exit"]] = message["status"]
                 else:
                     self._pids[message["id"]] = message["pid"]
+                    self.forked += 1
                 self._arrived.notify_all()
 
     def spawn(self, command: list[str], *, log: str, env: dict, cwd: str) -> Forked:
@@ -163,13 +166,14 @@ def running() -> bool:
 
 def discard() -> None:
     """Stop the fork server if it has forked nothing: when the run turns out to launch nothing
-    through it, and at exit, so that a server still importing does not go on for nobody. One
-    that has forked processes is left to exit when this process's end closes its pipe, as
-    before: it reports their exits, and a trainer it forked watches it."""
+    through it, and at exit (requests still unanswered included: a run interrupted while the
+    server imports), so that a server still importing does not go on for nobody. One that has
+    forked processes is left to exit when this process's end closes its pipe: it reports their
+    exits, and a trainer it forked watches it."""
     global _server
     with _server_lock:
         server = _server
-        if server is None or server.spawned:
+        if server is None or server.forked:
             return
         _server = None
     if server.process.poll() is None:
@@ -328,8 +332,11 @@ def _serve() -> None:
             os.close(ready)
             os.read(started, 1)
             os.close(started)
-            out.write(json.dumps({"id": request["id"], "pid": pid}) + "\n")
-            out.flush()
+            try:
+                out.write(json.dumps({"id": request["id"], "pid": pid}) + "\n")
+                out.flush()
+            except BrokenPipeError:
+                return    # the client is gone; what was forked watches its orchestrator
 
 
 if __name__ == "__main__":
