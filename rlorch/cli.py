@@ -138,9 +138,14 @@ def resume(overrides: Optional[List[str]] = typer.Argument(
     raise typer.Exit(resume_training(checkpoint[-1], rest))
 
 
+SIMULATE_HELP = ("Overrides of rollout.max_staleness, rollout.batch_size, rollout.max_concurrent and sim.* only, "
+                 "key=value; comma lists sweep (e.g. rollout.max_staleness=0,1,2,4 rollout.max_concurrent=640 "
+                 "sim.latency=[1,6]).")
+
+
 @app.command()
 def simulate(
-    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP + " Comma lists sweep."),
+    overrides: Optional[List[str]] = typer.Argument(None, help=SIMULATE_HELP),
     json_lines: bool = typer.Option(False, "--json", help="One JSON object per run, one per line."),
     plot: Optional[str] = typer.Option(None, "--plot", help="Write the age distribution per run to this PNG."),
 ) -> None:
