@@ -336,3 +336,38 @@ def test_resume_takes_a_bare_run_dir_and_names_a_path_that_does_not_exist(tmp_pa
     assert done.exit_code == 0 and "is finished" in done.output, done.output
     done = runner.invoke(app, ["resume", f"checkpoint={tmp_path / 'nonexistent'}"], env={"COLUMNS": "200"})
     assert done.exit_code == 2 and "does not exist" in done.output, done.output
+
+
+# the report --------------------------------------------------------------------------------------------
+def test_the_report_writes_accuracy_in_percent_and_covers_every_life_of_a_resumed_run(tmp_path):
+    run_dir = tmp_path / "run"
+    train(run_dir, "train.steps=10", "trainer.checkpoint_every=5", "run.report=false", "eval.every=5")
+    assert resume_training(str(run_dir), ["train.steps=14", "run.report=true"]) == 0
+    text = (run_dir / "report" / "report.md").read_text()
+    steps = steps_of([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()])
+    assert "| steps | 14 |" in text, text
+    assert f"| reward first -> last | {steps[0]['reward_mean']:.4g} -> {steps[-1]['reward_mean']:.4g} |" in text, text
+    assert "| eval accuracy first -> last | 0.0% -> 0.0% |" in text, text
+    assert "(last of 2 lives)" in text
+
+
+def test_the_flow_legend_covers_none_of_its_data(tmp_path):
+    from rlorch.reporting.report import flow_figure, read_records
+    from rlorch.rundir.layout import RunDir
+
+    run_dir = tmp_path / "run"
+    train(run_dir, "train.steps=30", "run.report=false", "metrics.interval=0.05")
+    fig = flow_figure(read_records(RunDir(run_dir)))
+    fig.canvas.draw()
+    ax = fig.axes[1]
+    box = ax.get_legend().get_window_extent()
+    points = [xy for line in ax.get_lines() for xy in ax.transData.transform(line.get_xydata())]
+    assert points and not [p for p in points if box.contains(*p)]
+
+
+def test_the_simulated_age_plot_has_a_tick_at_every_age():
+    from rlorch.simulate import ages_figure, simulate
+
+    fig = ages_figure(simulate(["rollout.max_staleness=0,1", "rollout.max_concurrent=640", "sim.latency=[1,6]"]))
+    ticks = [round(t) for t in fig.axes[0].get_xticks() if 0 <= t <= 2]
+    assert ticks == [0, 1, 2], ticks
