@@ -167,6 +167,7 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
             if isinstance(outcome, BaseException):
                 raise outcome
         prompts = PromptSource(env, tokenizer=tokenizer, seed=config.run.seed)
+        _note_eval_size(config, prompts)
         resume = None
         if checkpoint is not None:
             from rlorch.rundir.resume import read_state, weights_of
@@ -211,6 +212,16 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
         if engines is not None:
             await engines.close()
     return _report(summary, run_dir, config, phases.timings)
+
+
+def _note_eval_size(config: Config, prompts: Any) -> None:
+    """Say so when the task holds out fewer prompts than ``eval.prompts`` asks for."""
+    if not config.eval.enabled:
+        return
+    held_out = len(prompts.eval_set(config.eval.prompts))
+    if held_out < config.eval.prompts:
+        console.print(f"evaluation: {held_out} held-out prompts (eval.prompts={config.eval.prompts}; the task "
+                      f"holds out {held_out})", highlight=False)
 
 
 async def _start_concurrently(config: Config, run_dir: RunDir, policy: PolicyVersion, trainer: Any, launcher: Any,

@@ -371,3 +371,8 @@ def test_the_simulated_age_plot_has_a_tick_at_every_age():
     fig = ages_figure(simulate(["rollout.max_staleness=0,1", "rollout.max_concurrent=640", "sim.latency=[1,6]"]))
     ticks = [round(t) for t in fig.axes[0].get_xticks() if 0 <= t <= 2]
     assert ticks == [0, 1, 2], ticks
+
+
+def test_a_smaller_held_out_set_than_eval_prompts_is_said(tmp_path, capsys):
+    train(tmp_path / "run", "train.steps=2", "run.report=false")
+    assert "evaluation: 97 held-out prompts (eval.prompts=100; the task holds out 97)" in capsys.readouterr().err
