@@ -61,13 +61,13 @@ def finished_run(checkpoint: Path, config: Config, overrides: list[str]) -> Opti
     root = checkpoint.parent.parent
     if step >= config.train.steps:
         return (f"{root} is finished: checkpoint {checkpoint.name} reached train.steps={config.train.steps}; "
-                f"nothing to resume (to go further: rlorch resume checkpoint={root} train.steps=N with N > {step})")
+                f"nothing to resume (to go further: rlorch resume {root} train.steps=N with N > {step})")
     summary = RunDir(root).summary
     ended = json.loads(summary.read_text()) if summary.is_file() else {}
     steps_set = _sets(overrides, "train.steps")
     if ended.get("status") == "converged" and ended.get("steps") == step and not steps_set:
         return (f"{root} is finished: it converged at step {step} ({ended.get('reason')}); nothing to resume "
-                f"(to go further: rlorch resume checkpoint={root} train.steps=N)")
+                f"(to go further: rlorch resume {root} train.steps=N)")
     return None
 
 
