@@ -3,9 +3,23 @@ so ``rlorch --help`` answers fast."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import sys
 from typing import List, Optional
 
-import typer
+
+def _interrupted_at_start(signum, frame) -> None:
+    sys.stderr.write("interrupted while rlorch was starting: nothing was done\n")
+    raise SystemExit(130)
+
+
+# Ctrl-C during the CLI's own imports says so (Python would exit without a word); the commands
+# restore Python's handler as they start. Only for the command line itself, not an importer.
+if (__name__ == "__main__" or sys.argv[0].endswith("rlorch")) and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _interrupted_at_start)
+
+import typer  # noqa: E402
 
 app = typer.Typer(
     name="rlorch",
@@ -32,6 +46,19 @@ def _version(value: bool) -> None:
 def _main(show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                             help="Print the version and exit.")) -> None:
     """Asynchronous RL post-training control loop."""
+    if signal.getsignal(signal.SIGINT) is _interrupted_at_start:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@contextlib.contextmanager
+def _interruptible():
+    """Ctrl-C before a run installs its own handlers (composing the config, starting the fork
+    server) ends the command with a word and status 130, not silently."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        typer.echo("interrupted before the run started: no run directory was made", err=True)
+        raise typer.Exit(130)
 
 
 OVERRIDES_HELP = ("Hydra overrides, key=value (e.g. rollout.max_staleness=4 inference=sim); "
@@ -48,7 +75,7 @@ def _config_or_exit(overrides: list[str]):
     try:
         return compose(overrides)
     except ConfigError as err:
-        Console(stderr=True).print(f"[bold red]invalid config[/] [bold]{escape(err.key)}[/]: "
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]invalid config[/] [bold]{escape(err.key)}[/]: "
                                    f"{escape(str(err).split(': ', 1)[-1])}", highlight=False)
         raise typer.Exit(2)
 
@@ -63,7 +90,7 @@ def _preflight_or_exit(config) -> None:
     try:
         preflight(config)
     except ConfigError as err:
-        Console(stderr=True).print(f"[bold red]invalid config[/] [bold]{escape(err.key)}[/]: "
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]invalid config[/] [bold]{escape(err.key)}[/]: "
                                    f"{escape(str(err).split(': ', 1)[-1])}", highlight=False)
         raise typer.Exit(2)
 
@@ -73,11 +100,12 @@ def train(overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_H
           dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch plan, one JSON line per "
                                                                   "process, and start nothing.")) -> None:
     """Run an RL job: engines, trainer and the orchestrator, into a new run directory."""
-    from rlorch.runner import run_training, warm_up_early
+    with _interruptible():
+        from rlorch.runner import run_training, warm_up_early
 
-    if not dry_run:
-        warm_up_early(overrides or [])
-    config = _config_or_exit(overrides or [])
+        if not dry_run:
+            warm_up_early(overrides or [])
+        config = _config_or_exit(overrides or [])
     if dry_run:
         from rlorch.config.schema import ConfigError
         from rlorch.launch.plan import print_plan
@@ -93,22 +121,31 @@ def train(overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_H
 
 @app.command()
 def resume(overrides: Optional[List[str]] = typer.Argument(
-        None, help="checkpoint=RUN_DIR (its newest complete checkpoint) or RUN_DIR/checkpoints/step_N, "
-                   "then overrides as for train.")) -> None:
+        None, help="RUN_DIR or checkpoint=RUN_DIR (its newest complete checkpoint), or "
+                   "RUN_DIR/checkpoints/step_N, then overrides as for train.")) -> None:
     """Continue a run from a full checkpoint: model, optimizer, data position, version, untrained rollouts."""
     from rlorch.runner import resume_training
 
-    checkpoint = [o.split("=", 1)[1] for o in overrides or [] if o.startswith("checkpoint=")]
-    rest = [o for o in overrides or [] if not o.startswith("checkpoint=")]
+    items = list(overrides or [])
+    # A bare first argument (no '=') is the checkpoint, as `rlorch report RUN_DIR` takes its run.
+    if items and "=" not in items[0]:
+        items[0] = f"checkpoint={items[0]}"
+    checkpoint = [o.split("=", 1)[1] for o in items if o.startswith("checkpoint=")]
+    rest = [o for o in items if not o.startswith("checkpoint=")]
     if not checkpoint:
-        typer.echo("resume needs checkpoint=RUN_DIR or checkpoint=RUN_DIR/checkpoints/step_N", err=True)
+        typer.echo("resume needs RUN_DIR, checkpoint=RUN_DIR or checkpoint=RUN_DIR/checkpoints/step_N", err=True)
         raise typer.Exit(2)
     raise typer.Exit(resume_training(checkpoint[-1], rest))
 
 
+SIMULATE_HELP = ("Overrides of rollout.max_staleness, rollout.batch_size, rollout.max_concurrent and sim.* only, "
+                 "key=value; comma lists sweep (e.g. rollout.max_staleness=0,1,2,4 rollout.max_concurrent=640 "
+                 "sim.latency=[1,6]).")
+
+
 @app.command()
 def simulate(
-    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP + " Comma lists sweep."),
+    overrides: Optional[List[str]] = typer.Argument(None, help=SIMULATE_HELP),
     json_lines: bool = typer.Option(False, "--json", help="One JSON object per run, one per line."),
     plot: Optional[str] = typer.Option(None, "--plot", help="Write the age distribution per run to this PNG."),
 ) -> None:

@@ -8,7 +8,9 @@ import asyncio
 import os
 import threading
 import time
-from typing import Awaitable, Callable, Optional
+from typing import Awaitable, Callable, Optional, TypeVar
+
+T = TypeVar("T")
 
 
 async def cancel_and_wait(*tasks: Optional[asyncio.Task], timeout: Optional[float] = None) -> None:
@@ -22,6 +24,33 @@ async def cancel_and_wait(*tasks: Optional[asyncio.Task], timeout: Optional[floa
         task.cancel()
     if live:
         await asyncio.wait(live, timeout=timeout)
+
+
+def off_loop(call: Callable[[], "T"]) -> "asyncio.Future[T]":
+    """``call()`` started at once in a daemon thread; await the future for its result. A blocking
+    start (a spawn that waits seconds for the fork server's imports, a tokenizer's imports) then
+    leaves the event loop free, so a signal meanwhile is handled at once; and an interrupted run
+    abandons the call rather than wait for it at exit, as the default executor would (what a
+    spawn starts watches this process and exits with it)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def settle(result, error) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = call(), None
+        except BaseException as failure:
+            result, error = None, failure
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:
+            pass    # the loop has closed: nobody waits for this any more
+
+    threading.Thread(target=run, name="rlorch-off-loop", daemon=True).start()
+    return future
 
 
 async def gather_all(*awaitables: Awaitable) -> list:

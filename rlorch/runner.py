@@ -25,7 +25,7 @@ from rlorch.rundir.layout import RunDir, parse_step, save_config, write_json_ato
 from rlorch.types import PolicyVersion
 
 EXIT_INTERRUPTED = {"SIGINT": 130, "SIGTERM": 143}
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 
 
 def new_run_dir(config: Config) -> RunDir:
@@ -34,6 +34,9 @@ def new_run_dir(config: Config) -> RunDir:
         holder = RunLock(root).holder() if root.is_dir() else None
         if holder is not None:
             raise ConfigError("run.dir", f"{root} is in use by process {holder}; one process per run directory")
+        if root.exists() and any(root.iterdir()) and not RunDir(root).is_run:
+            raise ConfigError("run.dir", f"{root} is not empty and is not an rlorch run (no config.yaml); "
+                                         "pick an empty or a new run.dir")
         if root.exists() and any(root.iterdir()) and not set_aside_failed_start(root):
             raise ConfigError("run.dir", f"{root} already holds a run; continue it with "
                                          f"`rlorch resume checkpoint={root}` or pick another run.dir")
@@ -76,22 +79,32 @@ def run_training(config: Config, overrides: list[str]) -> int:
 def resume_training(checkpoint: str, overrides: list[str]) -> int:
     from rlorch.rundir import resume
     from rlorch.config.keys import check_overrides
-    from rlorch.rundir.targets import finished_run, locate_checkpoint
+    from rlorch.rundir.targets import continues_converged, finished_run, locate_checkpoint, run_root
 
     try:
         check_overrides(overrides)
-        path = locate_checkpoint(Path(checkpoint))
-        config, run_dir = resume.resume_target(path, overrides)
-        config = resolve_layout(config)
-        lock = RunLock(run_dir.root).acquire()
+        # The lock first: a run still going prunes its checkpoints, so nothing of it is read
+        # before this process alone holds the directory.
+        lock = RunLock(run_root(Path(checkpoint))).acquire()
     except ConfigError as err:
         console.print(f"[bold red]cannot resume[/] {err}", highlight=False)
         return 2
     with lock:
+        try:
+            path = locate_checkpoint(Path(checkpoint))
+            config, run_dir = resume.resume_target(path, overrides)
+            config = resolve_layout(config)
+        except ConfigError as err:
+            console.print(f"[bold red]cannot resume[/] {err}", highlight=False)
+            return 2
         done = finished_run(path, config, overrides)
         if done:
             console.print(done, highlight=False, soft_wrap=True)
             return 0
+        if continues_converged(path, overrides):
+            config.train.stop_on_converged = False
+            console.print("continuing a run that converged: train.stop_on_converged=false for this resume "
+                          "(set it to stop again once solved)", highlight=False)
         step = resume.step_of(path)
         resume.prepare(run_dir, step, config, overrides)
         _warm_up(config)
@@ -154,6 +167,7 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
             if isinstance(outcome, BaseException):
                 raise outcome
         prompts = PromptSource(env, tokenizer=tokenizer, seed=config.run.seed)
+        _note_eval_size(config, prompts)
         resume = None
         if checkpoint is not None:
             from rlorch.rundir.resume import read_state, weights_of
@@ -198,6 +212,16 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
         if engines is not None:
             await engines.close()
     return _report(summary, run_dir, config, phases.timings)
+
+
+def _note_eval_size(config: Config, prompts: Any) -> None:
+    """Say so when the task holds out fewer prompts than ``eval.prompts`` asks for."""
+    if not config.eval.enabled:
+        return
+    held_out = len(prompts.eval_set(config.eval.prompts))
+    if held_out < config.eval.prompts:
+        console.print(f"evaluation: {held_out} held-out prompts (eval.prompts={config.eval.prompts}; the task "
+                      f"holds out {held_out})", highlight=False)
 
 
 async def _start_concurrently(config: Config, run_dir: RunDir, policy: PolicyVersion, trainer: Any, launcher: Any,

@@ -207,6 +207,15 @@ def _label(keys: dict[str, Any]) -> str:
 
 
 def plot_ages(results: list[SimResult], path: str) -> None:
+    """Write :func:`ages_figure` to ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = ages_figure(results)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def ages_figure(results: list[SimResult]):
     """The age distribution, one series per run, as shares of that run's trained rollouts.
 
     Grouped bars while there are few distinct ages; steps beyond that, so long tails stay legible.
@@ -239,7 +248,10 @@ def plot_ages(results: list[SimResult], path: str) -> None:
     if "rollout.max_staleness" in shared and shared["rollout.max_staleness"] < top:
         ax.axvline(shared["rollout.max_staleness"] + 0.5, color="grey", linestyle=":", linewidth=1,
                    label="configured bound S")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=min(len(ages), 20)))
+    if bars:
+        ax.set_xticks(ages)    # every age its own tick: a locator may skip 1 between 0 and 2
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=20))
     ax.set_xlim(-0.6, top + 0.6)
     ax.set_xlabel("age at training (policy versions behind)")
     ax.set_ylabel("share of trained rollouts")
@@ -250,8 +262,7 @@ def plot_ages(results: list[SimResult], path: str) -> None:
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def simulate_command(overrides: list[str], *, json_lines: bool, plot: Optional[str]) -> int:
@@ -266,7 +277,7 @@ def simulate_command(overrides: list[str], *, json_lines: bool, plot: Optional[s
             writable_file(plot, "--plot")
         results = simulate(overrides)
     except ConfigError as err:
-        Console(stderr=True).print(f"[bold red]invalid config[/] [bold]{escape(err.key)}[/]: "
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]invalid config[/] [bold]{escape(err.key)}[/]: "
                                    f"{escape(str(err).split(': ', 1)[-1])}", highlight=False)
         return 2
     if json_lines:

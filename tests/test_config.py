@@ -160,3 +160,39 @@ def test_console_script_entry_point():
     done = _console_script("validate-config", "rollout.batch_size=0")
     assert done.returncode == 2
     assert "rollout.batch_size" in done.stderr
+
+
+def test_an_error_is_one_line_when_piped():
+    """Piped (no terminal, 80 columns) an error still comes as one line, however long."""
+    done = subprocess.run([sys.executable, "-m", "rlorch.cli", "validate-config", "rollout.batch_size=lots"],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "80"})
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "rollout.batch_size" in lines[0] and "lots" in lines[0], done.stderr
+
+
+def test_a_wrong_type_in_your_own_yaml_names_the_file_the_key_and_the_value(tmp_path):
+    mine = tmp_path / "my.yaml"
+    mine.write_text('rollout: {batch_size: "lots"}\n')
+    with pytest.raises(ConfigError) as raised:
+        compose([f"conf={mine}"])
+    assert raised.value.key == "rollout.batch_size"
+    assert str(mine) in str(raised.value) and "lots" in str(raised.value)
+
+
+def test_a_task_param_typo_suggests_the_tasks_own_param():
+    with pytest.raises(ConfigError) as raised:
+        compose(["task.params.min_digit=2"])
+    assert raised.value.key == "task.params.min_digit"
+    assert "did you mean task.params.min_digits?" in str(raised.value)
+    with pytest.raises(ConfigError) as raised:
+        compose(["task=calculator", "task.params.max_operan=9"])
+    assert "did you mean task.params.max_operand?" in str(raised.value)
+
+
+def test_a_new_param_of_your_own_task_without_plus_gets_the_plus_hint():
+    with pytest.raises(ConfigError) as raised:
+        compose(["task=custom", "task.name=mytasks.guess:Guess", "task.params.turns=2"])
+    assert raised.value.key == "task.params.turns"
+    assert "+task.params.turns=" in str(raised.value)
+    assert compose(["task=custom", "task.name=mytasks.guess:Guess", "+task.params.turns=2"]).task.params == {"turns": 2}

@@ -23,6 +23,17 @@ def test_forked_command_runs_as_python_m_with_its_env_log_and_status(tmp_path):
     assert "rollout.batch_size" in log.read_text()
 
 
+def test_a_preloaded_module_runs_once_without_runpys_warning(tmp_path):
+    """rlorch.cli is preloaded in the fork server: the child runs the loaded module's main,
+    never a second copy through runpy (which warns it was found in sys.modules)."""
+    log = tmp_path / "child.log"
+    process = forkserver.spawn([sys.executable, "-m", "rlorch.cli", "validate-config", "rollout.batch_size=0"],
+                               log_path=str(log), env={**os.environ, "PYTHONWARNINGS": "default"})
+    assert process.wait(120) == 2
+    text = log.read_text()
+    assert "rollout.batch_size" in text and "RuntimeWarning" not in text, text
+
+
 def test_forked_process_is_a_session_leader_that_signals_reach(tmp_path):
     process = forkserver.spawn([sys.executable, "-m", "rlorch.cli", "serve", "--port", "0",
                                 "--parent-pid", str(os.getpid())],

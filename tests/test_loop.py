@@ -62,19 +62,64 @@ def test_constant_reward_stops_on_the_empty_batch_guard(tmp_path):
     collapsed policy, and the guard says so."""
     code, summary, _ = train(tmp_path, "flat", "inference.sim.reward=constant", "train.max_empty_batches=3")
     assert code != 0 and summary["status"] == "failed"
-    assert "3 consecutive batches had nothing trainable" in summary["error"]
+    assert "24 rollouts in a row (3 batches' worth) finished with nothing trainable" in summary["error"]
     assert "24 collapsed" in summary["error"] and "policy collapsed" in summary["error"]
     assert summary["stop"] == "empty_batches"
     assert summary["empty_batches"] == 3 and summary["lost"] == 0
 
 
-def test_a_solved_task_converges_checkpoints_and_evaluates(tmp_path):
+def test_a_solved_task_without_evaluation_converges(tmp_path):
     code, summary, steps = train(tmp_path, "solved", "inference.sim.reward=solved", "rollout.group_size=4",
-                                 "rollout.batch_size=8", "train.max_empty_batches=3", "train.steps=50")
+                                 "rollout.batch_size=8", "train.max_empty_batches=3", "train.steps=50",
+                                 "eval.enabled=false")
     assert code == 0 and summary["status"] == "converged", summary
     assert "the task is solved" in summary["reason"] and summary["lost"] == 0
     assert summary["checkpoint"] is None or summary["steps"] == 0
-    assert summary["eval_step_first"] == 0 and summary["eval_step_last"] == 0
+
+
+def test_solved_training_groups_do_not_converge_while_held_out_accuracy_disagrees(tmp_path):
+    """The sim engine's solved reward puts every training group at the maximum, while its fixed
+    tokens answer no held-out prompt: not converged; with nothing left to train the run fails
+    saying so."""
+    code, summary, _ = train(tmp_path, "disagree", "inference.sim.reward=solved", "rollout.group_size=4",
+                             "rollout.batch_size=8", "train.steps=50")
+    assert summary["status"] == "failed" and summary["stop"] == "empty_batches", summary
+    assert "held-out accuracy 0.0% at step 0 says it is not" in summary["error"]
+
+
+CUSTOM = ["task=custom", "task.name=tests.mostly_solved:MostlySolved", "inference.sim.reward=task",
+          "+task.params.every=20", "rollout.group_size=4", "rollout.batch_size=16", "rollout.max_concurrent=32", "eval.every=5",
+          "trainer.checkpoint_every=5"]
+
+
+def test_a_mostly_solved_task_stops_converged_only_when_held_out_accuracy_agrees(tmp_path):
+    code, summary, steps = train(tmp_path, "agree", *CUSTOM, "train.steps=100")
+    assert code == 0 and summary["status"] == "converged", summary
+    assert "held-out accuracy 100.0%" in summary["reason"]
+    code, summary, steps = train(tmp_path, "disagree", *CUSTOM, "train.steps=30", "+task.params.held_out_correct=false")
+    assert code == 0 and summary["status"] == "completed" and summary["steps"] == 30, summary
+
+
+def test_a_resume_with_more_steps_continues_a_converged_run(tmp_path):
+    code, summary, _ = train(tmp_path, "run", *CUSTOM, "train.steps=100", "+task.params.warm=60")
+    assert summary["status"] == "converged" and 5 <= summary["steps"] < 90, summary
+    run_dir, ended = tmp_path / "run", summary["steps"]
+    assert resume_training(str(run_dir), [f"train.steps={ended + 10}"]) == 0
+    summary, _ = read_run(run_dir)
+    assert summary["steps"] == ended + 10 and summary["status"] == "completed", summary
+
+
+def test_convergence_waits_for_an_evaluation_of_the_same_weights():
+    from rlorch.orchestrator.stops import Convergence, Outcome
+
+    check = Convergence(stop_on_converged=True, evaluating=True, share=0.9)
+    assert check.outcome(7, {"step": 5, "accuracy": 1.0}, idle=False) is Outcome.evaluate
+    assert check.outcome(7, {"step": 7, "accuracy": 0.85}, idle=False) is Outcome.train_on
+    assert check.outcome(7, {"step": 7, "accuracy": 0.85}, idle=True) is Outcome.train_on
+    assert check.outcome(7, {"step": 7, "accuracy": 0.85}, idle=True) is Outcome.stalled
+    assert check.outcome(8, {"step": 8, "accuracy": 0.95}, idle=False) is Outcome.converged
+    keep_going = Convergence(stop_on_converged=False, evaluating=False, share=0.9)
+    assert keep_going.outcome(3, None, idle=False) is Outcome.train_on
 
 
 def test_resume_at_a_late_step_keeps_the_bound_and_loses_nothing(tmp_path):
@@ -107,6 +152,7 @@ def test_sigterm_mid_run_checkpoints_within_the_window_and_resume_trains_the_res
     process.wait(timeout=30)
     assert time.monotonic() - sent < 5 + 2
     assert process.returncode == 143
+    assert f"next        rlorch resume {run_dir}" in process.stdout.read().decode()
     summary, _ = read_run(run_dir)
     assert summary["status"] == "interrupted" and summary["lost"] == 0
     assert summary["checkpoint"] and summary["persisted_untrained"] + summary["requeued"] > 0
@@ -228,3 +274,37 @@ def test_multi_turn_episodes_keep_replies_unmasked_and_stamp_every_model_turn(tm
     assert mask == [0] * prompt_len + ([1] * 3 + [0] * reply) * 2 + [1] * 3
     assert sum(count for _, count in rollout["versions"]) == sum(mask) == 9
     assert rollout["episode_id"].count("-") == 2 and rollout["attempt"] == 0
+
+
+def test_a_flat_reward_on_a_data_set_stops_only_after_one_pass_over_its_prompts(tmp_path):
+    """Hard prompts of a real data set may all score 0 for a while: the guard waits one pass
+    over the prompts (here 40 prompts, 2 per batch: 20 batch-worths) before it calls the reward flat."""
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}=", "answer": f"a{i}"}) + "\n" for i in range(40)))
+    code, summary, _ = train(tmp_path, "data", f"data.path={data}", "inference.sim.reward=task",
+                             "rollout.group_size=4", "rollout.batch_size=8", "train.max_empty_batches=3")
+    assert summary["status"] == "failed" and summary["stop"] == "empty_batches", summary
+    assert summary["empty_batches"] == 20, summary
+    assert "scaled to one pass over the data set: 20" in summary["error"]
+
+
+def test_the_failure_window_is_one_pass_over_the_data_between_the_setting_and_its_cap():
+    from rlorch.orchestrator.sinks import FAILURE_WINDOW_CAP, failure_window
+
+    assert failure_window(3, None, 16) == 3
+    assert failure_window(3, 20, 16) == 3
+    assert failure_window(3, 160, 16) == 10
+    assert failure_window(3, 10**6, 16) == 3 * FAILURE_WINDOW_CAP
+
+
+def test_ctrl_c_in_the_first_second_says_so(tmp_path):
+    """Before the run's own handlers are in (imports, composing the config) a Ctrl-C still ends
+    the command with a word, status 130."""
+    for delay in (0.8, 1.5):
+        process = subprocess.Popen([sys.executable, "-m", "rlorch.cli", "train", "conf=sim",
+                                    f"run.dir={tmp_path / str(delay)}"], stderr=subprocess.PIPE, text=True,
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        time.sleep(delay)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=30)
+        assert process.returncode == 130 and "interrupted" in err, (delay, err)

@@ -296,3 +296,83 @@ def test_versions_that_went_by_disk_under_distributed_show_in_the_live_line_and_
     assert not any("went by disk" in text for text in report_lines({**summary, "transfer_fallbacks": 0}))
     assert any("2 version(s) went by disk" in text and "inference.weight_transfer=distributed" in text
                for text in report_lines({**summary, "transfer_fallbacks": 2}))
+
+
+# the run directory: what is a run, who holds it ------------------------------------------------------
+def test_resume_takes_the_lock_before_it_reads_anything(tmp_path, capsys):
+    """A run still going prunes its checkpoints: a resume beside it is refused on the lock,
+    naming the holder, before it reads a checkpoint the holder may be deleting."""
+    from rlorch.launch.runlock import RunLock
+
+    run_dir = tmp_path / "run"
+    train(run_dir, "train.steps=10", "trainer.checkpoint_every=5", "run.report=false", "eval.enabled=false")
+    for state in (run_dir / "checkpoints").glob("step_*/orchestrator.json"):
+        state.unlink()    # what pruning by the holder looks like mid-read
+    capsys.readouterr()
+    with RunLock(run_dir).acquire():
+        assert resume_training(str(run_dir), ["train.steps=14"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"in use by process {os.getpid()}" in err, err
+
+
+def test_a_directory_without_rlorchs_files_is_not_a_run(tmp_path, capsys):
+    notes = tmp_path / "ne"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine\n")
+    config = compose(["conf=sim", f"run.dir={notes}", *FAST, "train.steps=2"])
+    assert run_training(config, []) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "not an rlorch run" in err and "already holds a run" not in err and "resume" not in err, err
+    assert resume_training(str(notes), []) == 2
+    assert "not an rlorch run directory" in " ".join(capsys.readouterr().err.split())
+    assert sorted(p.name for p in notes.iterdir()) == ["notes.txt"]
+
+
+def test_resume_takes_a_bare_run_dir_and_names_a_path_that_does_not_exist(tmp_path):
+    run_dir = tmp_path / "run"
+    train(run_dir, "train.steps=5", "trainer.checkpoint_every=5", "run.report=false", "eval.enabled=false")
+    runner = CliRunner()
+    done = runner.invoke(app, ["resume", str(run_dir)], env={"COLUMNS": "200"})
+    assert done.exit_code == 0 and "is finished" in done.output, done.output
+    done = runner.invoke(app, ["resume", f"checkpoint={tmp_path / 'nonexistent'}"], env={"COLUMNS": "200"})
+    assert done.exit_code == 2 and "does not exist" in done.output, done.output
+
+
+# the report --------------------------------------------------------------------------------------------
+def test_the_report_writes_accuracy_in_percent_and_covers_every_life_of_a_resumed_run(tmp_path):
+    run_dir = tmp_path / "run"
+    train(run_dir, "train.steps=10", "trainer.checkpoint_every=5", "run.report=false", "eval.every=5")
+    assert resume_training(str(run_dir), ["train.steps=14", "run.report=true"]) == 0
+    text = (run_dir / "report" / "report.md").read_text()
+    steps = steps_of([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()])
+    assert "| steps | 14 |" in text, text
+    assert f"| reward first -> last | {steps[0]['reward_mean']:.4g} -> {steps[-1]['reward_mean']:.4g} |" in text, text
+    assert "| eval accuracy first -> last | 0.0% -> 0.0% |" in text, text
+    assert "(last of 2 lives)" in text
+
+
+def test_the_flow_legend_covers_none_of_its_data(tmp_path):
+    from rlorch.reporting.report import flow_figure, read_records
+    from rlorch.rundir.layout import RunDir
+
+    run_dir = tmp_path / "run"
+    train(run_dir, "train.steps=30", "run.report=false", "metrics.interval=0.05")
+    fig = flow_figure(read_records(RunDir(run_dir)))
+    fig.canvas.draw()
+    ax = fig.axes[1]
+    box = ax.get_legend().get_window_extent()
+    points = [xy for line in ax.get_lines() for xy in ax.transData.transform(line.get_xydata())]
+    assert points and not [p for p in points if box.contains(*p)]
+
+
+def test_the_simulated_age_plot_has_a_tick_at_every_age():
+    from rlorch.simulate import ages_figure, simulate
+
+    fig = ages_figure(simulate(["rollout.max_staleness=0,1", "rollout.max_concurrent=640", "sim.latency=[1,6]"]))
+    ticks = [round(t) for t in fig.axes[0].get_xticks() if 0 <= t <= 2]
+    assert ticks == [0, 1, 2], ticks
+
+
+def test_a_smaller_held_out_set_than_eval_prompts_is_said(tmp_path, capsys):
+    train(tmp_path / "run", "train.steps=2", "run.report=false")
+    assert "evaluation: 97 held-out prompts (eval.prompts=100; the task holds out 97)" in capsys.readouterr().err

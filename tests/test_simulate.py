@@ -1,13 +1,16 @@
 """`rlorch simulate` drives the real gate: the design figures reproduce exactly, sweeps and plots work."""
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from rlorch.cli import app
 from rlorch.config.compose import compose
-from rlorch.simulate import SimParams, run_gate
+from rlorch.simulate import SimParams, run_gate, simulate_command
+from rlorch.simulate import simulate as sweep
 
 runner = CliRunner()
 SIM = ["conf=sim"]  # B=8, group size 1, latency [3, 3], 60 ticks
@@ -130,3 +133,27 @@ def test_bad_setting_exits_naming_the_key(override, key):
     result = runner.invoke(app, ["simulate", *SIM, override, "--json"])
     assert result.exit_code == 2
     assert f"invalid config {key}:" in " ".join(result.output.split())
+
+
+def _readme_simulate_example() -> list[str]:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    command = re.search(r"`rlorch simulate (rollout\.[^`]+)`", readme).group(1).split()
+    return [item for item in command if "=" in item and not item.startswith("--")]
+
+
+def test_the_readme_example_shows_the_overshoot_grow_with_s():
+    """The README's example sweeps S: each S must give its own row (with C = B they are all one)."""
+    results = sweep(_readme_simulate_example())
+    ages = [r.max_age for r in results]
+    assert len(ages) == 4 and len(set(ages)) == 4, ages
+    assert ages == sorted(ages)
+
+
+def test_the_simulate_help_example_is_accepted():
+    from typer.testing import CliRunner
+
+    from rlorch.cli import app
+
+    help_text = " ".join(CliRunner().invoke(app, ["simulate", "--help"], env={"COLUMNS": "300"}).output.split())
+    example = re.search(r"\(e\.g\. ([^)]+\]?)\)", help_text).group(1).split()
+    assert example and simulate_command(example, json_lines=True, plot=None) == 0, example

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -199,3 +200,34 @@ def test_the_fast_codec_says_exactly_what_pythons_json_says():
     assert json.loads(dumps({"seed": big, "rid": "a\ud800"})) == {"seed": big, "rid": "a\ud800"}
     with pytest.raises(json.JSONDecodeError):
         loads(b"{not json")
+
+
+def _readme() -> str:
+    return (Path(__file__).resolve().parent.parent / "README.md").read_text()
+
+
+def test_the_readmes_reverse_example_is_the_default_tasks_own():
+    """The README's example prompt and answer are a reversal of the default preset's length."""
+    import re
+
+    import yaml
+
+    prompt, answer = re.search(r'`"(\d+)="` → `"(\d+)"`', _readme()).groups()
+    params = yaml.safe_load((Path(__file__).resolve().parent.parent / "conf" / "task" / "reverse.yaml").read_text())["params"]
+    assert params["min_digits"] <= len(prompt) <= params["max_digits"] and answer == prompt[::-1]
+
+
+def test_the_readmes_guess_example_can_be_learned():
+    """Its prompt determines its answer: the same prompt text never asks for two answers."""
+    import re
+
+    code = re.search(r"```python\n# mytasks/guess.py\n(.*?)```", _readme(), re.S).group(1)
+    scope: dict = {}
+    exec(code, scope)
+    env = scope["Guess"]()
+    answers: dict = {}
+    for seed in range(3):
+        for index in range(50):
+            text, answer = env.make_prompt(index, seed)
+            answers.setdefault(text, set()).add(answer)
+    assert all(len(found) == 1 for found in answers.values()), answers

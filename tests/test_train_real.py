@@ -182,3 +182,52 @@ def test_a_tool_using_environment_runs_its_episodes_end_to_end(env, tmp_path):
             assert all(lp == 0.0 for lp, m in zip(rollout["logprobs"], mask) if not m)
             assert sum(count for _, count in rollout["versions"]) == sum(mask)
             assert all(0 <= version <= number - 1 for version, _ in rollout["versions"])
+
+
+@pytest.mark.slow
+def test_the_sync_preset_trains_only_age_0_tokens_for_400_steps_past_convergence(env, tmp_path):
+    """S=0 means every trained token was sampled by the weights being trained, through the
+    filtered groups, regenerated groups and short batches of a run that has learned the task."""
+    run_dir = tmp_path / "sync400"
+    done = rlorch(env, "train", "conf=sync", f"run.dir={run_dir}", "train.steps=400", "train.stop_on_converged=false",
+                  "run.report=false", "run.progress=false", "inference.num_servers=1", "inference.cpu.max_batch=128",
+                  "rollout.pack_samples=128", timeout=600)
+    assert done.returncode == 0, done.stderr
+    summary, lines = records(run_dir)
+    steps = steps_of(lines)
+    solved_at = min(r["step"] for r in lines if r["kind"] == "eval" and r["accuracy"] == 1.0)
+    assert len(steps) >= solved_at + 25 and summary["lost"] == 0, (solved_at, len(steps), summary)
+    assert any(r["rollouts"] < 128 for r in steps), "no short batch: the run never reached the filtered regime"
+    assert [r["step"] for r in steps if r["age_max"] != 0] == []
+
+
+def test_the_sync_preset_is_strict():
+    """Admission alone lets a short batch's leftovers train one version old."""
+    from rlorch.config.compose import compose
+    from rlorch.config.schema import Enforce
+
+    config = compose(["conf=sync"])
+    assert config.rollout.max_staleness == 0 and config.rollout.enforce is Enforce.strict
+
+
+@pytest.mark.slow
+def test_an_interrupt_in_start_up_ends_at_once_says_what_to_do_and_leaves_no_stop_file(env, tmp_path):
+    """Start-up blocks on nothing the signal waits for: the run ends within seconds, says it
+    was interrupted in start-up (not a report of dashes), shows the command that starts it
+    again, and leaves no STOP request behind."""
+    run_dir = tmp_path / "early"
+    process = subprocess.Popen([sys.executable, "-m", "rlorch.cli", "train", f"run.dir={run_dir}"], env=env,
+                               stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 60
+    while not (run_dir / "logs").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    sent = time.monotonic()
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err
+    assert time.monotonic() - sent < 6, err
+    assert "interrupted in start-up: nothing was admitted or trained" in err and "- -> -" not in err, err
+    assert f"start again with: rlorch train run.dir={run_dir}" in err, err
+    assert not (run_dir / "STOP").exists()

@@ -80,6 +80,7 @@ def _user_yaml_dir(path: Path) -> tuple[str, str]:
     from rlorch.config.keys import check_preset
 
     check_preset(OmegaConf.to_container(loaded), str(path))
+    _check_types(loaded, path)
     workdir = Path(tempfile.mkdtemp(prefix="rlorch-conf-"))
     shutil.copytree(conf_dir(), workdir, dirs_exist_ok=True)
     if "defaults" not in loaded:
@@ -88,7 +89,23 @@ def _user_yaml_dir(path: Path) -> tuple[str, str]:
     return str(workdir), "_user_preset"
 
 
-def _explain(err: Exception, preset: str) -> ConfigError:
+def _check_types(loaded, path: Path) -> None:
+    """Each value of a user preset fits its field's type. Hydra reports a wrong type in a
+    preset as raised "in '_user_preset'", naming neither the key nor the file: checked here
+    first, the error names both, and the value."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ValidationError
+
+    sections = {k: v for k, v in OmegaConf.to_container(loaded).items() if k not in ("defaults", "hydra")}
+    try:
+        OmegaConf.merge(OmegaConf.structured(Config), sections)
+    except ValidationError as err:
+        key = getattr(err, "full_key", None) or "conf"
+        message = str(getattr(err, "msg", None) or err).splitlines()[0]
+        raise ConfigError(key, f"in {path}: {message}") from err
+
+
+def _explain(err: Exception, preset: str, overrides: list[str]) -> ConfigError:
     """Turn Hydra/OmegaConf composition errors into a ConfigError naming the key."""
     from hydra.errors import MissingConfigException
 
@@ -109,12 +126,30 @@ def _explain(err: Exception, preset: str) -> ConfigError:
 
         full = re.search(r"full_key: (\S+)", text)
         name = full.group(1) if full else match.group(1)
+        if name.startswith("task.params."):
+            return _unknown_param(name, overrides)
         return ConfigError(name, f"unknown key{suggest(name)}")
     match = re.search(r"Could not override '([^']+)'", text)
     if match and not key:
         key = match.group(1)
+    if key.startswith("task.params.") and "not in struct" in str(cause):
+        return _unknown_param(key, overrides)
     first = str(cause).splitlines()[0] if str(cause) else text.splitlines()[0]
     return ConfigError(key or "overrides", first)
+
+
+def _unknown_param(key: str, overrides: list[str]) -> ConfigError:
+    """A ``task.params`` key the chosen task's preset lacks: composed again with it added (``+``)
+    to learn which task it is, then named with that task's own parameters."""
+    from rlorch.tasks.registry import unknown_param
+
+    added = [f"+{item.lstrip('+')}" if item.split("=", 1)[0].lstrip("+") == key else item for item in overrides]
+    try:
+        task = compose(added).task.name
+    except ConfigError:
+        return ConfigError(key, "not a parameter of this task's preset; a new parameter takes a +: "
+                                f"+{key}=VALUE")
+    return unknown_param(task, key)
 
 
 def compose(overrides: list[str] | None = None) -> Config:
@@ -143,7 +178,7 @@ def compose(overrides: list[str] | None = None) -> Config:
     except ConfigError:
         raise
     except Exception as err:
-        raise _explain(err, preset) from err
+        raise _explain(err, preset, list(overrides or [])) from err
     finally:
         if config_dir != str(conf_dir()):
             shutil.rmtree(config_dir, ignore_errors=True)
@@ -155,7 +190,7 @@ def compose(overrides: list[str] | None = None) -> Config:
         cause = err.__cause__ if isinstance(err.__cause__, ConfigError) else None
         if cause:
             raise cause from err
-        raise _explain(err, preset) from err
+        raise _explain(err, preset, list(overrides or [])) from err
 
 
 def expand_sweeps(overrides: list[str]) -> Iterator[tuple[dict[str, str], list[str]]]:

@@ -202,6 +202,11 @@ class RolloutConfig:
         return (self.max_staleness + 1) * self.batch_size
 
     @property
+    def prompts_per_batch(self) -> int:
+        """B / group_size: the prompts one full batch trains on."""
+        return self.batch_size // self.group_size
+
+    @property
     def pack_groups(self) -> int:
         """Groups per engine call: as many whole groups as fit in pack_samples, at least one."""
         return max(1, self.pack_samples // self.group_size)
@@ -232,7 +237,13 @@ class TrainConfig:
     steps: int = 60
     """Training steps (batches) to run before the drain phase."""
     max_empty_batches: int = 3
-    """Stop the run after this many consecutive batches with nothing trainable."""
+    """Stop the run after this many consecutive batch-worths of finished rollouts with nothing
+    trainable (and, for a task with a prompt set, not before one pass over it: see
+    rlorch.orchestrator.sinks)."""
+    stop_on_converged: bool = True
+    """End the run as ``converged`` when the empty-batch guard finds the task solved and, where
+    there is an evaluation, held-out accuracy of the same weights agrees; false: train on while
+    any group is trainable (a run left with nothing to train still ends converged)."""
 
     def __post_init__(self) -> None:
         _require(self.steps >= 1, "train.steps", "must be >= 1")

@@ -35,7 +35,7 @@ from rlorch.inference.pool import EnginePool
 from rlorch.launch.base import LaunchError, Launched, Launcher, exit_reason
 from rlorch.launch.placement import server_env
 from rlorch.launch.server_command import API_KEY_ENV
-from rlorch.lifecycle import cancel_and_wait
+from rlorch.lifecycle import cancel_and_wait, off_loop
 from rlorch.rundir.layout import RunDir
 from rlorch.types import PolicyVersion
 
@@ -61,9 +61,9 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
         servers = [Launched("server", i, a, None) for i, a in enumerate(inference.addresses)]
     else:
         api_key = secrets.token_urlsafe(24)
-        servers = [launcher.start_server(config, i, log_dir=log_dir, model_path=model_path, api_key=api_key,
-                                         env=server_env(config, i))
-                   for i in range(inference.num_servers)]
+        servers = await off_loop(lambda: [launcher.start_server(config, i, log_dir=log_dir, model_path=model_path,
+                                                                api_key=api_key, env=server_env(config, i))
+                                          for i in range(inference.num_servers)])
     engines = [_client(config, s.address, api_key) for s in servers]
     monitor: list[asyncio.Task] = []
 
@@ -182,11 +182,11 @@ async def start_servers(config: Config, run_dir: RunDir, policy: PolicyVersion,
     while the servers start: importing transformers takes seconds)."""
     from rlorch.model import resolve_model_path
 
-    model_path = resolve_model_path(config.model.path)
-    # Submitted to the executor at once (a task would first wait for the loop): launching
-    # blocks the loop until the fork server is warm, and the tokenizer's imports run on the
-    # other core meanwhile.
-    tokenizer = asyncio.get_running_loop().run_in_executor(None, _load_tokenizer, model_path)
+    # Off the loop: on a fresh machine this creates the default model (torch's imports, seconds).
+    model_path = await off_loop(lambda: resolve_model_path(config.model.path))
+    # Started at once (a task would first wait for the loop): the tokenizer's imports run on the
+    # other core while the servers launch.
+    tokenizer = off_loop(lambda: _load_tokenizer(model_path))
     try:
         pool = await start_engines(config, log_dir=run_dir.logs, servers_file=run_dir.servers,
                                    model_path=model_path, launcher=launcher)

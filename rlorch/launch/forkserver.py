@@ -104,6 +104,8 @@ class ForkServer:
         self.exits: dict[int, int] = {}
         self.spawned = 0
         """How many processes it was asked to fork."""
+        self.forked = 0
+        """How many it has forked (answered with a pid)."""
         self._pids: dict[int, int] = {}
         self._arrived = threading.Condition()
         self._next = 0
@@ -118,6 +120,7 @@ class ForkServer:
                     self.exits[message["exit"]] = message["status"]
                 else:
                     self._pids[message["id"]] = message["pid"]
+                    self.forked += 1
                 self._arrived.notify_all()
 
     def spawn(self, command: list[str], *, log: str, env: dict, cwd: str) -> Forked:
@@ -163,13 +166,14 @@ def running() -> bool:
 
 def discard() -> None:
     """Stop the fork server if it has forked nothing: when the run turns out to launch nothing
-    through it, and at exit, so that a server still importing does not go on for nobody. One
-    that has forked processes is left to exit when this process's end closes its pipe, as
-    before: it reports their exits, and a trainer it forked watches it."""
+    through it, and at exit (requests still unanswered included: a run interrupted while the
+    server imports), so that a server still importing does not go on for nobody. One that has
+    forked processes is left to exit when this process's end closes its pipe: it reports their
+    exits, and a trainer it forked watches it."""
     global _server
     with _server_lock:
         server = _server
-        if server is None or server.spawned:
+        if server is None or server.forked:
             return
         _server = None
     if server.process.poll() is None:
@@ -221,7 +225,7 @@ def _child(request: dict, ready: int) -> None:
     sys.argv = [request["module"], *request["argv"][1:]]
     code = 0
     try:
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        _run_module(request["module"], runpy)
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     except BaseException:
@@ -232,6 +236,18 @@ def _child(request: dict, ready: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _run_module(name: str, runpy) -> None:
+    """Run ``python -m name``. A module the fork server preloaded is already in ``sys.modules``:
+    running it again through runpy would execute a second copy of it beside the first (and
+    warn that it was found there); its ``main()`` entry runs the loaded one instead."""
+    loaded = sys.modules.get(name)
+    entry = getattr(loaded, "main", None)
+    if entry is None:
+        runpy.run_module(name, run_name="__main__", alter_sys=True)
+        return
+    sys.exit(entry())
 
 
 def _set_name(module: str) -> None:
@@ -316,8 +332,11 @@ def _serve() -> None:
             os.close(ready)
             os.read(started, 1)
             os.close(started)
-            out.write(json.dumps({"id": request["id"], "pid": pid}) + "\n")
-            out.flush()
+            try:
+                out.write(json.dumps({"id": request["id"], "pid": pid}) + "\n")
+                out.flush()
+            except BrokenPipeError:
+                return    # the client is gone; what was forked watches its orchestrator
 
 
 if __name__ == "__main__":

@@ -17,11 +17,13 @@ from rlorch.types import Fate, Rollout
 class Filing:
     def __init__(self, *, sink: Any, ledger: Any, gate: Any, dispatcher: Any, prompts: Any,
                  max_regenerations: int, max_empty_batches: int, on_guard: Callable[[Any, str], None],
-                 kept: Any, stale: Any):
+                 kept: Any, stale: Any, failure_window: int = 0):
         """``kept`` and ``stale`` are the sink's verdicts for a kept and a too-old group."""
         self.sink, self.ledger, self.gate, self.dispatcher, self.prompts = sink, ledger, gate, dispatcher, prompts
         self.max_regenerations, self.max_empty_batches, self.on_guard = max_regenerations, max_empty_batches, on_guard
         self.kept, self.stale_verdict = kept, stale
+        self.failure_window = failure_window
+        """Batch-worths a flat reward or a collapse must last before it stops the run (>= max_empty_batches)."""
 
     def file(self, group: list[Rollout], step: int) -> None:
         """Hand a finished group to the sink for batch ``step``."""
@@ -37,7 +39,7 @@ class Filing:
         self.ledger.record(Fate.filtered, rollouts)
         self.gate.on_discarded(rollouts)
         self.dispatcher.notify()
-        stop = self.sink.guard(self.max_empty_batches)
+        stop = self.sink.guard(self.max_empty_batches, self.failure_window)
         if stop is not None:
             self.on_guard(*stop)
 

@@ -5,8 +5,8 @@ Invariants kept here rather than in a dashboard:
   re-queued as a prompt (the ledger checks ``lost`` = 0);
 - the rollouts of a batch are on disk before the trainer is handed the batch;
 - at train.steps admission stops, in-flight work finishes and is persisted with the checkpoint;
-- after train.max_empty_batches consecutive batches with nothing trainable the run stops, saying
-  why (a solved task ends ``converged``);
+- after train.max_empty_batches batch-worths in a row with nothing trainable the run stops, saying
+  why (a solved task ends ``converged`` once held-out accuracy agrees);
 - the first step after a resume admits at most (S + 1) * B rollouts, else the run fails.
 """
 
@@ -30,9 +30,9 @@ from rlorch.orchestrator.loggers import make_loggers
 from rlorch.orchestrator.metrics import MetricsLoop
 from rlorch.orchestrator.runstats import RunStats
 from rlorch.orchestrator.shipping import Shipping
-from rlorch.orchestrator.sinks import KEPT, EvalSink, TrainSink, Verdict
+from rlorch.orchestrator.sinks import KEPT, SOLVED_SHARE, EvalSink, TrainSink, Verdict, failure_window
 from rlorch.orchestrator.steps import StepRecords
-from rlorch.orchestrator.stops import Converged, RunFailed, StopKind, StopReason
+from rlorch.orchestrator.stops import Convergence, Converged, Outcome, RunFailed, StopKind, StopReason
 from rlorch.orchestrator.watcher import WeightWatcher
 from rlorch.rundir.layout import RunDir, write_atomic, write_json_atomic
 from rlorch.rundir.state import ResumeState
@@ -72,7 +72,8 @@ class Orchestrator:
                                      published=run_dir.published_weights, offers=run_dir.broadcast_offers,
                                      offer_mark=run_dir.offer_mark, distributed=config.inference.distributed,
                                      expecting=lambda: self.shipping.shipped > self.policy.value,
-                                     on_version=self._on_version, on_error=self._on_watcher_error, on_idle=self.idle.engines.set)
+                                     on_version=self._on_version, on_idle=self.idle.engines.set, on_error=lambda err:
+                                     self._raise_alarm(StopReason(StopKind.watcher, f"weight watcher failed: {err}")))
         self.metrics = MetricsLoop(loggers=make_loggers(config, run_dir), interval=config.metrics.interval, gauges={
             "dispatcher": self.dispatcher.gauges, "watcher": self.watcher.gauges, "gate": self.gate.gauges,
             "sink": self.sink.gauges, "loop": lambda: {**self.shipping.gauges(), "admitted_total": self.dispatcher.admitted},
@@ -85,15 +86,16 @@ class Orchestrator:
         self.filing = Filing(sink=self.sink, ledger=self.ledger, gate=self.gate, dispatcher=self.dispatcher,
                              prompts=prompts, max_regenerations=r.max_regenerations,
                              max_empty_batches=config.train.max_empty_batches, on_guard=self._on_guard,
-                             kept=KEPT, stale=Verdict.stale)
+                             kept=KEPT, stale=Verdict.stale, failure_window=failure_window(
+                                 config.train.max_empty_batches, getattr(env, "prompt_count", None), r.prompts_per_batch))
         self.snapshots = Snapshots(run_dir, ledger=self.ledger, group_size=r.group_size,
                                    unfinished=lambda: Unfinished(self.dispatcher.state(), self.sink.pending_groups(),
                                                                  self.shipping.parked),
-                                   prompt_position=lambda: prompts.position,
-                                   empty_batches=lambda: self.sink.totals.empty_batches,
+                                   prompt_position=lambda: prompts.position, empty_batches=lambda: self.sink.totals.empty_batches,
                                    keep=config.trainer.keep_checkpoints, keep_every=config.trainer.keep_checkpoints_every)
-        self.alarm = asyncio.Event()
-        self.stop_reason: Optional[StopReason] = None
+        self.convergence = Convergence(stop_on_converged=config.train.stop_on_converged,
+                                       evaluating=config.eval.enabled, share=SOLVED_SHARE)
+        self.alarm, self.stop_reason = asyncio.Event(), None
 
     # wiring ----------------------------------------------------------------------------------
     def _on_version(self, version: int) -> None:
@@ -105,12 +107,8 @@ class Orchestrator:
         self.dispatcher.notify()
         self.version_changed.set()
 
-    def _on_watcher_error(self, error: BaseException) -> None:
-        self._raise_alarm(StopReason(StopKind.watcher, f"weight watcher failed: {error}"))
-
     def _raise_alarm(self, reason: StopReason) -> None:
-        if self.stop_reason is None:
-            self.stop_reason = reason
+        self.stop_reason = self.stop_reason or reason
         self.alarm.set()
 
     def request_shutdown(self, signal_name: str) -> None:
@@ -131,10 +129,17 @@ class Orchestrator:
         self.snapshots.resumed_at(state.step)
 
     def _on_guard(self, verdict: Verdict, message: str) -> None:
-        """A solved task ends the run well; a collapsed policy or a flat reward fails it."""
-        if verdict is Verdict.solved:
-            raise Converged(message)
-        raise RunFailed(StopReason(StopKind.empty_batches, message))
+        """A solved task ends the run converged once held-out accuracy agrees (else it trains on);
+        a collapsed policy or a flat reward fails it."""
+        last, idle = self.evaluations.sink.last, self.policy.value >= self.shipping.shipped and not self.sink.buffered
+        outcome = self.convergence.outcome(self.policy.value, last, idle) if verdict is Verdict.solved else None
+        if outcome in (None, Outcome.converged, Outcome.stalled):
+            message = message.rstrip(".") + (self.convergence.explain(outcome, last) if outcome else "") + "."
+            raise Converged(message) if outcome is Outcome.converged else RunFailed(
+                StopReason(StopKind.empty_batches, message))
+        if outcome is Outcome.evaluate:
+            self.evaluations.start(self.policy.value)
+        self.sink.rearm()
 
     # the loop --------------------------------------------------------------------------------
     def _admission_room(self) -> int:
@@ -183,8 +188,7 @@ class Orchestrator:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(0.2)
-            problem = self.trainer.error()
-            if problem:
+            if problem := self.trainer.error():
                 self._raise_alarm(StopReason(StopKind.trainer, problem))
             if self.metrics.failure:
                 self._raise_alarm(StopReason(StopKind.bookkeeping, self.metrics.failure))
@@ -247,14 +251,12 @@ class Orchestrator:
             if not batch.trainable:
                 self.filing.filtered(len(batch.rollouts))
                 continue
-            if len(batch.rollouts) < self.batch_size:
-                self.gate.on_short_batch(self.batch_size - len(batch.rollouts))
+            self.gate.on_short_batch(self.batch_size - len(batch.rollouts))    # 0 for a full batch
             await self.shipping.ship(batch)
             await self.trainer.submit(batch)
 
     async def _persist(self, batch: Batch) -> None:
-        """Put the batch file on disk, the fsyncs off the event loop so generation goes on
-        meanwhile; until it is shipped the batch is held as parked (a checkpoint lists it)."""
+        """The batch file on disk, fsynced off the event loop; parked until shipped (checkpoints list it)."""
         await asyncio.to_thread(write_atomic, self.run_dir.batch(batch.step), batch.to_jsonl())
 
     def _on_shipped(self, batch: Batch, parked_s: float) -> None:
@@ -292,9 +294,7 @@ class Orchestrator:
         self.snapshots.finish(max(self.policy.value, self.shipping.shipped), abandoned=abandoned)
 
     def _summary(self, status: str, error: Optional[str]) -> dict:
-        reason = self.stop_reason
-        return {"status": status, "error": error, "reason": str(reason) if reason else None,
-                "stop": reason.kind.value if reason else None, "version": self.policy.value, **self.engines.health(),
-                **self.snapshots.account(self.policy.value), "short_batches": self.sink.totals.short_batches,
+        return {"status": status, "error": error, **StopReason.fields(self.stop_reason), "version": self.policy.value,
+                **self.engines.health(), **self.snapshots.account(self.policy.value), "short_batches": self.sink.totals.short_batches,
                 "parked_s": round(self.shipping.parked_s, 4), "transfer_fallbacks": self.watcher.transfer_fallbacks,
                 **self.evaluations.summary(), **self.stats.summary(loop_started=self.loop_started)}

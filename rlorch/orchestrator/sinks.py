@@ -9,6 +9,7 @@ back (to regenerate or drop) and never trained.
 from __future__ import annotations
 
 import enum
+import math
 from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field
@@ -42,7 +43,22 @@ attribute lookups on an Enum class cost several times a plain class's."""
 
 SOLVED_SHARE = 0.9
 """Share of recently filtered rollouts at the maximum reward for the empty-batch guard to call
-the task solved; below it, some prompts are answered wrongly without variance to learn from."""
+the task solved; below it, some prompts are answered wrongly without variance to learn from.
+Held-out accuracy must reach the same share for the run to end converged."""
+FAILURE_WINDOW_CAP = 10
+"""A data set scales the guard's failure window to one pass over its prompts, at most this many
+times train.max_empty_batches: a long enough look at hard prompts, yet bounded for a large set."""
+
+
+def failure_window(max_empty_batches: int, prompt_count: Optional[int], prompts_per_batch: int) -> int:
+    """Batch-worths of nothing trainable before a flat reward or a collapsed policy stops the run:
+    one pass over a finite prompt set of ``prompt_count`` prompts, at least ``max_empty_batches``
+    and at most FAILURE_WINDOW_CAP times it."""
+    if not prompt_count:
+        return max_empty_batches
+    one_pass = math.ceil(prompt_count / max(prompts_per_batch, 1))
+    return max(max_empty_batches, min(one_pass, FAILURE_WINDOW_CAP * max_empty_batches))
+
 
 GroupFilter = Callable[[Sequence[Rollout]], Optional[Verdict]]
 """A filter looks at one group and returns the reason to drop it, or None to keep it."""
@@ -175,14 +191,29 @@ class TrainSink:
             totals.recent_surprisal += sum(sampled)
             totals.recent_tokens += len(sampled)
 
-    def guard(self, max_empty_batches: int) -> Optional[tuple[Verdict, str]]:
-        """The empty-batch guard: after ``max_empty_batches`` consecutive batch-worths with
-        nothing trainable, the verdict and the message the run ends with; else None."""
-        if self.totals.consecutive_empty < max_empty_batches:
+    def guard(self, max_empty_batches: int, failure_window: int = 0) -> Optional[tuple[Verdict, str]]:
+        """The empty-batch guard: once ``max_empty_batches`` batch-worths of finished rollouts in
+        a row had nothing trainable (no group kept in between; batches may still have trained on
+        groups kept earlier), the verdict and the message the run ends with; else None. A verdict
+        other than ``solved`` waits for ``failure_window`` batch-worths when that is longer (one
+        pass over a data set: hard prompts may all score 0 for a while)."""
+        empty = self.totals.consecutive_empty
+        if empty < max_empty_batches:
             return None
         verdict, why = self.diagnose()
-        return verdict, (f"{self.totals.consecutive_empty} consecutive batches had nothing trainable "
-                         f"(train.max_empty_batches={max_empty_batches}); {why}.")
+        if verdict is not Verdict.solved and empty < failure_window:
+            return None
+        window = max_empty_batches if verdict is Verdict.solved else max(max_empty_batches, failure_window)
+        scaled = "" if window == max_empty_batches else f", scaled to one pass over the data set: {window}"
+        return verdict, (f"{empty * self.batch_size} rollouts in a row ({empty} batches' worth) finished with "
+                         f"nothing trainable (train.max_empty_batches={max_empty_batches}{scaled}); {why}.")
+
+    def rearm(self) -> None:
+        """Start the guard's count again (the run trains on after it tripped)."""
+        self.totals.consecutive_empty = 0
+        self._filtered_run = 0
+        self.totals.recent.clear()
+        self.totals.recent_surprisal, self.totals.recent_tokens = 0.0, 0
 
     def diagnose(self) -> tuple[Verdict, str]:
         """Why recent batches had nothing trainable.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Optional
 
 
 class StopKind(str, enum.Enum):
@@ -27,6 +28,11 @@ class StopReason:
     def __str__(self) -> str:
         return self.detail
 
+    @staticmethod
+    def fields(reason: Optional["StopReason"]) -> dict:
+        """The summary's ``reason`` (for people) and ``stop`` (the kind) of a run."""
+        return {"reason": reason.detail if reason else None, "stop": reason.kind.value if reason else None}
+
 
 class RunFailed(RuntimeError):
     """The run stopped on one of its own invariants; ``reason`` says which and why."""
@@ -38,3 +44,48 @@ class RunFailed(RuntimeError):
 
 class Converged(Exception):
     """Nearly every recent group earned the maximum reward: the task is solved, the run ends well."""
+
+
+class Outcome(str, enum.Enum):
+    """What the run does when the empty-batch guard finds the task solved."""
+
+    converged = "converged"
+    """held-out accuracy agrees (or there is no evaluation): the run ends converged."""
+    evaluate = "evaluate"
+    """the latest evaluation is of older weights: evaluate these, train on meanwhile."""
+    train_on = "train_on"
+    """held-out accuracy disagrees, or train.stop_on_converged is false: train on."""
+    stalled = "stalled"
+    """held-out accuracy disagrees and nothing is left to train: the guard tripped twice at the
+    same version with the trainer idle and no group kept; the run fails rather than generate on."""
+
+
+class Convergence:
+    """The guard sees only training groups; a run ends converged only when the held-out
+    evaluation of the same weights agrees (accuracy >= ``share``), wherever there is one."""
+
+    def __init__(self, *, stop_on_converged: bool, evaluating: bool, share: float):
+        self.stop_on_converged, self.evaluating, self.share = stop_on_converged, evaluating, share
+        self.idle_trip: Optional[int] = None
+        """The version at which the guard last tripped with nothing left to train."""
+
+    def outcome(self, version: int, last_eval: Optional[dict], idle: bool) -> Outcome:
+        """``idle``: the trainer has trained every shipped batch and no kept group waits."""
+        current = last_eval is not None and last_eval["step"] >= version
+        if self.evaluating and not current:
+            return Outcome.evaluate
+        agrees = not self.evaluating or (last_eval["accuracy"] or 0.0) >= self.share
+        if self.stop_on_converged and agrees:
+            return Outcome.converged
+        stuck, self.idle_trip = idle and self.idle_trip == version, version if idle else None
+        if stuck:
+            return Outcome.converged if agrees else Outcome.stalled
+        return Outcome.train_on
+
+    def explain(self, outcome: Outcome, last_eval: Optional[dict]) -> str:
+        if last_eval is None:
+            return ""
+        said = f"held-out accuracy {last_eval['accuracy']:.1%} at step {last_eval['step']}"
+        if outcome is Outcome.stalled:
+            return f"; but {said} says it is not, and nothing is left to train"
+        return f"; {said}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from rich.console import Console
@@ -201,9 +202,24 @@ def print_report(console: Console, summary: dict, *, summary_path: Any, report_p
     style = {"completed": "green", "converged": "green", "interrupted": "yellow"}.get(status, "red")
     console.print(f"[bold {style}]{status}[/] steps={summary['steps']} wall={summary['wall_s']}s "
                   f"-> {summary_path}", highlight=False)
-    for text in report_lines(summary, phases):
-        console.print(f"  {text}", highlight=False, markup=False, soft_wrap=True)
+    if summary.get("admitted") or summary.get("steps"):
+        for text in report_lines(summary, phases):
+            console.print(f"  {text}", highlight=False, markup=False, soft_wrap=True)
+    else:
+        console.print(f"  {status} in start-up: nothing was admitted or trained", highlight=False, markup=False)
     if report_path is not None:
         console.print(f"  report      {report_path}", highlight=False, markup=False, soft_wrap=True)
     if summary.get("error"):
         console.print(f"[bold red]error[/] {summary['error']}", highlight=False)
+    if status in ("interrupted", "failed"):
+        console.print(f"  next        {next_command(summary, Path(summary_path).parent)}", highlight=False,
+                      markup=False, soft_wrap=True)
+
+
+def next_command(summary: dict, run_dir: Path) -> str:
+    """The exact command that continues an interrupted or failed run, or starts it again."""
+    if summary.get("checkpoint"):
+        return f"rlorch resume {run_dir}"
+    if not summary.get("steps"):
+        return f"nothing was checkpointed; start again with: rlorch train run.dir={run_dir} (and your overrides)"
+    return "nothing was checkpointed; start a new run (rlorch train)"

@@ -41,6 +41,8 @@ class RunRecords:
     evals: list[dict] = field(default_factory=list)
     periodic: list[dict] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
+    lives: int = 0
+    """Starts of the run: 1, plus one per resume."""
 
 
 def read_records(run_dir: RunDir) -> RunRecords:
@@ -55,6 +57,7 @@ def read_records(run_dir: RunDir) -> RunRecords:
         record = json.loads(text)
         if record.get("kind") == "start":
             offset = last
+            records.lives += 1
         record["time"] = record.get("time", 0.0) + offset
         last = record["time"]
         target = {"step": records.steps, "eval": records.evals, "periodic": records.periodic}.get(record.get("kind"))
@@ -151,6 +154,10 @@ def plot_age_heatmap(records: RunRecords, path: Path) -> None:
 
 
 def plot_flow(records: RunRecords, path: Path) -> None:
+    _save(flow_figure(records), path)
+
+
+def flow_figure(records: RunRecords):
     fig, axes = _figure(2)
     xs, ys = _series(records.steps, "step", "admitted")
     axes[0].fill_between(xs, ys, step="mid", color="tab:green", alpha=0.35, linewidth=0)
@@ -159,19 +166,24 @@ def plot_flow(records: RunRecords, path: Path) -> None:
     axes[0].set_ylabel("rollouts admitted")
     axes[0].set_title("Admissions per step", fontsize=10)
     timeline = sorted(records.periodic + records.steps, key=lambda r: r["time"])
+    highest = 0
     for key, color, label in (("in_flight", "tab:blue", "in flight"),
                               ("out_queue", "tab:red", "finished, waiting for a batch")):
         tx, ty = _series(timeline, "time", key)
         axes[1].plot(tx, ty, color=color, linewidth=1.1, drawstyle="steps-post", label=label)
+        highest = max([highest, *ty])
     axes[1].set_xlabel("wall seconds")
     axes[1].set_ylabel("rollouts")
     axes[1].set_title("In flight and queue depth", fontsize=10)
-    axes[1].legend(fontsize=8)
+    # Headroom above the data holds the legend: in flight sits at C for most of a run, right
+    # where a legend placed by "best" would go.
+    axes[1].set_ylim(0, max(highest, 1) * 1.45)
+    axes[1].legend(fontsize=8, loc="upper left", ncol=2, frameon=False)
     for ax in axes:
         ax.grid(alpha=0.3)
     if not xs:
         _empty(axes[0])
-    _save(fig, path)
+    return fig
 
 
 def plot_reload(records: RunRecords, path: Path) -> None:
@@ -208,23 +220,63 @@ PLOTS = {"reward_accuracy.png": plot_reward_accuracy, "age_heatmap.png": plot_ag
          "flow.png": plot_flow, "reload.png": plot_reload, "idle.png": plot_idle}
 
 
+PER_LIFE = ("rollouts/s, tokens/s (trained, loop)", "start-up s / loop s / wall s",
+            "trainer idle / engine idle (share of loop)")
+"""Rows whose figures are of the last life of a resumed run (the summary's own)."""
+PERCENT = ("eval_accuracy_first", "eval_accuracy_last", "trainer_idle", "engine_idle")
+"""Shares, written as percentages."""
+
+
 def _cell(summary: dict, keys: Any) -> str:
     keys = keys if isinstance(keys, tuple) else (keys,)
     separator = " -> " if len(keys) == 2 and keys[0].endswith("_first") else " / "
-    return separator.join(_format(summary.get(key)) for key in keys)
+    return separator.join(_format(summary.get(key), percent=key in PERCENT) for key in keys)
 
 
-def _format(value: Optional[Any]) -> str:
+def _format(value: Optional[Any], percent: bool = False) -> str:
     if value is None:
         return "-"
+    if percent:
+        return f"{value:.1%}"
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
 
 
+def whole_run(records: RunRecords) -> dict:
+    """The summary with the figures that ``summary.json`` keeps per life of the run (it is
+    rewritten by each resume) taken from every life's records instead, as the plots are: reward
+    and eval accuracy first -> last, the head-age statistics and the step count."""
+    import numpy as np
+
+    summary = dict(records.summary)
+    steps = [r for r in records.steps if r.get("reward_mean") is not None]
+    if steps:
+        summary["reward_mean_first"], summary["reward_mean_last"] = steps[0]["reward_mean"], steps[-1]["reward_mean"]
+        summary["steps"] = max(r["step"] for r in records.steps)
+    evals = [r for r in records.evals if r.get("accuracy") is not None]
+    if evals:
+        first, last = min(evals, key=lambda r: r["step"]), max(evals, key=lambda r: r["step"])
+        summary["eval_accuracy_first"], summary["eval_accuracy_last"] = first["accuracy"], last["accuracy"]
+    counts = [r["age_counts"] for r in records.steps if r.get("age_counts")]
+    if counts:
+        total = np.zeros(max(len(c) for c in counts))
+        for c in counts:
+            total[:len(c)] += c
+        ages = np.repeat(np.arange(len(total)), total.astype(int))
+        summary["age_max"] = int(ages.max())
+        summary["age_p99"] = float(np.percentile(ages, 99))
+        summary["age_mean"] = round(float(ages.mean()), 4)
+    return summary
+
+
 def markdown(records: RunRecords, run_dir: RunDir) -> str:
+    summary = whole_run(records)
     lines = [f"# Run report: {run_dir.root.name}", "", "| | |", "|---|---|"]
-    lines += [f"| {label} | {_cell(records.summary, keys)} |" for label, keys in SUMMARY_ROWS]
+    for label, keys in SUMMARY_ROWS:
+        if records.lives > 1 and label in PER_LIFE:
+            label += f" (last of {records.lives} lives)"
+        lines.append(f"| {label} | {_cell(summary, keys)} |")
     if records.summary.get("reason"):
         lines.append(f"| stop reason | {records.summary['reason']} |")
     lines.append("")

@@ -59,6 +59,12 @@ class RunDir:
         return self.root / "config.yaml"
 
     @property
+    def is_run(self) -> bool:
+        """rlorch writes config.yaml into a run directory before anything else: a directory
+        without it is not a run, whatever else it holds."""
+        return self.config.is_file()
+
+    @property
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
 

@@ -19,6 +19,21 @@ from rlorch.config.schema import Config, ConfigError
 from rlorch.rundir.layout import RunDir, parse_step, step_name
 
 
+def run_root(path: Path) -> Path:
+    """The run directory ``path`` (one of the forms above) belongs to, read from names alone, so
+    that the run's lock can be taken before anything in it is read."""
+    step = parse_step(path.name)
+    if not path.exists() and not (step is not None and path.with_name(step_name(step)).exists()):
+        raise ConfigError("checkpoint", f"{path} does not exist")
+    if RunDir(path).is_run:
+        return path
+    root = path.parent.parent
+    if step is not None and path.parent.name == "checkpoints" and RunDir(root).is_run:
+        return root
+    raise ConfigError("checkpoint", f"{path} is not an rlorch run directory (no config.yaml) nor a "
+                                    "checkpoint in one (RUN_DIR/checkpoints/step_N)")
+
+
 def locate_checkpoint(path: Path) -> Path:
     """The checkpoint directory meant by ``path`` (one of the forms above)."""
     run_dir = RunDir(path)
@@ -46,11 +61,25 @@ def finished_run(checkpoint: Path, config: Config, overrides: list[str]) -> Opti
     root = checkpoint.parent.parent
     if step >= config.train.steps:
         return (f"{root} is finished: checkpoint {checkpoint.name} reached train.steps={config.train.steps}; "
-                f"nothing to resume (to go further: rlorch resume checkpoint={root} train.steps=N with N > {step})")
+                f"nothing to resume (to go further: rlorch resume {root} train.steps=N with N > {step})")
     summary = RunDir(root).summary
     ended = json.loads(summary.read_text()) if summary.is_file() else {}
-    steps_set = any(item.split("=", 1)[0].lstrip("+") == "train.steps" for item in overrides)
+    steps_set = _sets(overrides, "train.steps")
     if ended.get("status") == "converged" and ended.get("steps") == step and not steps_set:
         return (f"{root} is finished: it converged at step {step} ({ended.get('reason')}); nothing to resume "
-                f"(to go further: rlorch resume checkpoint={root} train.steps=N)")
+                f"(to go further: rlorch resume {root} train.steps=N)")
     return None
+
+
+def _sets(overrides: list[str], key: str) -> bool:
+    return any(item.split("=", 1)[0].lstrip("+") == key for item in overrides)
+
+
+def continues_converged(checkpoint: Path, overrides: list[str]) -> bool:
+    """A resume of a run that ended converged, asked for more steps (``train.steps``) without a
+    word on ``train.stop_on_converged``: the task is still solved, so stopping on it again would
+    train nothing; the caller turns the stop off for this resume."""
+    summary = RunDir(checkpoint.parent.parent).summary
+    ended = json.loads(summary.read_text()) if summary.is_file() else {}
+    return (ended.get("status") == "converged" and _sets(overrides, "train.steps")
+            and not _sets(overrides, "train.stop_on_converged"))

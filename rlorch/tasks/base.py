@@ -35,7 +35,11 @@ def task_params(params_type: type[P], values: dict[str, Any]) -> P:
     known = {f.name for f in dataclasses.fields(params_type)}
     for key in values:
         if key not in known:
-            raise ConfigError(f"task.params.{key}", f"unknown parameter (this task takes: {', '.join(sorted(known))})")
+            import difflib
+
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+            hint = f" (did you mean task.params.{close[0]}?)" if close else ""
+            raise ConfigError(f"task.params.{key}", f"unknown parameter{hint}; this task takes: {', '.join(sorted(known))}")
     try:
         return params_type(**values)
     except ConfigError:

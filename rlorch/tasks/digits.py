@@ -1,6 +1,6 @@
 """Digit-string tasks for the tiny character-level model: ``reverse`` and ``sort``.
 
-Prompts carry no whitespace (the tiny tokenizer has none): ``"4071="``, answer ``"1704"``.
+Prompts carry no whitespace (the tiny tokenizer has none): ``"407="``, answer ``"704"``.
 The reward gives partial credit so a randomly initialised model gets a learning signal from
 its first batch: a format part (the answer is a digit string of the right length) and a
 per-position part (each position that matches, over the longer of the two lengths).

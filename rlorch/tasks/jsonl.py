@@ -53,6 +53,12 @@ class JsonlTask(SingleTurn):
     name: str = "jsonl"
     max_reward: float = 1.0
 
+    @property
+    def prompt_count(self) -> int:
+        """Prompts in the data set: one pass over them is how long the empty-batch guard looks
+        before it calls a reward flat (rlorch.orchestrator.sinks.failure_window)."""
+        return len(self.rows)
+
     def make_prompt(self, index: int, seed: int) -> tuple[str, Any]:
         epoch, offset = divmod(index, len(self.rows))
         return self.rows[_order(len(self.rows), seed, epoch)[offset]]

@@ -21,6 +21,13 @@ BUILT_IN: dict[str, str] = {
     "jsonl": "rlorch.tasks.jsonl:jsonl_task",
 }
 """Each built-in task's factory as ``module:function``, imported only when chosen."""
+PARAMS: dict[str, str] = {
+    "reverse": "rlorch.tasks.digits:DigitParams",
+    "sort": "rlorch.tasks.digits:DigitParams",
+    "reverse_retry": "rlorch.tasks.digits:RetryParams",
+    "calculator": "rlorch.tasks.calculator:CalculatorParams",
+}
+"""The dataclass of each built-in task's ``task.params`` (jsonl takes none)."""
 
 
 def names() -> list[str]:
@@ -68,3 +75,33 @@ def _user_environment(spec: str, params: dict) -> Environment:
         raise ConfigError("task.name", f"{spec} is not an environment: it needs name, make_prompt and "
                                        f"an async episode(conversation, answer) (missing: {', '.join(missing) or 'async episode'})")
     return env
+
+
+def params_of(name: str) -> list[str] | None:
+    """The parameter names a built-in task takes, or None for a task of your own (whose
+    parameters only its constructor knows)."""
+    import dataclasses
+    import importlib
+
+    if name not in BUILT_IN:
+        return None
+    if name not in PARAMS:
+        return []
+    module, _, cls = PARAMS[name].partition(":")
+    return [f.name for f in dataclasses.fields(getattr(importlib.import_module(module), cls))]
+
+
+def unknown_param(task: str, key: str) -> ConfigError:
+    """The error for ``task.params.<key>`` that the chosen task's preset does not list: the
+    closest parameter of a built-in task's own params dataclass, or for a task of your own the
+    ``+`` a parameter the preset does not list needs."""
+    import difflib
+
+    param = key.rsplit(".", 1)[-1]
+    known = params_of(task)
+    if known is None:
+        return ConfigError(key, f"task {task} has no {param} in its preset; a new parameter takes a +: "
+                                f"+{key}=VALUE")
+    close = difflib.get_close_matches(param, known, n=1, cutoff=0.6)
+    hint = f" (did you mean task.params.{close[0]}?)" if close else ""
+    return ConfigError(key, f"unknown parameter of task {task}{hint}; it takes: {', '.join(known) or 'none'}")

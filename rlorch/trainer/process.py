@@ -18,6 +18,7 @@ from rlorch.config.schema import Config, TrainerBackend
 from rlorch.launch.base import Launched, Launcher
 from rlorch.launch.placement import trainer_env
 from rlorch.launch.trainer_command import trainer_command
+from rlorch.lifecycle import off_loop
 from rlorch.rundir.layout import RunDir
 from rlorch.types import Batch
 
@@ -51,8 +52,8 @@ class TorchrunTrainer:
         shutil.rmtree(self.run_dir.trainer_workers, ignore_errors=True)
         command = trainer_command(self.config, self.run_dir.root, self.resume)
         self.log_start = self.log.stat().st_size if self.log.exists() else 0
-        self.process = self.launcher.start_trainer(command, env=trainer_env(self.config), log=self.log,
-                                                   workers=self.run_dir.trainer_workers)
+        self.process = await off_loop(lambda: self.launcher.start_trainer(
+            command, env=trainer_env(self.config), log=self.log, workers=self.run_dir.trainer_workers))
         deadline = time.monotonic() + self.config.trainer.start_timeout
         while not ready.exists():
             code = self.launcher.returncode(self.process)
@@ -90,6 +91,8 @@ class TorchrunTrainer:
         while self.launcher.returncode(self.process) is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await self.launcher.stop([self.process], timeout=5.0)
+        # STOP is a request to a running trainer; none is left to read it.
+        self.run_dir.stop_file.unlink(missing_ok=True)
 
 
 def _cause(log: Path, start: int) -> str:
