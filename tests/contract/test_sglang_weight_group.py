@@ -34,13 +34,16 @@ def test_the_pinned_sglang_keeps_the_session_rules_and_group_construction_the_st
     assert "rank = rank_offset + self.tp_rank" in runner
 
 
-def test_servers_at_addresses_take_one_rank_per_tp_rank_read_from_server_info(stand_in):
+def test_servers_at_addresses_take_one_rank_per_tp_rank_read_from_server_info(stand_in, model_dir):
+    """The real app reports TP 2, `rlorch serve` TP 1: ranks [1, 2] and [3], world size 4."""
     from rlorch.inference.pool import EnginePool
+    from rlorch.serve.server import CpuServer, ServerThread
 
-    apps = [stand_in("--tp-size", "2"), stand_in("--tp-size", "2")]
+    app = stand_in("--tp-size", "2")
+    cpu = ServerThread(CpuServer(model_dir, threads=1))
 
     async def scenario():
-        engines = [SGLangEngine(app.address) for app in apps]
+        engines = [SGLangEngine(app.address), SGLangEngine(cpu.address)]
         pool = EnginePool(engines)
         try:
             for engine in engines:
@@ -49,7 +52,10 @@ def test_servers_at_addresses_take_one_rank_per_tp_rank_read_from_server_info(st
         finally:
             await pool.close()
 
-    assert asyncio.run(scenario()) == ([1, 3], 5)
+    try:
+        assert asyncio.run(scenario()) == ([1, 3], 4)
+    finally:
+        cpu.stop()
 
 
 def test_a_version_broadcast_by_rlorchs_group_arrives_bit_for_bit_inside_a_session(stand_in, tmp_path):
