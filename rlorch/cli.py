@@ -218,6 +218,37 @@ def serve(
                                    parent=parent_pid, api_key=api_key, min_step_time=min_step_time))
 
 
+@app.command()
+def fleet(
+    engines: int = typer.Option(100, "--engines", help="Simulated engines, one port each."),
+    port_base: int = typer.Option(20000, "--port-base", help="The first engine's port; the rest follow (keep below the ephemeral range, 32768)."),
+    processes: int = typer.Option(2, "--processes", help="Processes serving the engines between them."),
+    fleet_file: Optional[str] = typer.Option(None, "--fleet-file",
+                                             help="Write the engines' host:port here, one a line, once all listen."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
+    tokens_per_s: float = typer.Option(0.0, "--tokens-per-s", help="Median decode speed per sequence; 0 = instant."),
+    speed_spread: float = typer.Option(0.25, "--speed-spread", help="Log-normal sigma of engine speeds."),
+    stragglers: float = typer.Option(0.0, "--stragglers", help="Share of engines running 5x slower."),
+    ttft: float = typer.Option(0.0, "--ttft", help="Seconds to a request's first token."),
+    length_median: float = typer.Option(256.0, "--length-median", help="Median completion tokens (log-normal)."),
+    length_sigma: float = typer.Option(1.0, "--length-sigma", help="Log-normal sigma of completion lengths."),
+    slots: int = typer.Option(256, "--slots", help="Requests one engine runs at once; the rest queue."),
+    reload_s: float = typer.Option(0.0, "--reload-s", help="Seconds a weight update takes."),
+    vocab: int = typer.Option(32, "--vocab", help="Token ids are drawn below this."),
+    seed: int = typer.Option(0, "--seed", help="Seed of speeds, lengths and tokens."),
+) -> None:
+    """Serve many simulated engines behind SGLang's native HTTP API (for scale benchmarks)."""
+    from pathlib import Path
+
+    from rlorch.serve.fleet import FleetProfile, serve_fleet
+
+    profile = FleetProfile(tokens_per_s=tokens_per_s, speed_spread=speed_spread, stragglers=stragglers, ttft=ttft,
+                           length_median=length_median, length_sigma=length_sigma, slots=slots, reload_s=reload_s,
+                           vocab=vocab, seed=seed)
+    serve_fleet(engines, port_base, processes=processes, profile=profile, host=host,
+                fleet_file=Path(fleet_file) if fleet_file else None)
+
+
 def main() -> None:
     app()
 

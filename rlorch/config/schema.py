@@ -306,6 +306,9 @@ class InferenceConfig:
     num_servers: Optional[int] = 1
     """Servers to launch (cpu, sglang without addresses); empty (null, the sglang preset): as many
     as fill the node's GPUs beside the trainer, 1 without GPUs (rlorch.launch.placement)."""
+    control_concurrency: int = 256
+    """Control calls (pause, continue, weight updates, health probes) on the wire at once across
+    all servers: a fleet's fan-out is concurrent but bounded, over one shared connection pool."""
     addresses: list[str] = field(default_factory=list)
     """Running servers to connect to instead of launching, host:port (with `router`: the workers
     behind it)."""
@@ -371,6 +374,7 @@ class InferenceConfig:
             _require(getattr(self, key) > 0, f"inference.{key}", "must be > 0 seconds")
         _require(self.health_failures >= 1, "inference.health_failures", "must be >= 1")
         _require(self.max_restarts >= 0, "inference.max_restarts", "must be >= 0")
+        _require(self.control_concurrency >= 1, "inference.control_concurrency", "must be >= 1")
 
 
 @dataclass

@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import aiohttp
 
+from rlorch.inference.control import KEEPALIVE_SECONDS, ControlHTTP
 from rlorch.jsonlines import dumps, loads
 from rlorch.lifecycle import gather_all
 from rlorch.types import Generation, GroupRequest, SamplingParams, VersionStamps
@@ -39,10 +40,6 @@ log = logging.getLogger(__name__)
 
 MAX_SEGMENTS = 1000
 """Resubmissions of one request before the client gives up (a guard against abort loops)."""
-
-KEEPALIVE_SECONDS = 2.0
-"""Idle keep-alive lifetime, shorter than SGLang's 5 s so the client never reuses a connection the
-server has closed."""
 
 BATCH_REFUSED = frozenset({400, 404, 405, 422, 501})
 """Answers of a server that does not take the batch form of /generate (a malformed request, no
@@ -93,13 +90,19 @@ class SGLangEngine:
 
     def __init__(self, address: str, *, request_timeout: float = 300.0, control_timeout: float = 600.0,
                  reload_timeout: Optional[float] = None, extra_params: Optional[dict] = None,
-                 name: Optional[str] = None, api_key: Optional[str] = None):
+                 name: Optional[str] = None, api_key: Optional[str] = None,
+                 control_http: Optional[ControlHTTP] = None):
         """``request_timeout`` bounds each /generate call; ``control_timeout`` bounds pause, continue,
         abort and the other control calls; ``reload_timeout`` (default ``control_timeout``) bounds a
         weight update, from disk or over the group. ``extra_params`` are added to every request's sampling_params
         (e.g. ``{"ignore_eos": True}``). ``api_key`` goes out as ``Authorization: Bearer`` (SGLang's
-        ``--api-key``)."""
+        ``--api-key``). ``control_http`` carries the control calls (one shared by a pool's
+        clients; by default one of the client's own); an ``https`` server gets them over aiohttp."""
         self.url = normalize_address(address)
+        plain = self.url.startswith("http://") and "/" not in self.url[len("http://"):]
+        host, _, port = self.url[len("http://"):].rpartition(":")
+        self._host, self._port = host.strip("[]"), int(port) if port.isdigit() else 80
+        self._control_http = (control_http or ControlHTTP()) if plain and port.isdigit() else None
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.name = name or self.url.split("://", 1)[1]
         self.request_timeout = request_timeout
@@ -130,13 +133,20 @@ class SGLangEngine:
     async def _request(self, method: str, path: str, *, timeout: float, payload: Any = None,
                        partial: Optional[Generation] = None) -> tuple[int, Any]:
         """One HTTP call; returns (status, parsed JSON or text). A connection the server dropped
-        is retried once on a fresh one; other transport failures raise :class:`EngineUnavailable`."""
+        is retried once on a fresh one; other transport failures raise :class:`EngineUnavailable`.
+        Control calls go through the fleet's :class:`ControlHTTP`, generation through aiohttp."""
         try:
-            try:
-                status, body = await self._send(self._client(), method, path, timeout, payload)
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as fresh:
-                    status, body = await self._send(fresh, method, path, timeout, payload)
+            if self._control_http is not None and path != "/generate":
+                data = None if payload is None else dumps(payload)
+                headers = self._headers if data is None else {**self._headers, "Content-Type": "application/json"}
+                status, body = await self._control_http.request(self._host, self._port, method, path, body=data,
+                                                                headers=headers, timeout=timeout)
+            else:
+                try:
+                    status, body = await self._send(self._client(), method, path, timeout, payload)
+                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as fresh:
+                        status, body = await self._send(fresh, method, path, timeout, payload)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
             reason = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
             raise EngineUnavailable(f"{self.name} {method} {path} failed: {reason}", partial) from err
@@ -460,6 +470,8 @@ class SGLangEngine:
         return {"requests": self.requests, "resubmits": self.resubmits, "server_seconds": self.server_seconds}
 
     async def close(self) -> None:
+        if self._control_http is not None:
+            self._control_http.forget(self._host, self._port)
         if self._session is not None and not self._session.closed:
             await self._session.close()
         self._session = None

@@ -30,9 +30,11 @@ from rlorch.types import Generation, GroupRequest, SamplingParams, Server
 log = logging.getLogger("rlorch.pool")
 SETTLE_FACTOR = 4.0
 SETTLE_MIN_S = 2.0
-"""A weight update's steps (pause, load, continue) wait for a server still busy once another has
-finished at most SETTLE_FACTOR times as long as that one took, and at least SETTLE_MIN_S: a
-straggler that loads twice as slowly keeps up, a hung server never holds the update."""
+"""A weight update's steps (pause, load, continue) wait for a server still busy once half the
+servers have finished at most SETTLE_FACTOR times as long as that took, and at least
+SETTLE_MIN_S: a straggler that loads twice as slowly keeps up, a hung server never holds the
+update. Half, not the first: in a fleet of a thousand the calls themselves take the orchestrator
+a while to issue and read, and the last server answered is not slow for being last."""
 
 
 class EnginePool:
@@ -459,15 +461,17 @@ class EnginePool:
 
 
 async def _settle(tasks: list[asyncio.Task]) -> float:
-    """Wait for ``tasks`` until the first has finished, then at most until SETTLE_FACTOR times its
-    time (at least SETTLE_MIN_S) from the start; cancel those still running. Returns the seconds
-    waited."""
+    """Wait for ``tasks`` until half of them (at least one) have finished, then at most until
+    SETTLE_FACTOR times that time (at least SETTLE_MIN_S) from the start; cancel those still
+    running. Returns the seconds waited."""
     started = time.monotonic()
+    pending = set(tasks)
     try:
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        while pending and len(tasks) - len(pending) < max(1, len(tasks) // 2):
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         if pending:
-            first = time.monotonic() - started
-            limit = max(SETTLE_MIN_S, SETTLE_FACTOR * first) - first
+            half = time.monotonic() - started
+            limit = max(SETTLE_MIN_S, SETTLE_FACTOR * half) - half
             _, pending = await asyncio.wait(pending, timeout=max(0.0, limit))
     except asyncio.CancelledError:
         pending = set(tasks)

@@ -31,6 +31,7 @@ from typing import Callable, Optional
 from rlorch.backends import inference_backend
 from rlorch.config.schema import Config, InferenceBackend
 from rlorch.inference.client import SGLangEngine
+from rlorch.inference.control import ControlHTTP
 from rlorch.inference.pool import EnginePool
 from rlorch.launch.base import LaunchError, Launched, Launcher, exit_reason
 from rlorch.launch.placement import server_env
@@ -64,7 +65,8 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
         servers = await off_loop(lambda: [launcher.start_server(config, i, log_dir=log_dir, model_path=model_path,
                                                                 api_key=api_key, env=server_env(config, i))
                                           for i in range(inference.num_servers)])
-    engines = [_client(config, s.address, api_key) for s in servers]
+    control_http = ControlHTTP(concurrency=inference.control_concurrency)
+    engines = [_client(config, s.address, api_key, control_http) for s in servers]
     monitor: list[asyncio.Task] = []
 
     async def shutdown() -> None:
@@ -82,7 +84,7 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
     if inference.router:
         from rlorch.inference.routed import RoutedServer
 
-        engines = [RoutedServer(_client(config, inference.router, api_key), engines)]
+        engines = [RoutedServer(_client(config, inference.router, api_key, control_http), engines)]
         by_name = {}
     pool = EnginePool(engines, request_timeout=config.rollout.request_timeout,
                       max_retries=config.rollout.max_retries, name=f"{inference.backend.value}-pool", on_close=shutdown,
@@ -102,10 +104,11 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
     return pool
 
 
-def _client(config, address: str, api_key: Optional[str]) -> SGLangEngine:
+def _client(config, address: str, api_key: Optional[str], control_http: ControlHTTP) -> SGLangEngine:
     inference = config.inference
     return SGLangEngine(address, request_timeout=config.rollout.request_timeout, api_key=api_key,
-                        control_timeout=inference.control_timeout, reload_timeout=inference.reload_timeout)
+                        control_timeout=inference.control_timeout, reload_timeout=inference.reload_timeout,
+                        control_http=control_http)
 
 
 async def supervise(launcher: Launcher, servers: dict[str, Launched], pool: EnginePool, *,

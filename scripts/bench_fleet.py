@@ -1,0 +1,257 @@
+"""The orchestrator in front of a simulated fleet: fan-out, admission, ingest and memory at scale.
+
+Runs against ``rlorch fleet`` (simulated engines behind SGLang's HTTP API, see
+``rlorch/serve/fleet.py``), with the real client, pool, dispatcher, gate, sinks and watcher:
+
+- **fan-out**: an ``EnginePool`` of the real ``SGLangEngine`` clients loads ``--versions``
+  versions on every engine (pause, update, continue) of an instant fleet; p50/p99 seconds from
+  the call to every engine serving the version, and the orchestrator's CPU per version;
+- **admission**: the gate's decision plus the start of the admitted pack's task, with
+  ``--in-flight`` tasks pending against 1k pending (the event loop's cost grows with what waits);
+- **ingest and memory**: ``rlorch train inference=sglang trainer=sim`` against the fleet, with
+  ``--in-flight`` rollouts of ``--completion-tokens`` tokens in flight (batch = in-flight / 2,
+  staleness 1; the sim trainer's step time keeps the buffers full). Its CPU and RSS are read from
+  /proc: CPU per rollout and per 1k tokens ingested, RSS per in-flight rollout and token (RSS at
+  the fullest point above the RSS before the first rollout), the trainer's idle share.
+
+The last line is one JSON object to compare run to run. A size that would not fit this machine's
+memory at the measured bytes per token is skipped with the reason.
+
+    python scripts/bench_fleet.py --engines 1000 --in-flight 10000 --completion-tokens 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CLK = os.sysconf("SC_CLK_TCK")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def start_fleet(engines: int, port_base: int, processes: int, workdir: Path, *extra: str):
+    fleet_file = workdir / f"fleet-{port_base}.txt"
+    fleet_file.unlink(missing_ok=True)
+    process = subprocess.Popen([sys.executable, "-m", "rlorch.cli", "fleet", "--engines", str(engines),
+                                "--port-base", str(port_base), "--processes", str(processes),
+                                "--fleet-file", str(fleet_file), *extra],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not fleet_file.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"fleet did not start: {process.stderr.read().decode()[-2000:]}")
+        time.sleep(0.1)
+    return process, fleet_file.read_text().split()
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# ---- fan-out ------------------------------------------------------------------------------
+
+async def _fanout(addresses: list[str], versions: int) -> dict:
+    from rlorch.inference.client import SGLangEngine
+    from rlorch.inference.pool import EnginePool
+
+    engines = [SGLangEngine(a, control_timeout=60, reload_timeout=60) for a in addresses]
+    pool = EnginePool(engines, name="fleet")
+    times, cpu = [], []
+    try:
+        await asyncio.gather(*(e.server_info() for e in engines))
+        for version in range(1, versions + 1):
+            started, cpu_started = time.monotonic(), time.process_time()
+            await pool.reload("/fleet/weights", version)
+            times.append(time.monotonic() - started)
+            cpu.append(time.process_time() - cpu_started)
+            await asyncio.sleep(0.2)
+        held = await asyncio.gather(*(e.weight_version() for e in engines))
+        wrong = sum(v != versions for v in held)
+        down = len(engines) - len(pool._live())
+    finally:
+        await pool.stop()
+    return {"fanout_p50_s": round(percentile(times, 0.5), 4), "fanout_p99_s": round(percentile(times, 0.99), 4),
+            "fanout_cpu_s": round(percentile(cpu, 0.5), 4), "engines_behind": wrong, "engines_marked_down": down}
+
+
+def fanout(engines: int, versions: int, processes: int, workdir: Path) -> dict:
+    fleet, addresses = start_fleet(engines, 20000, processes, workdir)
+    try:
+        return asyncio.run(_fanout(addresses, versions))
+    finally:
+        stop(fleet)
+
+
+# ---- admission ----------------------------------------------------------------------------
+
+async def _admission(in_flight: int, samples: int = 2000) -> float:
+    from rlorch.orchestrator.gate import CapacityGate
+    from rlorch.types import PolicyVersion
+
+    gate = CapacityGate(max_staleness=1, batch_size=in_flight + samples, max_concurrent=in_flight + samples,
+                        policy=PolicyVersion())
+    forever = asyncio.Event()
+    waiting = [asyncio.ensure_future(forever.wait()) for _ in range(in_flight)]
+    gate.on_submitted(in_flight)
+    await asyncio.sleep(0)
+    admitted = []
+    started = time.perf_counter()
+    for _ in range(samples):
+        if gate.admit_groups(1, 1):
+            gate.on_submitted(1)
+            admitted.append(asyncio.ensure_future(forever.wait()))
+    await asyncio.sleep(0)
+    cost = (time.perf_counter() - started) / samples
+    forever.set()
+    await asyncio.gather(*waiting, *admitted)
+    return cost * 1e6
+
+
+def admission(in_flight: int) -> dict:
+    low = min(asyncio.run(_admission(1000)) for _ in range(3))
+    high = min(asyncio.run(_admission(in_flight)) for _ in range(3))
+    return {"admission_us_1k": round(low, 2), "admission_us": round(high, 2),
+            "admission_cost_ratio": round(high / low, 3)}
+
+
+# ---- ingest and memory --------------------------------------------------------------------
+
+def proc_sample(pid: int) -> tuple[float, int]:
+    """(CPU seconds, RSS bytes) of a process."""
+    with open(f"/proc/{pid}/stat") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    with open(f"/proc/{pid}/statm") as handle:
+        rss = int(handle.read().split()[1]) * PAGE
+    return (int(fields[11]) + int(fields[12])) / CLK, rss
+
+
+def ingest(engines: int, in_flight: int, tokens: int, processes: int, workdir: Path, steps: int) -> dict:
+    fleet, addresses = start_fleet(engines, 26000, processes, workdir, "--length-median", str(tokens),
+                                   "--length-sigma", "0", "--vocab", "151936")
+    run_dir = workdir / f"run-{engines}-{in_flight}"
+    batch = max(1, in_flight // 2)
+    overrides = ["inference=sglang", f"inference.addresses=[{','.join(addresses)}]", "trainer=sim",
+                 f"trainer.sim.step_time={max(2.0, in_flight * tokens / 20e6):.1f}",
+                 f"run.dir={run_dir}", f"train.steps={steps}", "rollout.group_size=1",
+                 f"rollout.batch_size={batch}", f"rollout.max_concurrent={in_flight}", "rollout.max_staleness=1",
+                 f"rollout.queue_size={max(1024, batch)}", f"rollout.max_buffered={in_flight}",
+                 f"rollout.max_new_tokens={tokens}", "rollout.pack_samples=64", "eval.every=0",
+                 "run.report=false", "inference.health_interval=30", "rollout.request_timeout=600"]
+    process = subprocess.Popen([sys.executable, "-m", "rlorch.cli", "train", *overrides],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=workdir)
+    baseline, peak, cpu_start, samples = None, 0, None, []
+    try:
+        while process.poll() is None:
+            try:
+                cpu, rss = proc_sample(process.pid)
+            except (FileNotFoundError, ProcessLookupError):
+                break
+            metrics = run_dir / "metrics.jsonl"
+            started = metrics.exists() and '"kind": "start"' in metrics.read_text(errors="replace")[:4096]
+            if started and baseline is None:
+                baseline, cpu_start = rss, cpu
+            peak = max(peak, rss)
+            samples.append((cpu, rss))
+            time.sleep(0.1)
+        process.wait()
+    finally:
+        stop(fleet)
+    if process.returncode != 0:
+        raise SystemExit(f"rlorch train failed ({process.returncode}): {process.stderr.read().decode()[-3000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    cpu_end = samples[-1][0] if samples else 0.0
+    rollouts = summary["admitted"]
+    ingested = rollouts * tokens
+    cpu = cpu_end - (cpu_start or 0.0)
+    shutil.rmtree(run_dir / "rollouts", ignore_errors=True)
+    return {"orchestrator_cpu_s": round(cpu, 2), "rollouts": rollouts, "lost": summary["lost"],
+            "cpu_ms_per_rollout": round(1e3 * cpu / max(1, rollouts), 3),
+            "cpu_ms_per_1k_tokens": round(1e6 * cpu / max(1, ingested), 4),
+            "ingest_tokens_per_core_s": round(ingested / max(cpu, 1e-9)),
+            "rss_baseline_mb": round((baseline or 0) / 2**20), "rss_peak_mb": round(peak / 2**20),
+            "bytes_per_inflight_rollout": round((peak - (baseline or 0)) / in_flight),
+            "bytes_per_inflight_token": round((peak - (baseline or 0)) / (in_flight * tokens), 1),
+            "trainer_idle": summary.get("trainer_idle")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", type=int, nargs="+", default=[100, 300, 1000])
+    parser.add_argument("--in-flight", type=int, nargs="+", default=[1000, 10000])
+    parser.add_argument("--completion-tokens", type=int, default=4096)
+    parser.add_argument("--versions", type=int, default=20, help="Versions loaded per fan-out measurement.")
+    parser.add_argument("--processes", type=int, default=2, help="Fleet processes.")
+    parser.add_argument("--steps", type=int, default=4, help="Training steps per ingest run.")
+    parser.add_argument("--memory-gb", type=float, default=None,
+                        help="Memory the orchestrator may use (default: 70%% of this machine's).")
+    args = parser.parse_args()
+    memory = (args.memory_gb * 2**30 if args.memory_gb else
+              0.7 * os.sysconf("SC_PHYS_PAGES") * PAGE)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
+    results = []
+    try:
+        print(f"{'engines':>8} {'fanout p50 s':>13} {'p99 s':>8} {'cpu/version s':>14} {'behind':>7} {'down':>5}")
+        fan = {}
+        for engines in args.engines:
+            fan[engines] = fanout(engines, args.versions, args.processes, workdir)
+            f = fan[engines]
+            print(f"{engines:>8} {f['fanout_p50_s']:>13} {f['fanout_p99_s']:>8} {f['fanout_cpu_s']:>14} "
+                  f"{f['engines_behind']:>7} {f['engines_marked_down']:>5}", flush=True)
+        print(f"\n{'in flight':>10} {'admission us':>13} {'vs 1k':>6}")
+        adm = {}
+        for in_flight in args.in_flight:
+            adm[in_flight] = admission(in_flight)
+            print(f"{in_flight:>10} {adm[in_flight]['admission_us']:>13} {adm[in_flight]['admission_cost_ratio']:>6}",
+                  flush=True)
+        print(f"\n{'engines':>8} {'in flight':>10} {'tokens':>7} {'cpu ms/rollout':>15} {'cpu ms/1k tok':>14} "
+              f"{'tok/core-s':>11} {'B/rollout':>10} {'B/token':>8} {'peak MB':>8} {'trainer idle':>13}")
+        bytes_per_token = None
+        for engines in args.engines:
+            for in_flight in args.in_flight:
+                projected = in_flight * args.completion_tokens * (bytes_per_token or 0)
+                if bytes_per_token and projected > memory:
+                    print(f"{engines:>8} {in_flight:>10} skipped: {in_flight} x {args.completion_tokens} tokens at "
+                          f"{bytes_per_token:.0f} B/token is {projected / 2**30:.1f} GiB, over the "
+                          f"{memory / 2**30:.1f} GiB this machine gives the orchestrator", flush=True)
+                    continue
+                got = ingest(engines, in_flight, args.completion_tokens, args.processes, workdir, args.steps)
+                bytes_per_token = max(bytes_per_token or 0, got["bytes_per_inflight_token"])
+                print(f"{engines:>8} {in_flight:>10} {args.completion_tokens:>7} {got['cpu_ms_per_rollout']:>15} "
+                      f"{got['cpu_ms_per_1k_tokens']:>14} {got['ingest_tokens_per_core_s']:>11} "
+                      f"{got['bytes_per_inflight_rollout']:>10} {got['bytes_per_inflight_token']:>8} "
+                      f"{got['rss_peak_mb']:>8} {got['trainer_idle']:>13}  lost={got['lost']}", flush=True)
+                results.append({"engines": engines, "in_flight": in_flight, "completion_tokens": args.completion_tokens,
+                                **got, **fan[engines], **adm[in_flight]})
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if not results:
+        raise SystemExit("no ingest run fitted")
+    last = results[-1]
+    print(json.dumps({key: last[key] for key in (
+        "engines", "in_flight", "completion_tokens", "bytes_per_inflight_token", "ingest_tokens_per_core_s",
+        "fanout_p50_s", "fanout_p99_s", "admission_cost_ratio")}))
+
+
+if __name__ == "__main__":
+    main()
