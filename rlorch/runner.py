@@ -154,10 +154,10 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
 
     phases = Phases(console)
     policy = PolicyVersion(0)
-    engines, tokenizer, trainer, orchestrator, view = None, None, None, None, None
+    engines, tokenizer, trainer, orchestrator, view, launcher = None, None, None, None, None, None
     try:
         env = make_environment(config)
-        launcher = make_launcher()
+        launcher = make_launcher(config.run.launcher, config)
         trainer = make_trainer(config, run_dir, checkpoint, step_of(checkpoint) if checkpoint else 0, launcher)
         launched, trainer_started = await _start_concurrently(config, run_dir, policy, trainer, launcher, clock,
                                                               phases)
@@ -211,6 +211,8 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
             await trainer.stop(config.run.shutdown_timeout if orchestrator is not None else 2.0)
         if engines is not None:
             await engines.close()
+        if launcher is not None:
+            launcher.close()
     return _report(summary, run_dir, config, phases.timings)
 
 

@@ -147,8 +147,19 @@ class RunConfig:
     gpus: Optional[int] = None
     """GPUs on this node to place processes on; empty: count the visible ones (set it to plan a
     GPU run with --dry-run on a machine without them)."""
+    launcher: str = "local"
+    """Where the run's processes go: ``local`` (children of this process, on this machine) or
+    ``ray`` (placement groups and actors on a Ray cluster; ``pip install "rlorch[ray]"``)."""
+    ray_address: Optional[str] = None
+    """With ``run.launcher=ray``: the cluster to join (``auto``: the one running on this machine's
+    node, ``ray://host:port`` or ``host:port``); empty starts a private local cluster for the run."""
+    placement_timeout: float = 300.0
+    """With ``run.launcher=ray``: seconds a placement group may stay pending (what it asks for and
+    what the cluster has free is printed every 10 s) before the run fails naming the request."""
 
     def __post_init__(self) -> None:
+        _require(self.launcher in ("local", "ray"), "run.launcher", f"must be local or ray (got {self.launcher!r})")
+        _require(self.placement_timeout > 0, "run.placement_timeout", "must be > 0 seconds")
         _require(self.shutdown_timeout > 0, "run.shutdown_timeout", "must be > 0 seconds")
         _require(self.log_every >= 1, "run.log_every", "must be >= 1")
         _require(self.gpus is None or self.gpus >= 0, "run.gpus", "must be >= 0")

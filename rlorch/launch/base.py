@@ -69,6 +69,11 @@ class Launcher(Protocol):
         """Terminate, then kill after ``timeout`` seconds, everything of these processes."""
         ...
 
+    def close(self) -> None:
+        """Release what the launcher holds for the run (placement groups, a cluster it started);
+        called once, last, after every stop."""
+        ...
+
 
 def exit_reason(launcher: Launcher, process: Launched, lines: int = 10) -> Optional[str]:
     """Why a launched process is gone for good (its status and the tail of its log), or None
