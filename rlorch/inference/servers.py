@@ -113,7 +113,9 @@ async def supervise(launcher: Launcher, servers: dict[str, Launched], pool: Engi
                     interval: float = 0.5) -> None:
     """Launched servers, watched every ``interval`` seconds, even with no request in flight:
 
-    - one whose process exits is dead at once (a launched process never comes back by itself);
+    - one whose process exits (or, with Ray, whose actor dies) is dead at once, and started
+      again on its address (in its placement group) up to ``max_restarts`` times; it rejoins
+      through the pool's probe once it answers and holds the current weights;
     - one the pool has held suspect for longer than ``hang_timeout`` (alive but answering
       nothing: a hung GPU, a stuck collective, a swapping host) is killed and started again on
       its address, up to ``max_restarts`` times; it rejoins through the pool's probe once it
@@ -130,13 +132,22 @@ async def supervise(launcher: Launcher, servers: dict[str, Launched], pool: Engi
             hung = pool.down_for(name) if reason is None else None
             if reason is None and (hung is None or hung <= hang_timeout):
                 continue
+            if reason is not None and restarts[name] < max_restarts:
+                pool.mark_dead(name, reason)
+                await launcher.stop([server], timeout=2.0)
+                restarts[name] += 1
+                log.warning("%s; restart %d of %d (inference.max_restarts)", reason.splitlines()[0],
+                            restarts[name], max_restarts)
+                servers[name] = await off_loop(lambda: restart(server))
+                pool.restarted(name)
+                continue
             if reason is None:
                 await launcher.stop([server], timeout=2.0)
                 if restarts[name] < max_restarts:
                     restarts[name] += 1
                     log.warning("%s hung for %.0fs (inference.hang_timeout=%g): killed, restart %d of %d",
                                 server.name, hung, hang_timeout, restarts[name], max_restarts)
-                    servers[name] = restart(server)
+                    servers[name] = await off_loop(lambda: restart(server))
                     pool.restarted(name)
                     continue
                 reason = (f"{server.name} hung: suspect for {hung:.0f}s (inference.hang_timeout={hang_timeout:g}), "
@@ -164,7 +175,7 @@ async def record_versions(servers: list[Launched], engines: list[SGLangEngine], 
                           expect: Optional[str]) -> None:
     infos = await asyncio.gather(*(e.server_info() for e in engines))
     record = [{"index": s.index, "address": s.address, "version": info.get("version"),
-               "pid": getattr(s.handle, "pid", None), "log": str(s.log) if s.log is not None else None,
+               "pid": s.extra.get("pid", getattr(s.handle, "pid", None)), "log": str(s.log) if s.log is not None else None,
                "model_path": info.get("model_path"), "weight_version": info.get("weight_version")}
               for s, info in zip(servers, infos)]
     path.write_text(json.dumps(record, indent=1))

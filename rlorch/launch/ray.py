@@ -57,12 +57,21 @@ def server_bundles(config) -> list[dict[str, float]]:
 
 
 def trainer_bundles(config) -> list[dict[str, float]]:
-    """The trainer's bundles, one per node: ``nproc`` GPUs, or ``nproc`` CPUs on a CPU trainer."""
+    """The trainer's bundles, one per node: ``nproc`` GPUs, or ``nproc`` CPUs on a CPU trainer
+    (``trainer.fsdp.device=auto`` trains on GPUs when ``run.gpus`` is set or the connected
+    cluster has GPUs)."""
     from rlorch.launch.placement import resolve_layout
 
     fsdp = resolve_layout(config, 0).trainer.fsdp if config.trainer.fsdp.nproc is None else config.trainer.fsdp
-    kind = "CPU" if fsdp.device == "cpu" else "GPU"
+    kind = "GPU" if fsdp.device == "cuda" or (fsdp.device == "auto" and _cluster_gpus(config)) else "CPU"
     return [{kind: float(fsdp.nproc)} for _ in range(fsdp.nnodes)]
+
+
+def _cluster_gpus(config) -> bool:
+    if config.run.gpus is not None:
+        return config.run.gpus > 0
+    ray = sys.modules.get("ray")  # not imported: not connected (a dry run)
+    return ray is not None and ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
 
 
 def requests(config) -> list[dict]:
