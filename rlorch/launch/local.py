@@ -42,6 +42,9 @@ class LocalLauncher:
     def __init__(self, config=None) -> None:
         self.config = config
 
+    def release(self, process: Launched) -> None:
+        """Nothing held beyond the process, which :meth:`stop` ended."""
+
     def close(self) -> None:
         """Nothing to release: every process was stopped through :meth:`stop`."""
 

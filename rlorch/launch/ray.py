@@ -338,6 +338,14 @@ class RayLauncher:
 
         await asyncio.to_thread(stop_all)
 
+    def release(self, process: Launched) -> None:
+        """Remove the placement group of a server taken out of the run (its GPUs are free again)."""
+        from ray.util.placement_group import remove_placement_group
+
+        group = self.groups.pop(f"server-{process.index}", None)
+        if group is not None:
+            remove_placement_group(group)
+
     def close(self) -> None:
         """Remove every placement group of the run (killing what is left in them); shut down a
         cluster this launcher started."""
