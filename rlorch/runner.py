@@ -118,13 +118,14 @@ def _warm_up(config: Config) -> None:
     from rlorch.launch import forkserver
     from rlorch.config.schema import InferenceBackend, TrainerBackend
 
-    if config.inference.backend == InferenceBackend.cpu or config.trainer.backend == TrainerBackend.fsdp:
+    local = config.run.launcher == "local"  # the Ray launcher's actors start processes on their nodes
+    if local and (config.inference.backend == InferenceBackend.cpu or config.trainer.backend == TrainerBackend.fsdp):
         forkserver.warm_up()
     else:
         forkserver.discard()
 
 
-_OTHER_LAUNCH = ("conf=", "inference=", "trainer=", "inference.backend=", "trainer.backend=")
+_OTHER_LAUNCH = ("conf=", "inference=", "trainer=", "inference.backend=", "trainer.backend=", "run.launcher=")
 
 
 def warm_up_early(overrides: list[str]) -> None:

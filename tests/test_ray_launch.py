@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
 
 from rlorch.config.compose import compose  # noqa: E402
 from rlorch.launch.base import LaunchError  # noqa: E402
@@ -92,3 +93,18 @@ def test_an_impossible_request_fails_naming_it(cluster, tmp_path):
     assert "'GPU': 8.0" in str(err.value)
     assert "pending" in out.getvalue() and "GPU" in out.getvalue()
     assert not [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+
+
+def test_a_trainer_node_that_cannot_see_the_run_directory_fails_the_start_naming_it(cluster, tmp_path):
+    config = _config()
+    launcher = ray_launch.RayLauncher(config)
+    not_a_dir = tmp_path / "run"
+    not_a_dir.write_text("a file where the run directory should be")
+    try:
+        with pytest.raises(LaunchError) as err:
+            launcher.start_trainer([sys.executable, "-c", "pass"], env={}, log=tmp_path / "trainer.log",
+                                   workers=not_a_dir / "trainer" / "workers")
+    finally:
+        launcher.close()
+    assert "trainer node 0" in str(err.value) and str(not_a_dir) in str(err.value)
+    assert "every node sees" in str(err.value)

@@ -19,7 +19,7 @@ pytest.importorskip("ray")
 sys.path.insert(0, str(Path(__file__).parent))
 import faults  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 RAY = ["run.launcher=ray", "inference=cpu", "inference.num_servers=2", "run.progress=false", "run.report=false",
        "inference.health_interval=0.5", "inference.health_timeout=2", "inference.hang_timeout=600"]
 

@@ -28,6 +28,7 @@ exec "$@"
 
 
 @pytest.mark.slow
+@pytest.mark.cluster
 def test_the_sbatch_script_starts_a_head_and_a_worker_and_trains_through_them(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

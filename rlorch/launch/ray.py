@@ -39,6 +39,10 @@ from rlorch.launch.base import LOG_TAIL_LINES, LaunchError, Launched
 from rlorch.launch.server_command import API_KEY_ENV, server_command
 from rlorch.lifecycle import ORCHESTRATOR_PID_ENV
 
+TRANSFER_ADDRESS_ENV = "RLORCH_TRANSFER_ADDRESS"
+"""The trainer's weight-group address (read by :mod:`rlorch.trainer.broadcast`; not imported
+from there: launch does not import the trainer)."""
+
 PENDING_REPORT_S = 10.0
 """Seconds between reports of a placement group still pending."""
 PROBE_NAME = "probe-node-{rank}"
@@ -285,7 +289,8 @@ class RayLauncher:
             raise LaunchError(f"trainer node {rank} ({nodes[rank]['ip']}) cannot write the run directory {run_dir}: "
                               f"{error or 'its probe file is not visible here'}; the run directory must be on storage "
                               "every node sees")
-        env = {k: v for k, v in env.items() if k != "CUDA_VISIBLE_DEVICES"}
+        # The weight group's store is on global rank 0, on node 0: engines reach it at its IP.
+        env = {**{k: v for k, v in env.items() if k != "CUDA_VISIBLE_DEVICES"}, TRANSFER_ADDRESS_ENV: nodes[0]["ip"]}
         handles = []
         for rank, actor in enumerate(actors):
             node_command = node_trainer_command(command, rank, nodes[0]["ip"], nodes[0]["port"]) \
