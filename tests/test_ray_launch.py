@@ -6,7 +6,6 @@ One private Ray instance (2 CPUs, 8 logical GPUs) is shared by the module: a sta
 from __future__ import annotations
 
 import functools
-import io
 import json
 import sys
 import time
@@ -79,19 +78,19 @@ def test_servers_and_trainer_get_disjoint_gpus_from_ray(cluster, tmp_path):
     assert not [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
 
 
-def test_an_impossible_request_fails_naming_it(cluster, tmp_path):
-    config = _config("inference.tp_size=16", "inference.num_servers=1", "run.gpus=16", "run.placement_timeout=0.5")
+def test_an_impossible_request_fails_naming_it(cluster, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(ray_launch, "PENDING_REPORT_S", 0.2)
+    config = _config("inference.tp_size=16", "inference.num_servers=1", "run.gpus=16", "run.placement_timeout=1")
     launcher = ray_launch.RayLauncher(config)
-    out = io.StringIO()
     try:
-        group = ray.util.placement_group(ray_launch.server_bundles(config), strategy="STRICT_PACK")
         with pytest.raises(LaunchError) as err:
-            ray_launch.wait_placed(group, "placement group server-0", 0.5, report=0.1, out=out)
+            launcher.start_server(config, 0, model_path=tmp_path, api_key="k", log_dir=tmp_path, env={})
     finally:
         launcher.close()
-    assert "server-0" in str(err.value) and "run.placement_timeout=0.5" in str(err.value)
-    assert "'GPU': 8.0" in str(err.value)
-    assert "pending" in out.getvalue() and "GPU" in out.getvalue()
+    assert "placement group server-0" in str(err.value) and "run.placement_timeout=1s" in str(err.value)
+    assert "{'GPU': 1.0}" in str(err.value) and "'GPU': 8.0" in str(err.value)
+    pending = capsys.readouterr().err
+    assert "server-0" in pending and "pending for" in pending and "GPU" in pending
     assert not [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
 
 

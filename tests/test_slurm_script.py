@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,9 +39,11 @@ def test_the_sbatch_script_starts_a_head_and_a_worker_and_trains_through_them(tm
         (bin_dir / name).chmod(0o755)
     run_dir = tmp_path / "run"
     port = faults._free_port()
+    # Ray's unix sockets live under its temp dir: a pytest path is past their 107-byte limit.
+    ray_temp = tempfile.mkdtemp(prefix="rlorch-ray-")
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[a-b]",
            "SRUN_LOG": str(tmp_path / "srun.log"), "RLORCH_RAY_PORT": str(port), "RLORCH_RAY_WAIT": "240",
-           "RLORCH_RAY_NODE_ARGS": "--num-cpus=2", "RLORCH_RAY_HEAD_ARGS": f"--temp-dir={tmp_path / 'ray'}",
+           "RLORCH_RAY_NODE_ARGS": "--num-cpus=2", "RLORCH_RAY_HEAD_ARGS": f"--temp-dir={ray_temp}",
            faults.TAG: "slurm-" + tmp_path.name, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)
     try:
@@ -50,6 +54,7 @@ def test_the_sbatch_script_starts_a_head_and_a_worker_and_trains_through_them(tm
         leftovers = faults.leftovers_after(env[faults.TAG], 30.0)
         for pid in faults.tagged(env[faults.TAG]):
             os.kill(pid, 9)
+        shutil.rmtree(ray_temp, ignore_errors=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "2 nodes" in out.stdout
     steps = (tmp_path / "srun.log").read_text().splitlines()

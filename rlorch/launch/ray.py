@@ -385,8 +385,7 @@ def node_trainer_command(command: list[str], rank: int, master: str, port: int) 
     return out
 
 
-def wait_placed(group, request: str, timeout: float, report: float = PENDING_REPORT_S,
-                out=None) -> None:
+def wait_placed(group, request: str, timeout: float, report: Optional[float] = None, out=None) -> None:
     """Wait until ``group`` is placed; every ``report`` s say what it asks for against the
     cluster's free resources; past ``timeout`` remove it and raise :class:`LaunchError`."""
     import ray
@@ -394,6 +393,7 @@ def wait_placed(group, request: str, timeout: float, report: float = PENDING_REP
     from ray.util.placement_group import remove_placement_group
 
     out = sys.stderr if out is None else out
+    report = PENDING_REPORT_S if report is None else report
     started = time.monotonic()
     ready = group.ready()
     while True:
