@@ -5,11 +5,8 @@ One private Ray instance (2 CPUs, 8 logical GPUs) is shared by the module: a sta
 
 from __future__ import annotations
 
-import functools
-import json
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest

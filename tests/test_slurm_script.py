@@ -44,7 +44,11 @@ def test_the_sbatch_script_starts_a_head_and_a_worker_and_trains_through_them(tm
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[a-b]",
            "SRUN_LOG": str(tmp_path / "srun.log"), "RLORCH_RAY_PORT": str(port), "RLORCH_RAY_WAIT": "240",
            "RLORCH_RAY_NODE_ARGS": "--num-cpus=2", "RLORCH_RAY_HEAD_ARGS": f"--temp-dir={ray_temp}",
-           faults.TAG: "slurm-" + tmp_path.name, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}
+           faults.TAG: "slurm-" + tmp_path.name, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1",
+           # One machine, one user: no token to hand from the head to the worker.
+           "RAY_AUTH_MODE": "disabled",
+           # A raylet on a busy 2-core machine can take longer than Ray's default to register.
+           "RAY_raylet_start_wait_time_s": "120"}
     env.pop("RAY_ADDRESS", None)
     try:
         out = subprocess.run(["bash", str(SCRIPT), "inference=cpu", "inference.num_servers=1", "train.steps=3",
@@ -58,7 +62,7 @@ def test_the_sbatch_script_starts_a_head_and_a_worker_and_trains_through_them(tm
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "2 nodes" in out.stdout
     steps = (tmp_path / "srun.log").read_text().splitlines()
-    assert any("ray start --head" in s for s in steps) and any(f"ray start --address=" in s for s in steps)
+    assert any("ray start --head" in s for s in steps) and any("ray start --address=" in s for s in steps)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["lost"] == 0
     assert leftovers == 0

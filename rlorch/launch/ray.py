@@ -30,7 +30,6 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -208,6 +207,7 @@ class RayLauncher:
         self.namespace = f"rlorch-{os.getpid()}-{secrets.token_hex(4)}"
         self.groups: dict[str, Any] = {}
         self.actors: list[Any] = []
+        self._server_actors: dict[int, list[Any]] = {}
         self._generation = 0
         self.started_ray = False
         if not ray.is_initialized():
@@ -254,9 +254,12 @@ class RayLauncher:
 
         bundles = server_bundles(config)
         group = self._group(f"server-{index}", bundles, "STRICT_PACK")
+        for stale in self._server_actors.pop(index, []):  # a restart: the bundles must be free
+            _kill(stale)
         gpu = bundles[0].get("GPU", 0.0)
         owner = self._actor(group, 0, f"server-{index}", gpu, bundles[0].get("CPU", 0.0))
         holders = [self._actor(group, b, f"server-{index}-gpu{b}", gpu) for b in range(1, len(bundles))]
+        self._server_actors[index] = [owner, *holders]
         gpus = None
         if gpu:
             nodes = ray.get([a.node.remote() for a in [owner, *holders]])
@@ -339,7 +342,7 @@ class RayLauncher:
             for process in processes:
                 for actor in (process.extra.get("actors") or [process.handle]) + process.extra.get("holders", []):
                     if actor is not None:
-                        ray.kill(actor)
+                        _kill(actor)
 
         await asyncio.to_thread(stop_all)
 
@@ -360,10 +363,7 @@ class RayLauncher:
         if not ray.is_initialized():
             return
         for actor in self.actors:
-            try:
-                ray.kill(actor)
-            except Exception:
-                pass
+            _kill(actor)
         for group in self.groups.values():
             try:
                 remove_placement_group(group)
@@ -373,6 +373,16 @@ class RayLauncher:
         self.actors.clear()
         if self.started_ray:
             ray.shutdown()
+
+
+def _kill(actor) -> None:
+    """``ray.kill``, for an actor that may be gone already."""
+    import ray
+
+    try:
+        ray.kill(actor)
+    except Exception:  # already dead, or its cluster is
+        pass
 
 
 def node_trainer_command(command: list[str], rank: int, master: str, port: int) -> list[str]:
