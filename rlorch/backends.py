@@ -25,7 +25,7 @@ TrainerFactory = Callable[[Config, RunDir, Optional[Path], int, Any], Trainer]
 INFERENCE_MODULES = {InferenceBackend.sim: "rlorch.inference.sim", InferenceBackend.cpu: "rlorch.inference.servers",
                      InferenceBackend.sglang: "rlorch.inference.servers"}
 TRAINER_MODULES = {TrainerBackend.sim: "rlorch.trainer.sim", TrainerBackend.fsdp: "rlorch.trainer.process"}
-LAUNCHERS = {"local": "rlorch.launch.local:LocalLauncher"}
+LAUNCHERS = {"local": "rlorch.launch.local:LocalLauncher", "ray": "rlorch.launch.ray:RayLauncher"}
 """Each launcher's class as ``module:Class``."""
 
 _inference: dict[InferenceBackend, InferenceStarter] = {}
@@ -48,9 +48,10 @@ trainer_backend = _registrar(_trainers)
 """``@trainer_backend(TrainerBackend.X, ...)`` registers a :data:`TrainerFactory`."""
 
 
-def make_launcher(name: str = "local") -> Any:
+def make_launcher(name: str = "local", config: Optional[Config] = None) -> Any:
+    """The launcher ``name`` (``run.launcher``) for a run of ``config``."""
     module, _, cls = LAUNCHERS[name].partition(":")
-    return getattr(importlib.import_module(module), cls)()
+    return getattr(importlib.import_module(module), cls)(config)
 
 
 async def start_inference(config: Config, run_dir: RunDir, policy: PolicyVersion, launcher: Any) -> tuple[Engine, Any]:

@@ -199,6 +199,27 @@ def report(run_dir: str = typer.Argument(..., help="A run directory (holds metri
 
 
 @app.command()
+def scale(run_dir: str = typer.Argument(..., help="The running run's directory."),
+          setting: str = typer.Argument(..., help="inference.num_servers=N")) -> None:
+    """Grow or shrink a running run's launched servers: new ones load the current weights and
+    join; removed ones finish or hand on their requests, then stop."""
+    from pathlib import Path
+
+    from rlorch.rundir.layout import RunDir, write_json_atomic
+
+    key, _, value = setting.partition("=")
+    if key != "inference.num_servers" or not value.isdigit() or int(value) < 1:
+        typer.echo(f"cannot scale: expected inference.num_servers=N with N >= 1 (got {setting!r})", err=True)
+        raise typer.Exit(2)
+    run = RunDir(Path(run_dir))
+    if not run.is_run:
+        typer.echo(f"cannot scale: {run_dir} is not a run directory", err=True)
+        raise typer.Exit(2)
+    write_json_atomic(run.scale_file, {"num_servers": int(value)})
+    typer.echo(f"asked {run_dir} for {value} servers (the step records' engines_servers shows the fleet)")
+
+
+@app.command()
 def serve(
     overrides: Optional[List[str]] = typer.Argument(None, help="model.path=DIR and other overrides."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),

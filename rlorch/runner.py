@@ -118,13 +118,14 @@ def _warm_up(config: Config) -> None:
     from rlorch.launch import forkserver
     from rlorch.config.schema import InferenceBackend, TrainerBackend
 
-    if config.inference.backend == InferenceBackend.cpu or config.trainer.backend == TrainerBackend.fsdp:
+    local = config.run.launcher == "local"  # the Ray launcher's actors start processes on their nodes
+    if local and (config.inference.backend == InferenceBackend.cpu or config.trainer.backend == TrainerBackend.fsdp):
         forkserver.warm_up()
     else:
         forkserver.discard()
 
 
-_OTHER_LAUNCH = ("conf=", "inference=", "trainer=", "inference.backend=", "trainer.backend=")
+_OTHER_LAUNCH = ("conf=", "inference=", "trainer=", "inference.backend=", "trainer.backend=", "run.launcher=")
 
 
 def warm_up_early(overrides: list[str]) -> None:
@@ -154,10 +155,10 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
 
     phases = Phases(console)
     policy = PolicyVersion(0)
-    engines, tokenizer, trainer, orchestrator, view = None, None, None, None, None
+    engines, tokenizer, trainer, orchestrator, view, launcher = None, None, None, None, None, None
     try:
         env = make_environment(config)
-        launcher = make_launcher()
+        launcher = make_launcher(config.run.launcher, config)
         trainer = make_trainer(config, run_dir, checkpoint, step_of(checkpoint) if checkpoint else 0, launcher)
         launched, trainer_started = await _start_concurrently(config, run_dir, policy, trainer, launcher, clock,
                                                               phases)
@@ -211,6 +212,8 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
             await trainer.stop(config.run.shutdown_timeout if orchestrator is not None else 2.0)
         if engines is not None:
             await engines.close()
+        if launcher is not None:
+            launcher.close()
     return _report(summary, run_dir, config, phases.timings)
 
 

@@ -4,9 +4,11 @@ Runs ``rlorch train`` (the default preset, with ``train.steps`` cut short and no
 display) ``--runs`` times as a user would, each in a fresh run directory, and prints the median
 of every part of ``summary.json``'s ``startup`` (see ``rlorch/startup.py``) plus the wall time
 of the whole command, the time until the first step record appeared in ``metrics.jsonl``
-as seen from outside (``seen_first_step``), and the machine it ran on.
+as seen from outside (``seen_first_step``), and the machine it ran on. With ``--launchers
+local,ray`` each launcher's runs are measured in turn and printed side by side (``ray`` starts a
+private local Ray cluster per run: its start is part of the figure).
 
-Usage: python scripts/bench_startup.py [--runs 3] [--steps 2] [key=value ...]
+Usage: python scripts/bench_startup.py [--runs 3] [--steps 2] [--launchers local,ray] [key=value ...]
 """
 
 from __future__ import annotations
@@ -57,16 +59,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--launchers", default="local", help="comma list of run.launcher values to compare")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    launchers = args.launchers.split(",")
+    results = {}
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as root:
-        runs = [one_run(Path(root), i, args.steps, args.overrides) for i in range(args.runs)]
+        for launcher in launchers:
+            overrides = [*args.overrides, f"run.launcher={launcher}"]
+            results[launcher] = [one_run(Path(root) / launcher, i, args.steps, overrides) for i in range(args.runs)]
     print(f"machine: {platform.machine()} {os.cpu_count()} CPUs, {platform.platform()}, "
           f"python {platform.python_version()}, load average {os.getloadavg()[0]:.2f}")
-    keys = [key for key in runs[0] if all(isinstance(r.get(key), (int, float)) for r in runs)]
-    for key in keys:
-        values = [r[key] for r in runs]
-        print(f"{key:>12}: median {statistics.median(values):6.2f}s   runs {', '.join(f'{v:.2f}' for v in values)}")
+    for launcher, runs in results.items():
+        print(f"run.launcher={launcher}")
+        keys = [key for key in runs[0] if all(isinstance(r.get(key), (int, float)) for r in runs)]
+        for key in keys:
+            values = [r[key] for r in runs]
+            print(f"{key:>16}: median {statistics.median(values):6.2f}s   runs {', '.join(f'{v:.2f}' for v in values)}")
 
 
 if __name__ == "__main__":

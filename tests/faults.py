@@ -245,11 +245,11 @@ def kill_trainer_process(tmp: Path, module: str, case: str) -> Outcome:
 
 
 def kill_engine(tmp: Path) -> Outcome:
-    """kill -9 the only engine once the trainer is ready: noticed at once, the run fails within
-    30 s naming the engine and its log."""
+    """kill -9 the only engine (no restarts) once the trainer is ready: noticed at once, the run
+    fails within 30 s naming the engine and its log."""
     out, run_dir = Outcome("kill -9 only engine"), tmp / "kill-engine"
     run = Run("train", "conf=sync", f"run.dir={run_dir}", "train.steps=200", "rollout.max_new_tokens=100",
-              "rollout.request_timeout=60", *REAL)
+              "rollout.request_timeout=60", "inference.max_restarts=0", *REAL)
     try:
         wait_for(lambda: trainer_steps(run_dir) >= 1, 240, "a trainer step")
         engine = json.loads((run_dir / "servers.json").read_text())[0]["pid"]

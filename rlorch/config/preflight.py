@@ -17,6 +17,12 @@ def preflight(config: Config) -> None:
     from rlorch.tasks.registry import make_environment
     from rlorch.tasks.jsonl import DataError
 
+    if config.run.launcher == "ray":
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            raise ConfigError("run.launcher", 'ray is not installed: pip install "rlorch[ray]"')
+
     if config.model.path and config.inference.backend.generates_model_tokens:
         from rlorch.model import resolve_model_path
 

@@ -147,8 +147,19 @@ class RunConfig:
     gpus: Optional[int] = None
     """GPUs on this node to place processes on; empty: count the visible ones (set it to plan a
     GPU run with --dry-run on a machine without them)."""
+    launcher: str = "local"
+    """Where the run's processes go: ``local`` (children of this process, on this machine) or
+    ``ray`` (placement groups and actors on a Ray cluster; ``pip install "rlorch[ray]"``)."""
+    ray_address: Optional[str] = None
+    """With ``run.launcher=ray``: the cluster to join (``auto``: the one running on this machine's
+    node, ``ray://host:port`` or ``host:port``); empty starts a private local cluster for the run."""
+    placement_timeout: float = 300.0
+    """With ``run.launcher=ray``: seconds a placement group may stay pending (what it asks for and
+    what the cluster has free is printed every 10 s) before the run fails naming the request."""
 
     def __post_init__(self) -> None:
+        _require(self.launcher in ("local", "ray"), "run.launcher", f"must be local or ray (got {self.launcher!r})")
+        _require(self.placement_timeout > 0, "run.placement_timeout", "must be > 0 seconds")
         _require(self.shutdown_timeout > 0, "run.shutdown_timeout", "must be > 0 seconds")
         _require(self.log_every >= 1, "run.log_every", "must be >= 1")
         _require(self.gpus is None or self.gpus >= 0, "run.gpus", "must be >= 0")
@@ -355,7 +366,8 @@ class InferenceConfig:
     """Seconds a launched server may stay suspect before it is killed (and restarted, up to
     max_restarts); a server that cannot be restarted is out of the run."""
     max_restarts: int = 3
-    """Restarts of each launched server killed for hanging (0: a hung server is only killed)."""
+    """Restarts of each launched server whose process exited (or whose Ray actor died) or that
+    was killed for hanging (0: such a server is out of the run)."""
     sim: SimEngineConfig = field(default_factory=SimEngineConfig)
     cpu: CpuEngineConfig = field(default_factory=CpuEngineConfig)
 
@@ -412,7 +424,8 @@ class FsdpConfig:
     orchestrator and the inference servers."""
     rdzv_endpoint: Optional[str] = None
     """host:port of node 0's torchrun agent, reachable from every node (static rendezvous:
-    torchrun --master-addr host --master-port port); required when nnodes > 1."""
+    torchrun --master-addr host --master-port port); required when nnodes > 1, except with
+    run.launcher=ray (node 0's IP and a free port there)."""
 
     def __post_init__(self) -> None:
         _require(self.nproc is None or self.nproc >= 1, "trainer.fsdp.nproc", "must be >= 1 (or null: fill the node)")
@@ -422,8 +435,8 @@ class FsdpConfig:
         _require(self.nnodes >= 1, "trainer.fsdp.nnodes", "must be >= 1")
         _require(0 <= self.node_rank < self.nnodes, "trainer.fsdp.node_rank",
                  f"must be in [0, trainer.fsdp.nnodes={self.nnodes})")
-        _require(self.nnodes == 1 or _is_host_port(self.rdzv_endpoint), "trainer.fsdp.rdzv_endpoint",
-                 f"must be host:port when trainer.fsdp.nnodes > 1 (got {self.rdzv_endpoint!r})")
+        _require(self.rdzv_endpoint is None or _is_host_port(self.rdzv_endpoint), "trainer.fsdp.rdzv_endpoint",
+                 f"must be host:port (got {self.rdzv_endpoint!r})")
 
 
 def _is_host_port(endpoint: Optional[str]) -> bool:
@@ -624,6 +637,11 @@ class Config:
 
     def __post_init__(self) -> None:
         _require_finite(self, "")
+        fsdp = self.trainer.fsdp
+        # With run.launcher=ray the rendezvous is node 0's IP and a free port there.
+        _require(fsdp.nnodes == 1 or self.run.launcher == "ray" or _is_host_port(fsdp.rdzv_endpoint),
+                 "trainer.fsdp.rdzv_endpoint",
+                 f"must be host:port when trainer.fsdp.nnodes > 1 (got {fsdp.rdzv_endpoint!r})")
         uncorrected = self.trainer.correction == Correction.none
         off_policy = self.rollout.max_staleness > 0 or self.rollout.enforce == Enforce.ship
         _require(not (uncorrected and off_policy and not self.trainer.allow_uncorrected),

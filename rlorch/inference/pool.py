@@ -75,6 +75,8 @@ class EnginePool:
         self._changed = asyncio.Event()
         self._reload_lock = asyncio.Lock()
         self._weight_group: Optional[str] = None
+        self._retiring: set[str] = set()
+        """Servers being taken out: no new work, never probed back."""
         self._checkpoint: Optional[tuple[str, int]] = None
         self._probe: Optional[asyncio.Task] = None
         self._turn = 0
@@ -129,6 +131,40 @@ class EnginePool:
         self._down_since[name] = time.monotonic()
         self.restarts += 1
         self._ensure_probe()
+
+    def add(self, engine: Server) -> None:
+        """A new server (``rlorch scale``): it takes work once the probe finds it answering and
+        holding the current checkpoint (it loads it first), as a server that was down."""
+        name = engine.name
+        self.engines.append(engine)
+        self._up[name] = False
+        self._in_flight[name], self._misses[name], self._tokens[name] = 0, 0, 0
+        self._running[name] = set()
+        self._down_reason[name] = "joining; takes work once it answers and holds the current weights"
+        self._down_since[name] = time.monotonic()
+        self._ensure_probe()
+
+    async def remove(self, name: str, timeout: float) -> None:
+        """Take server ``name`` out (``rlorch scale``): no new work from now; its requests in
+        flight finish there, or past ``timeout`` seconds are aborted and continue on the others
+        from their partial progress (nothing is lost); then it leaves the pool."""
+        engine = next(e for e in self.engines if e.name == name)
+        self._retiring.add(name)
+        self._up[name] = False
+        self._changed.set()
+        deadline = time.monotonic() + timeout
+        while self._in_flight[name] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for task in list(self._running[name]):
+            self._aborted.add(task)
+            task.cancel()
+        while self._in_flight[name]:
+            await asyncio.sleep(0.05)
+        self._end_suspect(name)
+        self.engines.remove(engine)
+        self._retiring.discard(name)
+        self._dead.pop(name, None)
+        await engine.close()
 
     def _no_live_server(self, waited: str) -> EngineUnavailable:
         """Names every server and why it is down (a dead one: its exit status and log tail)."""
@@ -365,13 +401,13 @@ class EnginePool:
         return any(await asyncio.gather(*(e.healthy(timeout) for e in live)))
 
     def health(self) -> dict:
-        """Servers up, suspect and dead, restarts, and generated tokens/s per server (p10, p50,
+        """The fleet's size (``rlorch scale`` changes it), servers up, suspect and dead, restarts, and generated tokens/s per server (p10, p50,
         p90 over servers since the start) with the count of slow ones (under half the median):
         a straggler shows here, and is not a hang."""
         rates = sorted(self._tokens[e.name] / max(time.monotonic() - self._started, 1e-9) for e in self.engines)
         median = rates[len(rates) // 2]
         pick = (lambda q: round(rates[min(len(rates) - 1, int(q * len(rates)))], 1))
-        return {"servers_up": len(self._live()), "servers_suspect": len(self.engines) - len(self._live()) - len(self._dead),
+        return {"servers": len(self.engines), "servers_up": len(self._live()), "servers_suspect": len(self.engines) - len(self._live()) - len(self._dead),
                 "servers_dead": len(self._dead), "server_restarts": self.restarts,
                 "servers_suspect_s": round(self._suspect_s + sum(time.monotonic() - since for name, since
                                                                  in self._down_since.items() if name not in self._dead), 1),
@@ -380,7 +416,7 @@ class EnginePool:
                 "server_slowest": min(self.engines, key=lambda e: self._tokens[e.name]).name}
 
     def gauges(self) -> dict:
-        return {**self.health(), "servers": len(self.engines),
+        return {**self.health(),
                 "in_flight": dict(self._in_flight), "in_flight_total": sum(self._in_flight.values()),
                 "failovers": self.failovers, "completed": self.completed,
                 "version": self._checkpoint[1] if self._checkpoint else None}
@@ -411,9 +447,12 @@ class EnginePool:
     async def _probe_loop(self) -> None:
         """Bring down servers back once they continue, ``/health_generate`` answers and they
         hold the current checkpoint; exits when every server is up."""
-        while not all(self._up[e.name] or e.name in self._dead for e in self.engines):
+        def waiting(e: Server) -> bool:
+            return not self._up[e.name] and e.name not in self._dead and e.name not in self._retiring
+
+        while any(waiting(e) for e in self.engines):
             await asyncio.sleep(self.probe_interval)
-            for engine in [e for e in self.engines if not self._up[e.name] and e.name not in self._dead]:
+            for engine in [e for e in self.engines if waiting(e)]:
                 if await self._resumed(engine) and await engine.healthy():
                     await self._rejoin(engine)
 

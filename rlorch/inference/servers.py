@@ -26,7 +26,7 @@ import os
 import secrets
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 from rlorch.backends import inference_backend
 from rlorch.config.schema import Config, InferenceBackend
@@ -46,9 +46,10 @@ READY_POLL_S = 0.05
 listening is a refused connection, cheap to repeat, and every run waits for the first that
 succeeds."""
 async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path: Path,
-                        launcher: Optional[Launcher] = None) -> EnginePool:
+                        launcher: Optional[Launcher] = None, scale_file: Optional[Path] = None) -> EnginePool:
     """Launch (through ``launcher``, this machine's by default) or connect to the configured
-    servers; return a ready pool (see the module doc)."""
+    servers; return a ready pool (see the module doc). With ``scale_file`` the launched fleet
+    follows what ``rlorch scale`` writes there (:func:`follow_scale`)."""
     if launcher is None:
         from rlorch.launch.local import LocalLauncher
 
@@ -98,6 +99,31 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
         servers[server.index] = fresh
         return fresh
 
+    async def add_server() -> None:
+        index = len(servers)
+        fresh = await off_loop(lambda: launcher.start_server(config, index, log_dir=log_dir, model_path=model_path,
+                                                             api_key=api_key, env=server_env(config, index)))
+        servers.append(fresh)
+        engine = _client(config, fresh.address, api_key, control_http)
+        try:
+            await _wait_ready(launcher, fresh, engine, inference.ready_timeout)
+        except BaseException:
+            await engine.close()
+            await launcher.stop([fresh], timeout=inference.shutdown_timeout)
+            raise
+        by_name[engine.name] = fresh
+        pool.add(engine)
+
+    async def remove_server(name: str) -> None:
+        server = by_name.pop(name)
+        await pool.remove(name, timeout=config.rollout.request_timeout)
+        await launcher.stop([server], timeout=inference.shutdown_timeout)
+        launcher.release(server)
+
+    if scale_file is not None and not inference.addresses and not inference.router:
+        monitor.append(asyncio.create_task(follow_scale(scale_file, by_name, add=add_server, remove=remove_server,
+                                                        weight_transfer=inference.weight_transfer.value),
+                                           name="server-scaler"))
     monitor.append(asyncio.create_task(supervise(launcher, by_name, pool, restart=restart,
                                                  hang_timeout=inference.hang_timeout,
                                                  max_restarts=inference.max_restarts), name="server-supervisor"))
@@ -116,22 +142,34 @@ async def supervise(launcher: Launcher, servers: dict[str, Launched], pool: Engi
                     interval: float = 0.5) -> None:
     """Launched servers, watched every ``interval`` seconds, even with no request in flight:
 
-    - one whose process exits is dead at once (a launched process never comes back by itself);
+    - one whose process exits (or, with Ray, whose actor dies) is dead at once, and started
+      again on its address (in its placement group) up to ``max_restarts`` times; it rejoins
+      through the pool's probe once it answers and holds the current weights;
     - one the pool has held suspect for longer than ``hang_timeout`` (alive but answering
       nothing: a hung GPU, a stuck collective, a swapping host) is killed and started again on
       its address, up to ``max_restarts`` times; it rejoins through the pool's probe once it
       answers and holds the current weights. Past that it is dead, and the run goes on with the
       others (with none left, a request fails naming every server).
     """
-    restarts = {name: 0 for name in servers}
+    restarts: dict[str, int] = {}
     gone: set[str] = set()
     while True:
         for name, server in list(servers.items()):
             if name in gone or server.handle is None:
                 continue
+            restarts.setdefault(name, 0)
             reason = exit_reason(launcher, server)
             hung = pool.down_for(name) if reason is None else None
             if reason is None and (hung is None or hung <= hang_timeout):
+                continue
+            if reason is not None and restarts[name] < max_restarts:
+                pool.mark_dead(name, reason)
+                await launcher.stop([server], timeout=2.0)
+                restarts[name] += 1
+                log.warning("%s; restart %d of %d (inference.max_restarts)", reason.splitlines()[0],
+                            restarts[name], max_restarts)
+                servers[name] = await off_loop(lambda: restart(server))
+                pool.restarted(name)
                 continue
             if reason is None:
                 await launcher.stop([server], timeout=2.0)
@@ -139,7 +177,7 @@ async def supervise(launcher: Launcher, servers: dict[str, Launched], pool: Engi
                     restarts[name] += 1
                     log.warning("%s hung for %.0fs (inference.hang_timeout=%g): killed, restart %d of %d",
                                 server.name, hung, hang_timeout, restarts[name], max_restarts)
-                    servers[name] = restart(server)
+                    servers[name] = await off_loop(lambda: restart(server))
                     pool.restarted(name)
                     continue
                 reason = (f"{server.name} hung: suspect for {hung:.0f}s (inference.hang_timeout={hang_timeout:g}), "
@@ -148,6 +186,41 @@ async def supervise(launcher: Launcher, servers: dict[str, Launched], pool: Engi
             gone.add(name)
             pool.mark_dead(name, reason)
         await asyncio.sleep(interval)
+
+
+async def follow_scale(scale_file: Path, servers: dict[str, Launched], *, add: Callable[[], Awaitable[None]],
+                       remove: Callable[[str], Awaitable[None]], weight_transfer: str, interval: float = 0.5) -> None:
+    """Keep as many launched servers as ``scale_file`` asks for (``{"num_servers": N}``, written
+    by ``rlorch scale``), looking every ``interval`` seconds: new ones start, load the current
+    weights and join; the newest ones go first when shrinking (their requests in flight finish
+    or continue elsewhere, then they stop). A request is read once (its file's mtime)."""
+    seen: Optional[float] = None
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            stamp = scale_file.stat().st_mtime
+            if stamp == seen:
+                continue
+            seen = stamp
+            want = int(json.loads(scale_file.read_text())["num_servers"])
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            log.warning("%s: not a scale request (%s); ignored", scale_file, err)
+            continue
+        if weight_transfer != "disk":
+            log.warning("rlorch scale: not with inference.weight_transfer=%s (its weight group is fixed); ignored",
+                        weight_transfer)
+            continue
+        have = len(servers)
+        log.warning("rlorch scale: %d -> %d servers", have, want)
+        try:
+            for _ in range(max(0, want - have)):
+                await add()
+            for name in list(servers)[::-1][:max(0, have - max(want, 1))]:
+                await remove(name)
+        except (LaunchError, OSError) as err:
+            log.warning("rlorch scale: stopped at %d servers: %s", len(servers), err)
 
 
 async def _wait_ready(launcher: Launcher, server: Launched, engine: SGLangEngine, timeout: float) -> None:
@@ -167,7 +240,7 @@ async def record_versions(servers: list[Launched], engines: list[SGLangEngine], 
                           expect: Optional[str]) -> None:
     infos = await asyncio.gather(*(e.server_info() for e in engines))
     record = [{"index": s.index, "address": s.address, "version": info.get("version"),
-               "pid": getattr(s.handle, "pid", None), "log": str(s.log) if s.log is not None else None,
+               "pid": s.extra.get("pid", getattr(s.handle, "pid", None)), "log": str(s.log) if s.log is not None else None,
                "model_path": info.get("model_path"), "weight_version": info.get("weight_version")}
               for s, info in zip(servers, infos)]
     path.write_text(json.dumps(record, indent=1))
@@ -192,7 +265,7 @@ async def start_servers(config: Config, run_dir: RunDir, policy: PolicyVersion,
     tokenizer = off_loop(lambda: _load_tokenizer(model_path))
     try:
         pool = await start_engines(config, log_dir=run_dir.logs, servers_file=run_dir.servers,
-                                   model_path=model_path, launcher=launcher)
+                                   model_path=model_path, launcher=launcher, scale_file=run_dir.scale_file)
     except BaseException:
         await cancel_and_wait(tokenizer)
         raise

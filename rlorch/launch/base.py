@@ -69,6 +69,15 @@ class Launcher(Protocol):
         """Terminate, then kill after ``timeout`` seconds, everything of these processes."""
         ...
 
+    def release(self, process: Launched) -> None:
+        """Free what ``process`` held for good (a server ``rlorch scale`` removed), after its stop."""
+        ...
+
+    def close(self) -> None:
+        """Release what the launcher holds for the run (placement groups, a cluster it started);
+        called once, last, after every stop."""
+        ...
+
 
 def exit_reason(launcher: Launcher, process: Launched, lines: int = 10) -> Optional[str]:
     """Why a launched process is gone for good (its status and the tail of its log), or None

@@ -39,6 +39,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 class LocalLauncher:
     name = "local"
 
+    def __init__(self, config=None) -> None:
+        self.config = config
+
+    def release(self, process: Launched) -> None:
+        """Nothing held beyond the process, which :meth:`stop` ended."""
+
+    def close(self) -> None:
+        """Nothing to release: every process was stopped through :meth:`stop`."""
+
     def start_server(self, config, index: int, *, model_path: Path, api_key: str, log_dir: Path,
                      env: dict[str, str], port: Optional[int] = None) -> Launched:
         port = free_port() if port is None else port

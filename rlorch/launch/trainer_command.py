@@ -35,7 +35,8 @@ def _static_rendezvous(config, node_rank: Optional[int]) -> list[str]:
     not c10d: c10d ignores ``--node-rank`` and assigns node ranks itself, so global rank 0 —
     which hosts the weight group's store — could land off node 0."""
     trainer = config.trainer.fsdp
-    host, port = master_address(trainer.rdzv_endpoint)
+    # Unset only with run.launcher=ray, which fills in node 0's IP and a free port there.
+    host, port = master_address(trainer.rdzv_endpoint or "<node 0 ip>:0")
     rank = trainer.node_rank if node_rank is None else node_rank
     return ["--nnodes", str(trainer.nnodes), "--node-rank", str(rank), "--master-addr", host,
             "--master-port", port]

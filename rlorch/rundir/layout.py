@@ -20,6 +20,8 @@ Layout (steps are 1-based; training step N reads batch N and publishes weights v
     tensorboard/                    TensorBoard scalars (metrics.tensorboard=true)
     logs/                           per-process logs
     STOP                            asks the trainer to checkpoint its last step and exit
+    SCALE                           {"num_servers": N}: `rlorch scale` asks the running run for
+                                    N launched servers (it adds or drains and stops servers)
     LOCK                            held (flock) by the one process running in this directory
     failed-start-*/                 a start-up that failed before any batch, set aside by a retry
     rollouts/superseded-*/,         what a resume at an earlier checkpoint abandoned
@@ -95,6 +97,10 @@ class RunDir:
     @property
     def stop_file(self) -> Path:
         return self.root / "STOP"
+
+    @property
+    def scale_file(self) -> Path:
+        return self.root / "SCALE"
 
     @property
     def trainer_metrics(self) -> Path:

@@ -120,6 +120,11 @@ def _wait_any(paths: list, timeout: float):
         time.sleep(POLL_S)
 
 
+TRANSFER_ADDRESS_ENV = "RLORCH_TRANSFER_ADDRESS"
+"""Set by a launcher that knows the address engines reach this node at; overrides
+``inference.transfer_address``."""
+
+
 def plan(config, run: RunDir, device, log: Callable[[str], None]) -> Optional[Broadcaster]:
     """Rank 0: the broadcaster of this run (None with ``weight_transfer=disk``); its rendezvous
     is written to ``trainer/weight_group.json`` before the trainer reports ready. The group's
@@ -129,7 +134,9 @@ def plan(config, run: RunDir, device, log: Callable[[str], None]) -> Optional[Br
     if inference.weight_transfer != WeightTransfer.distributed:
         return None
     backend = "nccl" if str(device).startswith("cuda") else "gloo"
-    spec = GroupSpec(master_address=inference.transfer_address, master_port=_free_port(inference.transfer_address),
+    # Under run.launcher=ray the launcher names this node's IP (the engines are on other nodes).
+    address = os.environ.get(TRANSFER_ADDRESS_ENV) or inference.transfer_address
+    spec = GroupSpec(master_address=address, master_port=_free_port(address),
                      rank_offset=1, world_size=0, backend=backend,
                      group_name=f"rlorch-{os.getpid()}-{time.time_ns() % 10**9}")
     run.offers.mkdir(parents=True, exist_ok=True)

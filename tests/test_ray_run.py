@@ -1,0 +1,77 @@
+"""``rlorch train run.launcher=ray`` end to end on CPU engines: a server actor killed mid-run is
+restarted and rejoins with nothing lost; a kill -9 of the orchestrator leaves nothing of the run.
+
+Each run starts a private local Ray cluster (seconds on a small machine): slow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+sys.path.insert(0, str(Path(__file__).parent))
+import faults  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+RAY = ["run.launcher=ray", "inference=cpu", "inference.num_servers=2", "run.progress=false", "run.report=false",
+       "inference.health_interval=0.5", "inference.health_timeout=2", "inference.hang_timeout=600"]
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _server_pids(run_dir: Path) -> list[int]:
+    return [s["pid"] for s in json.loads((run_dir / "servers.json").read_text())]
+
+
+def _periodic(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return [r for r in records if r.get("kind") == "periodic"]
+
+
+def test_a_killed_server_actor_is_restarted_rejoins_and_nothing_is_lost(tmp_path):
+    run_dir = tmp_path / "run"
+    run = faults.Run("train", *RAY, f"run.dir={run_dir}", "train.steps=2000")
+    try:
+        faults.wait_for(lambda: faults.trainer_steps(run_dir) >= 3, 400, "three trainer steps")
+        actor = _parent(_server_pids(run_dir)[0])
+        assert b"ray::" in Path(f"/proc/{actor}/cmdline").read_bytes()
+        os.kill(actor, signal.SIGKILL)
+        faults.wait_for(lambda: any(r["engines_server_restarts"] >= 1 and r["engines_servers_up"] == 2
+                                    and r["engines_servers_dead"] == 0 for r in _periodic(run_dir)), 300,
+                        "the restarted server back in rotation")
+        steps = faults.trainer_steps(run_dir)
+        faults.wait_for(lambda: faults.trainer_steps(run_dir) >= steps + 2, 300, "two more steps")
+        os.kill(run.pid, signal.SIGTERM)
+        code = run.wait(300)
+        leftovers = faults.leftovers_after(run.tag)
+    finally:
+        run.kill_all()
+    assert code == 128 + signal.SIGTERM, run.output[-3000:]
+    summary = faults.summary(run_dir)
+    assert summary["lost"] == 0 and summary["status"] == "interrupted", summary
+    assert summary["server_restarts"] == 1 and summary["servers_up"] == 2, summary
+    assert "restart 1 of 3" in run.output
+    assert leftovers == 0
+
+
+def test_kill_9_of_the_orchestrator_leaves_nothing_of_the_run(tmp_path):
+    run_dir = tmp_path / "run"
+    run = faults.Run("train", *RAY, f"run.dir={run_dir}", "train.steps=400")
+    try:
+        faults.wait_for(lambda: faults.trainer_steps(run_dir) >= 1, 400, "a trainer step")
+        assert faults.tagged(run.tag)
+        os.kill(run.pid, signal.SIGKILL)
+        leftovers = faults.leftovers_after(run.tag, 30.0)
+        alive = [Path(f"/proc/{p}/cmdline").read_bytes()[:120] for p in faults.tagged(run.tag)]
+    finally:
+        run.kill_all()
+    assert leftovers == 0, alive
