@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from rlorch.config.schema import Config, InferenceBackend, SimReward
 from rlorch.lifecycle import gather_all
 from rlorch.tasks.base import is_single_turn
+from rlorch.tasks.prompts import encode_prompt, encode_text  # noqa: F401 (encode_text: part of this module's API)
 from rlorch.types import (Engine, Environment, Generation, GroupRequest, Origin, Prompt, Rollout, SamplingParams,
                           VersionStamps, is_correct)
 
@@ -51,26 +52,6 @@ class PromptSource:
         prompt = self.make(self.position)
         self.position += 1
         return prompt
-
-
-CHARACTER_IDS = bytes(1 + (code % 60) for code in range(256))
-"""The sim backends' tokenizer on ASCII text: character code -> token id (``1 + code % 60``)."""
-
-
-def encode_text(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of ``text`` (the sim backends have no tokenizer: one id per character)."""
-    if tokenizer is None:
-        if text.isascii():
-            return list(text.encode().translate(CHARACTER_IDS))
-        return [1 + (ord(c) % 60) for c in text]
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def encode_prompt(tokenizer: Any, text: str) -> list[int]:
-    ids = encode_text(tokenizer, text)
-    if tokenizer is not None and tokenizer.bos_token_id is not None:
-        return [tokenizer.bos_token_id] + ids
-    return ids or [1]
 
 
 def sampling_params(config: Config, tokenizer: Any, *, greedy: bool = False) -> SamplingParams:
