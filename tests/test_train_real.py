@@ -167,13 +167,15 @@ def served_answer(env: dict, run_dir: Path, text: str) -> str:
     server = subprocess.Popen([sys.executable, "-m", "rlorch.cli", "serve", f"model.path={run_dir}",
                                "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        for _ in range(600):
+        deadline = time.monotonic() + 300  # a loaded machine may take a minute to import and load
+        while True:
             assert server.poll() is None, server.stderr.read().decode()
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).close()
                 break
             except OSError:
-                time.sleep(0.1)
+                assert time.monotonic() < deadline, "rlorch serve did not answer /health within 300 s"
+                time.sleep(0.2)
         body = json.dumps({"text": text, "sampling_params": {"max_new_tokens": 3, "temperature": 0}}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=body,
                                          headers={"Content-Type": "application/json"})
