@@ -117,11 +117,25 @@ def test_chat_messages_are_rendered_with_the_chat_template(tmp_path, model_dir):
     assert tokenizer.decode(prompt.input_ids) == "<bos>user:3+4=<eos>assistant:"
 
 
-def test_data_epochs_and_fraction_are_checked():
+def test_data_keys_are_checked_and_epochs_end_the_run(tmp_path):
+    from types import SimpleNamespace
+
+    from rlorch.config.schema import warnings_for
+    from rlorch.runner import _cap_steps_at_epochs
+
     for key, value in (("data.eval_fraction", "1.0"), ("data.epochs", "0")):
         with pytest.raises(ConfigError) as caught:
             compose([f"{key}={value}"])
         assert caught.value.key == key
+    path = _jsonl(tmp_path / "d.jsonl", ROWS)
+    assert any("evaluation draws training rows" in w for w in warnings_for(compose([f"data.path={path}"])))
+    assert not any("training rows" in w for w in warnings_for(compose([f"data.path={path}", "data.eval_fraction=0.1"])))
+    config = compose([f"data.path={path}", "data.epochs=3", "rollout.batch_size=32", "rollout.group_size=8"])
+    _cap_steps_at_epochs(config, SimpleNamespace(prompt_count=20))  # 4 prompts a batch: 60 / 4
+    assert config.train.steps == 15
+    config = compose([f"data.path={path}", "train.steps=5"])
+    _cap_steps_at_epochs(config, SimpleNamespace(prompt_count=20))
+    assert config.train.steps == 5
 
 
 # reward functions ---------------------------------------------------------------------------------
@@ -224,3 +238,62 @@ def test_the_math_reward_reads_gsm8k_answers_and_needs_math_verify(tmp_path, mon
     with pytest.raises(ConfigError) as caught:
         load_rewards(["math"], None)
     assert caught.value.key == "task.reward" and "pip install 'rlorch[data]'" in str(caught.value)
+
+
+# the GSM8K recipe ------------------------------------------------------------------------------
+def test_the_gsm8k_recipe_validates_and_plans_one_8_gpu_node(tmp_path, model_dir):
+    from typer.testing import CliRunner
+
+    from rlorch.cli import app
+
+    row = {"messages": [{"role": "user", "content": "Tom has 3 apples and buys 4. How many?"}],
+           "answer": "3 + 4 = 7\n#### 7"}
+    data = _jsonl(tmp_path / "gsm8k.jsonl", [row] * 60)
+    recipe = ["conf=recipes/gsm8k_qwen05b", f"model.path={model_dir}", f"data.path={data}"]
+    runner = CliRunner()
+    checked = runner.invoke(app, ["validate-config", *recipe, "--show"], env={"COLUMNS": "200"})
+    assert checked.exit_code == 0, checked.output
+    assert "backend: sglang" in checked.output and "dtype: bfloat16" in checked.output
+    config = compose(recipe)
+    assert config.task.reward == ["math"] and config.data.messages_key == "messages"
+    env = make_environment(config)
+    assert len(env.held_out) == 1 and env.max_reward == 1.0
+    planned = runner.invoke(app, ["train", *recipe, f"run.dir={tmp_path / 'never'}", "--dry-run"])
+    assert planned.exit_code == 0, planned.output
+    records = [json.loads(line) for line in planned.output.splitlines() if line.startswith("{")]
+    assert [r["role"] for r in records] == ["orchestrator", *(f"server-{i}" for i in range(4)), "trainer"]
+    assert not (tmp_path / "never").exists()
+    unset = runner.invoke(app, ["validate-config", "conf=recipes/gsm8k_qwen05b", f"data.path={data}"])
+    assert unset.exit_code == 2 and "model.path" in unset.output
+
+
+@pytest.mark.slow
+def test_a_chat_task_from_data_with_the_math_reward_trains_on_the_tiny_model(tmp_path):
+    """The recipe's code paths on CPU: messages, the chat template, a data file, the math reward,
+    `rlorch serve` engines and the FSDP2 trainer, for a few steps."""
+    import os
+    import subprocess
+
+    rows = [{"messages": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}
+            for a in range(10) for b in range(10)]
+    data = _jsonl(tmp_path / "sums.jsonl", rows)
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "rlorch.cli", "train", f"run.dir={run_dir}", f"data.path={data}",
+                           "data.messages_key=messages", "task.reward=math", "data.eval_fraction=0.2",
+                           "train.steps=3", "rollout.batch_size=16", "rollout.group_size=4", "rollout.max_concurrent=32",
+                           "inference.num_servers=1", "run.progress=false", "run.report=false"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 3 and summary["lost"] == 0
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["prompts"] for r in lines if r["kind"] == "eval"][0] == 20
+    from rlorch.model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    trained = [json.loads(line) for line in (run_dir / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+    for rollout in trained:
+        text = tokenizer.decode(rollout["tokens"])
+        assert text.startswith("<bos>user:") and "<eos>assistant:" in text
+        first = rollout["loss_mask"].index(1)  # the model's turn starts after the generation prompt
+        assert tokenizer.decode(rollout["tokens"][:first]).endswith("<eos>assistant:")
