@@ -173,7 +173,7 @@ def test_a_data_file_answer_past_64_bits_stays_exact(tmp_path):
     path = _write(tmp_path, [json.dumps({"prompt": "2**64+1=", "answer": answer})])
     env = _env(f"data.path={path}")
     prompt, expected = env.make_prompt(0, seed=0)
-    assert type(expected) is int and expected == answer
+    assert type(expected.answer) is int and expected.answer == answer
     assert env.score(str(answer), expected) == 1.0
 
 

@@ -189,6 +189,9 @@ class RewardTask(DataTask):
     functions: tuple[RewardFunction, ...] = ()
     is_correct = None  # type: ignore[assignment]  # correct: the reward at max_reward (rlorch.types.is_correct)
 
+    def score(self, completion: str, answer: Any) -> float:
+        raise TypeError("a task scored by reward functions is scored a group at a time (score_groups)")
+
     async def score_groups(self, prompts: Sequence[Any], completions: Sequence[Sequence[str]]) -> list[list[float]]:
         """Rewards of each prompt's samples (``prompts[i].answer`` is its :class:`Row`)."""
         flat_prompts, flat_completions, rows, columns = [], [], [], {}
