@@ -4,10 +4,11 @@ Writes single-digit sums as chat messages (``[{"role": "user", "content": "3+4="
 ``7``) to a JSONL file, holds out a fixed fifth of them (``data.eval_fraction``), trains the CPU
 default on the rest and prints held-out greedy accuracy first -> last, the steps and the wall
 time. The same code paths as the GPU recipe: messages, the chat template, a data file, the math
-reward. Beside ``math`` (weight 1) a format penalty (:func:`digits_only`, weight 0.2, at most 0)
-teaches the randomly initialised model to answer in digits first, as TRL's GSM8K examples add a
-format reward; a held-out answer counts as right when the math reward is 1 and the answer is
-digits only. The run is stopped (SIGINT: drained, checkpointed) after ``--minutes`` (default 10).
+reward. Beside ``math`` (weight 1), partial credit for a number near the answer
+(:func:`closeness`, weight 0.5) and a format penalty (:func:`digits_only`, weight 0.2, at most 0)
+shape the randomly initialised model's search, as TRL's GSM8K examples add format rewards; a
+held-out answer counts as right only at the maximum reward (1.5): the math reward 1, the
+number exact, digits only. The run is stopped (SIGINT: drained, checkpointed) after ``--minutes`` (default 10).
 
 Usage: python scripts/bench_chat.py [--minutes 10] [key=value ...]
 """
@@ -35,6 +36,12 @@ def digits_only(prompts, completions, **columns) -> list[float]:
     return [-sum(not ch.isdigit() for ch in text) / len(text) if text else -1.0 for text in texts]
 
 
+def closeness(prompts, completions, answer, **columns) -> list[float]:
+    """Partial credit for a number near the answer: 1 - |got - answer| / 10, at least 0."""
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [max(0.0, 1 - abs(int(text) - int(a)) / 10) if text.isdigit() else 0.0 for text, a in zip(texts, answer)]
+
+
 def write_sums(path: Path) -> Path:
     with open(path, "w") as handle:
         for a in range(10):
@@ -55,8 +62,8 @@ def main() -> None:
         root = Path(tmp)
         data = write_sums(root / "sums.jsonl")
         overrides = [f"run.dir={root / 'run'}", "run.progress=false", f"data.path={data}",
-                     "data.messages_key=messages", "task.reward=[math,__main__:digits_only]",
-                     "task.reward_weights=[1.0,0.2]", "data.eval_fraction=0.2", "rollout.max_new_tokens=2",
+                     "data.messages_key=messages", "task.reward=[math,__main__:closeness,__main__:digits_only]",
+                     "task.reward_weights=[1.0,0.5,0.2]", "data.eval_fraction=0.2", "rollout.max_new_tokens=2",
                      "train.steps=1000", "eval.every=10", *TWO_CORES, *args]
         started = time.monotonic()
         deadline = threading.Timer(minutes * 60, os.kill, (os.getpid(), signal.SIGINT))
