@@ -13,9 +13,14 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-DEFAULT_MODEL_NAME = "tiny-qwen2-digits-v1"
+DEFAULT_MODEL_NAME = "tiny-qwen2-digits-v2"
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARACTERS = list("0123456789") + list("=:,|+-") + list("abcdefghijklmnopqrstuvwxyz")
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ message['role'] }}:{{ message['content'] }}"
+                 "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+"""The tiny tokenizer's chat template: ``<bos>user:3+4=<eos>assistant:`` and the model's turn ends
+with ``<eos>``, as it does in text form. Roles are lowercase letters and ``:`` (the vocabulary
+has no whitespace). Text prompts do not use it, so the default run is the same with or without it."""
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 
@@ -43,7 +48,7 @@ def resolve_model_path(path: Optional[str]) -> Path:
 
 def build_tokenizer():
     """A character-level fast tokenizer; every character is one token (no whitespace: the
-    default tasks write their prompts without it)."""
+    default tasks write their prompts without it), with a chat template (:data:`CHAT_TEMPLATE`)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -51,8 +56,10 @@ def build_tokenizer():
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>",
-                                   eos_token="<eos>", unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>",
+                                        eos_token="<eos>", unk_token="<unk>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def build_model(tokenizer, seed: int = 0):

@@ -169,6 +169,7 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
                 raise outcome
         prompts = PromptSource(env, tokenizer=tokenizer, seed=config.run.seed)
         _note_eval_size(config, prompts)
+        _cap_steps_at_epochs(config, env)
         resume = None
         if checkpoint is not None:
             from rlorch.rundir.resume import read_state, weights_of
@@ -215,6 +216,19 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
         if launcher is not None:
             launcher.close()
     return _report(summary, run_dir, config, phases.timings)
+
+
+def _cap_steps_at_epochs(config: Config, env: Any) -> None:
+    """``data.epochs``: end the run once that many passes' worth of prompts have been batched."""
+    rows = getattr(env, "prompt_count", None)
+    if not config.data.epochs or not rows:
+        return
+    steps = max(1, config.data.epochs * rows // config.rollout.prompts_per_batch)
+    if steps < config.train.steps:
+        console.print(f"data.epochs={config.data.epochs}: {rows} training rows, "
+                      f"{config.rollout.prompts_per_batch} prompts per batch: the run ends at step {steps} "
+                      f"(train.steps={config.train.steps})", highlight=False)
+        config.train.steps = steps
 
 
 def _note_eval_size(config: Config, prompts: Any) -> None:

@@ -109,12 +109,13 @@ class VersionStamps:
 
 @dataclass(slots=True)
 class Prompt:
-    """One task instance handed to inference; ``group_id`` ties the samples of one prompt."""
+    """One task instance handed to inference; ``group_id`` ties the samples of one prompt.
+    ``text`` is the prompt as the environment made it: text, or a list of chat messages."""
 
     group_id: int
     input_ids: list[int]
     env: str
-    text: str = ""
+    text: Any = ""
     answer: Any = None
     is_eval: bool = False
     attempt: int = 0
@@ -338,15 +339,20 @@ class Conversation(Protocol):
     are kept by the engine call behind :meth:`generate`, never by the environment.
     """
 
-    prompt: str
-    """The prompt text the episode started from."""
+    prompt: Any
+    """The prompt the episode started from: text, or a list of chat messages (the chat form)."""
+    messages: Optional[list]
+    """In the chat form, the conversation so far as messages (model turns as ``assistant``
+    messages of their text); None in text form."""
 
     async def generate(self, *, max_new_tokens: Optional[int] = None, stop: Sequence[str] = ()) -> str:
         """One model turn on the whole trajectory so far; returns its text (up to end of sequence)."""
         ...
 
-    def add(self, text: str) -> None:
-        """Append environment text (a tool result, a reply) to the trajectory, untrained."""
+    def add(self, text: str, role: str = "user") -> None:
+        """Append environment text (a tool result, a reply) to the trajectory, untrained. In the
+        chat form it is a message of ``role`` (``user``, ``tool``, ...), rendered by the chat
+        template together with the generation prompt of the next model turn."""
         ...
 
 

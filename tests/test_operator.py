@@ -376,3 +376,26 @@ def test_the_simulated_age_plot_has_a_tick_at_every_age():
 def test_a_smaller_held_out_set_than_eval_prompts_is_said(tmp_path, capsys):
     train(tmp_path / "run", "train.steps=2", "run.report=false")
     assert "evaluation: 97 held-out prompts (eval.prompts=100; the task holds out 97)" in capsys.readouterr().err
+
+
+def test_completions_cut_by_the_length_limit_are_counted_and_above_a_fifth_named(tmp_path):
+    """sim.tokens=8 under rollout.max_new_tokens=3: every completion ends by length."""
+    from rlorch.reporting.progress import RunView, report_lines
+
+    _, cut, records = train(tmp_path / "cut", "train.steps=3", "run.report=false", "eval.enabled=false",
+                            "rollout.max_new_tokens=3", "inference.sim.tokens=8")
+    assert [r["truncated_share"] for r in steps_of(records)] == [1.0, 1.0, 1.0] and cut["truncated_share"] == 1.0
+    _, whole, records = train(tmp_path / "whole", "train.steps=3", "run.report=false", "eval.enabled=false",
+                              "rollout.max_new_tokens=8", "inference.sim.tokens=8")
+    assert [r["truncated_share"] for r in steps_of(records)] == [0.0, 0.0, 0.0] and whole["truncated_share"] == 0.0
+
+    view = RunView(10)
+    view.log({"kind": "start", "time": 0.0, "version": 0})
+    view.log({"kind": "step", "step": 1, "time": 1.0, "truncated_share": 0.2})
+    assert "truncated" not in view.fields()
+    view.log({"kind": "step", "step": 2, "time": 2.0, "truncated_share": 0.85})
+    assert "85%" in view.fields()["truncated"] and "rollout.max_new_tokens" in view.fields()["truncated"]
+    summary = {"admitted": 8, "trained": 8, "filtered": 0, "dropped_stale": 0, "persisted_untrained": 0, "lost": 0}
+    assert not any("truncated" in text for text in report_lines({**summary, "truncated_share": 0.1}))
+    assert any("85%" in text and "rollout.max_new_tokens" in text
+               for text in report_lines({**summary, "truncated_share": 0.85}))

@@ -92,7 +92,7 @@ def test_text_input_and_greedy_determinism(server):
     first = generate(server, text="123+45=", sampling_params=params, return_logprob=True)
     second = generate(server, text="123+45=", sampling_params=params, return_logprob=True)
     assert first["output_ids"] == second["output_ids"]
-    assert first["meta_info"]["prompt_tokens"] == 7
+    assert first["meta_info"]["prompt_tokens"] == 8  # <bos> and the seven characters
     assert isinstance(first["text"], str)
     stop_at = first["output_ids"][2]
     stopped = generate(server, text="123+45=", sampling_params={**params, "stop_token_ids": [stop_at]})
@@ -103,6 +103,38 @@ def test_text_input_and_greedy_determinism(server):
         by_string = generate(server, text="123+45=", sampling_params={**params, "stop": text[2]})
         assert by_string["meta_info"]["finish_reason"] == {"type": "stop", "matched": text[2]}
         assert by_string["text"] == text[:text.index(text[2])]
+
+
+def test_a_text_prompt_is_encoded_as_training_encodes_it(server, model_dir):
+    from transformers import AutoTokenizer
+
+    from rlorch.tasks.prompts import encode_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = encode_prompt(tokenizer, "407=")
+    assert ids[0] == tokenizer.bos_token_id and len(ids) == 5
+    params = {"max_new_tokens": 4, "temperature": 0}
+    by_text = generate(server, text="407=", sampling_params=params)
+    by_ids = generate(server, input_ids=ids, sampling_params=params)
+    assert by_text["meta_info"]["prompt_tokens"] == len(ids)
+    assert by_text["output_ids"] == by_ids["output_ids"]
+
+
+def test_serve_reads_a_run_directory_as_its_newest_weights(tmp_path):
+    from rlorch.config.schema import ConfigError
+    from rlorch.serve.server import served_path
+
+    run = tmp_path / "run"
+    (run / "weights").mkdir(parents=True)
+    (run / "config.yaml").write_text("{}")
+    with pytest.raises(ConfigError, match="no published weights"):
+        served_path(str(run))
+    for step in (1, 2, 10):
+        (run / "weights" / f"step_{step:06d}").mkdir()
+        (run / "weights" / f"step_{step:06d}" / "PUBLISHED").touch()
+    (run / "weights" / "step_000011").mkdir()  # being written: not published yet
+    assert served_path(str(run)) == str(run / "weights" / "step_000010")
+    assert served_path(str(tmp_path)) == str(tmp_path) and served_path(None) is None
 
 
 @pytest.mark.parametrize("payload, fragment", [

@@ -11,7 +11,7 @@ from rlorch.config.compose import compose
 from rlorch.config.schema import ConfigError
 from rlorch.tasks.registry import make_environment, names
 from rlorch.tasks.digits import digit_credit
-from rlorch.tasks.jsonl import DataError
+from rlorch.tasks.dataset import DataError
 from rlorch.types import Environment
 
 
@@ -68,9 +68,9 @@ def test_jsonl_task_is_exact_match_and_deterministic(tmp_path):
     path = _write(tmp_path, rows)
     env = _env(f"data.path={path}", "data.prompt_key=q", "data.answer_key=a")
     assert env.name == "jsonl"
-    epoch = [env.make_prompt(i, seed=1) for i in range(5)]
+    epoch = [(prompt, row.answer) for prompt, row in (env.make_prompt(i, seed=1) for i in range(5))]
     assert sorted(epoch) == sorted((f"{i}+{i}=", str(2 * i)) for i in range(5))  # each row once a pass
-    assert epoch == [env.make_prompt(i, seed=1) for i in range(5)]
+    assert epoch == [(prompt, row.answer) for prompt, row in (env.make_prompt(i, seed=1) for i in range(5))]
     assert env.score(" 4 ", "4") == 1.0 and env.score("5", "4") == 0.0 and env.score("4", 4) == 1.0
 
 
@@ -173,7 +173,7 @@ def test_a_data_file_answer_past_64_bits_stays_exact(tmp_path):
     path = _write(tmp_path, [json.dumps({"prompt": "2**64+1=", "answer": answer})])
     env = _env(f"data.path={path}")
     prompt, expected = env.make_prompt(0, seed=0)
-    assert type(expected) is int and expected == answer
+    assert type(expected.answer) is int and expected.answer == answer
     assert env.score(str(answer), expected) == 1.0
 
 

@@ -151,6 +151,39 @@ def test_the_default_run_learns(env, tmp_path):
     assert summary["status"] in ("completed", "converged") and summary["lost"] == 0
     measured = [r["mismatch_kl"] for r in steps_of(lines) if r["mismatch_kl"] is not None]
     assert measured and max(measured) < 1e-3
+    assert served_answer(env, run_dir, "407=") == "704"
+
+
+def served_answer(env: dict, run_dir: Path, text: str) -> str:
+    """`rlorch serve model.path=RUN_DIR` (the run's newest weights) asked for ``text`` as text,
+    greedy, with the run's length limit (3: the model never learned to stop by itself): the text
+    request is tokenized as training tokenized the prompt."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "rlorch.cli", "serve", f"model.path={run_dir}",
+                               "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300  # a loaded machine may take a minute to import and load
+        while True:
+            assert server.poll() is None, server.stderr.read().decode()
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "rlorch serve did not answer /health within 300 s"
+                time.sleep(0.2)
+        body = json.dumps({"text": text, "sampling_params": {"max_new_tokens": 3, "temperature": 0}}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read())["text"]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=30)
 
 
 @pytest.mark.slow

@@ -32,6 +32,11 @@ def conf_dir() -> Path:
     return packaged if packaged.is_dir() else package.parent / "conf"
 
 
+RECIPES = "recipes"
+"""``conf/recipes/``: whole runs for real models (``conf=recipes/NAME``), read as a YAML file of
+your own is (its defaults list names the groups), not a config group."""
+
+
 def presets() -> list[str]:
     """Names of the shipped top-level presets."""
     return sorted(p.stem for p in conf_dir().glob("*.yaml"))
@@ -39,7 +44,8 @@ def presets() -> list[str]:
 
 def config_groups() -> list[str]:
     """Config groups (``inference``, ``trainer``, ``task``): subdirectories of the presets."""
-    return sorted(p.name for p in conf_dir().iterdir() if p.is_dir() and not p.name.startswith("_"))
+    return sorted(p.name for p in conf_dir().iterdir()
+                  if p.is_dir() and not p.name.startswith("_") and p.name != RECIPES)
 
 
 def _register_schema() -> None:
@@ -161,7 +167,10 @@ def compose(overrides: list[str] | None = None) -> Config:
     _register_schema()
     preset, rest = split_preset(list(overrides or []))
     config_dir, config_name = str(conf_dir()), preset
-    if preset.endswith((".yaml", ".yml")) or os.sep in preset:
+    recipe = conf_dir() / f"{preset}.yaml"
+    if preset.startswith(f"{RECIPES}/") and recipe.is_file():
+        config_dir, config_name = _user_yaml_dir(recipe)
+    elif preset.endswith((".yaml", ".yml")) or os.sep in preset:
         config_dir, config_name = _user_yaml_dir(Path(preset).expanduser().resolve())
     elif not (conf_dir() / f"{preset}.yaml").is_file():
         raise ConfigError("conf", f"no preset {preset!r} (shipped: {', '.join(presets())}; "

@@ -15,7 +15,7 @@ from rlorch.config.schema import Config, ConfigError
 def preflight(config: Config) -> None:
     """Raise :class:`ConfigError` naming the key (and file and line) of the first problem."""
     from rlorch.tasks.registry import make_environment
-    from rlorch.tasks.jsonl import DataError
+    from rlorch.tasks.dataset import DataError
 
     if config.run.launcher == "ray":
         import importlib.util

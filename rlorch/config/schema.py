@@ -555,16 +555,59 @@ class TaskConfig:
     params: dict[str, Any] = field(default_factory=dict)
     """The environment's own parameters (the presets in conf/task/ list each task's; for your
     own environment add them with ``+task.params.key=value``)."""
+    reward: Any = None
+    """Reward function(s) for a task from data (``data.path``), replacing exact match:
+    ``package.module:function`` or ``math`` (built in, GSM8K-style answers, needs math-verify),
+    or a list of them. TRL's signature: ``f(prompts, completions, **columns) -> list[float]``,
+    sync or async; the reward is their weighted sum."""
+    reward_weights: Optional[list[float]] = None
+    """One weight per ``task.reward`` function (default: 1 each)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.reward, str):
+            self.reward = [self.reward]
+        if self.reward is not None:
+            self.reward = list(self.reward)
+            _require(bool(self.reward) and all(isinstance(r, str) and r for r in self.reward), "task.reward",
+                     "must be a function (package.module:function or math) or a non-empty list of them")
+        if self.reward_weights is not None:
+            _require(self.reward is not None and len(self.reward_weights) == len(self.reward),
+                     "task.reward_weights", "must give one weight per task.reward function")
 
 
 @dataclass
 class DataConfig:
     path: Optional[str] = None
-    """JSONL file of {"prompt": ..., "answer": ...}; sets the task to jsonl (exact match)."""
+    """Training data: a JSONL, JSON, CSV or Parquet file, or a directory saved by ``datasets``
+    (``save_to_disk``); sets the task to the data task (exact match, or ``task.reward``). Formats
+    other than JSONL need the ``datasets`` package (``pip install 'rlorch[data]'``)."""
     prompt_key: str = "prompt"
-    """Field holding the prompt text."""
+    """Column holding the prompt text."""
+    messages_key: Optional[str] = None
+    """Column holding the prompt as chat messages (a list of {role, content}) instead of text;
+    rendered with the model's chat template."""
     answer_key: str = "answer"
-    """Field holding the reference answer."""
+    """Column holding the reference answer (passed to reward functions under its name, with
+    every other column)."""
+    eval_path: Optional[str] = None
+    """Evaluation data in the same form, never trained on."""
+    eval_fraction: float = 0.0
+    """Share of ``data.path``'s rows held out for evaluation (a fixed split, the same for every
+    seed, never trained on) when there is no ``data.eval_path``. 0 with no eval_path: evaluation
+    draws training rows."""
+    shuffle: bool = True
+    """Each pass over the training rows in a fresh order seeded by run.seed and the pass; false:
+    file order every pass. A resumed run continues the same order."""
+    epochs: Optional[int] = None
+    """Passes over the training rows: the run ends after epochs x rows / prompts per batch steps
+    if train.steps is larger (groups dropped by the filters use prompts too). Unset: as many
+    passes as train.steps takes."""
+
+    def __post_init__(self) -> None:
+        _require(0.0 <= self.eval_fraction < 1.0, "data.eval_fraction", "must be in [0, 1)")
+        _require(self.epochs is None or self.epochs >= 1, "data.epochs", "must be >= 1")
+        _require(not (self.eval_path and self.eval_fraction), "data.eval_fraction",
+                 "give data.eval_path or data.eval_fraction, not both")
 
 
 @dataclass
@@ -685,6 +728,9 @@ def warnings_for(config: Config) -> list[str]:
     if r.max_concurrent < r.batch_size:
         found.append(f"rollout.max_concurrent ({r.max_concurrent}) < rollout.batch_size ({r.batch_size}): "
                      "a batch needs several admission waves, generation and training barely overlap")
+    if config.data.path and config.eval.enabled and not (config.data.eval_path or config.data.eval_fraction):
+        found.append("data.path without data.eval_path or data.eval_fraction: evaluation draws training rows, "
+                     "so eval accuracy measures recall, not generalisation")
     usable = r.pending_limit
     if r.max_concurrent > usable:
         found.append(f"rollout.max_concurrent ({r.max_concurrent}) > (S+1)*B = {usable}: "

@@ -32,6 +32,10 @@ class SimEngine:
         """Engine calls answered (a group or batch call counts once)."""
         self._pattern = [4 + (i * 7) % 60 for i in range(max(config.tokens, 1))]
 
+    def _finish(self, count: int) -> str:
+        """``length`` when the length limit cut the simulated completion short, else ``stop``."""
+        return "length" if count < self.tokens else "stop"
+
     async def generate(self, input_ids: list[int], params: SamplingParams, rid: str) -> Generation:
         version = self.loaded_version
         self.requests += 1
@@ -42,7 +46,7 @@ class SimEngine:
         count = min(self.tokens, params.max_new_tokens)
         ids = self._pattern[:count]
         return Generation(output_ids=ids, logprobs=[-1.0] * count,
-                          versions=VersionStamps([[version, count]]), finish_reason="length")
+                          versions=VersionStamps([[version, count]]), finish_reason=self._finish(count))
 
     async def generate_group(self, input_ids: list[int], params: SamplingParams, n: int,
                              rid: str) -> list[Generation]:
@@ -55,7 +59,7 @@ class SimEngine:
             await asyncio.sleep(delay)
         count = min(self.tokens, params.max_new_tokens)
         return [Generation(output_ids=self._pattern[:count], logprobs=[-1.0] * count,
-                           versions=VersionStamps([[version, count]]), finish_reason="length")
+                           versions=VersionStamps([[version, count]]), finish_reason=self._finish(count))
                 for _ in range(n)]
 
     async def generate_batch(self, requests: Sequence[GroupRequest]) -> list[list[Generation]]:
@@ -75,7 +79,7 @@ class SimEngine:
             generation = shared.get(count)
             if generation is None:
                 generation = shared[count] = Generation(self._pattern[:count], [-1.0] * count,
-                                                        VersionStamps([[version, count]]), "length")
+                                                        VersionStamps([[version, count]]), self._finish(count))
             answers.append([generation] * request.n)
         return answers
 

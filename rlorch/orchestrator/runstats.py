@@ -21,6 +21,7 @@ class RunStats:
         self.age_counts: list[int] = []
         self.rollouts = 0
         self.tokens = 0
+        self.truncated = 0.0
         self.reward_first: Optional[float] = None
         self.reward_last: Optional[float] = None
 
@@ -40,6 +41,7 @@ class RunStats:
                 self.age_counts.extend([0] * (age + 1 - len(self.age_counts)))
             self.age_counts[age] += count
         self.rollouts += record.get("rollouts") or 0
+        self.truncated += (record.get("truncated_share") or 0.0) * (record.get("rollouts") or 0)
         self.tokens += record.get("tokens") or 0
         if record.get("reward_mean") is not None:
             if self.reward_first is None:
@@ -62,5 +64,6 @@ class RunStats:
         span = max(loop_s, 1e-9)
         return {"wall_s": round(now - started, 3), "loop_s": round(loop_s, 3),
                 "reward_mean_first": self.reward_first, "reward_mean_last": self.reward_last, **self.ages(),
+                "truncated_share": round(self.truncated / self.rollouts, 4) if self.rollouts else None,
                 "rollouts_per_s": round(self.rollouts / span, 3), "tokens_per_s": round(self.tokens / span, 2),
                 "startup_s": round(loop_started - started, 3), **idle, "startup": self.startup.summary()}

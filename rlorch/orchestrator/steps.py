@@ -58,6 +58,13 @@ def percentile_99(values: list[int], counts: Counter) -> float:
     return float(np.percentile(np.asarray(values), 99))
 
 
+def truncated_share(rollouts: list) -> float:
+    """The share of rollouts whose (last) model turn ended by length (``finish_reason`` length)."""
+    if not rollouts:
+        return 0.0
+    return round(sum(1 for r in rollouts if r.finish_reason == "length") / len(rollouts), 4)
+
+
 class StepRecords:
     def __init__(self, trainer_metrics: Path):
         self.trainer_metrics = trainer_metrics
@@ -80,7 +87,8 @@ class StepRecords:
             **age_stats(head_ages(rollouts, batch.step - 1)),
             "trainable": sum(1 for a in batch.advantages if abs(a) > 1e-8), "filtered": batch.filtered,
             "reward_mean": round(sum(rewards) / len(rewards), 6), "parked_s": round(parked_s, 4),
-            "tokens": sum([r.versions.count for r in rollouts]), "rollouts": len(rollouts)}
+            "tokens": sum([r.versions.count for r in rollouts]), "rollouts": len(rollouts),
+            "truncated_share": truncated_share(rollouts)}
 
     def ready(self, trained: int, extra: Optional[dict] = None, *, final: bool = False) -> list[dict]:
         """The records of steps up to ``trained`` (the live version) whose trainer line has been

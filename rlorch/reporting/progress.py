@@ -20,6 +20,11 @@ from typing import Any, Iterator, Optional
 
 from rich.console import Console
 
+TRUNCATED_WARN = 0.2
+"""Above this share of completions cut by the length limit (``truncated_share`` in the step
+records and summary) the live line, the plain line and the end report say so, naming
+``rollout.max_new_tokens``: the reward then measures the limit more than the task."""
+
 
 class Phases:
     """Start-up phases: announced, timed, kept for the summary."""
@@ -81,6 +86,9 @@ class RunView:
             "tokens/s": rate(self.tokens),
             "in_flight": _num(self.gauges.get("in_flight"), "d"),
             "queue": _num(self.gauges.get("out_queue"), "d"),
+            # Only when many completions hit the length limit: the reward then measures the limit.
+            **({"truncated": f"{step['truncated_share']:.0%}@rollout.max_new_tokens"}
+               if (step.get("truncated_share") or 0) > TRUNCATED_WARN else {}),
             # Only when weights asked to travel over the process group went by disk instead.
             **({"by_disk": str(fallbacks)} if fallbacks else {}),
             # Only while some server is out of rotation: up/suspect/dead.
@@ -190,6 +198,9 @@ def report_lines(summary: dict, phases: Optional[dict] = None) -> list[str]:
                      f"{s.get('server_tokens_per_s_p10')}/{s.get('server_tokens_per_s_p50')}/"
                      f"{s.get('server_tokens_per_s_p90')}, {s.get('servers_slow')} slow (slowest "
                      f"{s.get('server_slowest')})")
+    if (s.get("truncated_share") or 0) > TRUNCATED_WARN:
+        lines.append(f"truncated   {s['truncated_share']:.0%} of trained completions ended at the length limit, "
+                     "rollout.max_new_tokens: raise it if answers need more tokens")
     if s.get("transfer_fallbacks"):
         lines.append(f"weights     {s['transfer_fallbacks']} version(s) went by disk although "
                      "inference.weight_transfer=distributed (see logs/trainer.log for why)")

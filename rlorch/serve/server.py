@@ -29,6 +29,7 @@ from rlorch.lifecycle import cancel_and_wait
 from rlorch.serve.batcher import Batcher, GenerationFailed, LoadError, Sequence
 from rlorch.serve.http import BODY_TIMEOUT_KEY, BODY_TIMEOUT_S, IDLE_TIMEOUT_S, MAX_BODY_BYTES, json_body
 from rlorch.serve.sampling import RequestError, RequestParams
+from rlorch.tasks.prompts import encode_prompt
 
 log = logging.getLogger("rlorch.serve")
 
@@ -245,7 +246,8 @@ class CpuServer:
         if any(len(t) > self.max_text_chars for t in texts):
             raise RequestError(f"text longer than {self.max_text_chars} characters cannot fit the model's "
                                f"context length ({self.context_len} tokens)")
-        prompts = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        # As training encodes a prompt (bos first): a model answers a served prompt as it learned to.
+        prompts = [encode_prompt(self.tokenizer, t) for t in texts]
         return self._check_prompts(prompts, "text"), batched
 
     def _parse_ids(self, input_ids: Any) -> tuple[list[list[int]], bool]:
@@ -525,6 +527,24 @@ async def _serve_until_signal(server: CpuServer, host: str, port: int, parent: O
     log.info("stopped")
 
 
+def served_path(path: Optional[str]) -> Optional[str]:
+    """``model.path`` as ``rlorch serve`` reads it: a run directory means its newest published
+    weights (``weights/step_N/``, else the newest complete checkpoint's); anything else as given."""
+    from rlorch.rundir.layout import CheckpointDir, RunDir
+
+    if not path:
+        return path
+    run = RunDir(Path(path).expanduser())
+    if not run.is_run:
+        return path
+    found = [*run.published_weights(), *((step, CheckpointDir(p).weights) for step, p in run.complete_checkpoints())]
+    if found:
+        return str(max(found, key=lambda item: item[0])[1])
+    from rlorch.config.schema import ConfigError
+
+    raise ConfigError("model.path", f"{path} is a run directory with no published weights yet")
+
+
 def serve_command(config, *, host: str, port: int, weight_version: str = "0",
                   parent: Optional[int] = None, api_key: Optional[str] = None, min_step_time: float = 0.0) -> int:
     """Run the CPU engine until SIGINT/SIGTERM (or until process ``parent`` is gone); the exit
@@ -534,7 +554,7 @@ def serve_command(config, *, host: str, port: int, weight_version: str = "0",
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        path = resolve_model_path(config.model.path)
+        path = resolve_model_path(served_path(config.model.path))
     except ConfigError as err:
         log.error("cannot serve: %s", err)
         return 2

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import os
+import sys
 from typing import Any, TypeVar
 
 from rlorch.config.schema import ConfigError
@@ -52,3 +55,18 @@ def require(condition: bool, key: str, message: str) -> None:
     """A task parameter check: raises :class:`ConfigError` naming ``task.params.<key>``."""
     if not condition:
         raise ConfigError(f"task.params.{key}", message)
+
+
+def import_spec(spec: str, key: str) -> Any:
+    """``package.module:attribute``, imported with the working directory on ``sys.path`` (as a
+    Hydra application has it), so a module beside where ``rlorch`` runs is found."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ConfigError(key, f"{spec!r} is not package.module:name")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(key, f"cannot load {spec!r}: {err}") from err

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from rlorch.config.schema import Config, InferenceBackend, SimReward
 from rlorch.lifecycle import gather_all
 from rlorch.tasks.base import is_single_turn
+from rlorch.tasks.prompts import chat_suffix, encode_prompt, encode_text
 from rlorch.types import (Engine, Environment, Generation, GroupRequest, Origin, Prompt, Rollout, SamplingParams,
                           VersionStamps, is_correct)
 
@@ -53,26 +54,6 @@ class PromptSource:
         return prompt
 
 
-CHARACTER_IDS = bytes(1 + (code % 60) for code in range(256))
-"""The sim backends' tokenizer on ASCII text: character code -> token id (``1 + code % 60``)."""
-
-
-def encode_text(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of ``text`` (the sim backends have no tokenizer: one id per character)."""
-    if tokenizer is None:
-        if text.isascii():
-            return list(text.encode().translate(CHARACTER_IDS))
-        return [1 + (ord(c) % 60) for c in text]
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def encode_prompt(tokenizer: Any, text: str) -> list[int]:
-    ids = encode_text(tokenizer, text)
-    if tokenizer is not None and tokenizer.bos_token_id is not None:
-        return [tokenizer.bos_token_id] + ids
-    return ids or [1]
-
-
 def sampling_params(config: Config, tokenizer: Any, *, greedy: bool = False) -> SamplingParams:
     r = config.rollout
     stop = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
@@ -103,6 +84,9 @@ class EngineConversation:
 
     def __init__(self, prompt: Prompt, *, engine: Engine, tokenizer: Any, params: SamplingParams, rid: str):
         self.prompt = prompt.text
+        self.chat = not isinstance(prompt.text, str)
+        self.messages: Optional[list] = [dict(m) for m in prompt.text] if self.chat else None
+        self.last_turn = ""
         self.engine = engine
         self.tokenizer = tokenizer
         self.params = params
@@ -132,19 +116,31 @@ class EngineConversation:
         self.versions.concat(generation.versions)
         self.completion = decode(self.tokenizer, generation)
         self.finish_reason = generation.finish_reason
+        if self.chat:
+            self.messages.append({"role": "assistant", "content": self.completion})
+            self.last_turn = decode(self.tokenizer, generation, special=True)
         return self.completion
 
-    def add(self, text: str) -> None:
+    def add(self, text: str, role: str = "user") -> None:
+        """Text form: ``text`` appended as it is. Chat form: a ``role`` message; only the text the
+        chat template adds for it (the last model turn's closer where the model did not write it,
+        the message, the next generation prompt) is tokenized, every earlier id is kept."""
+        if self.chat:
+            message = {"role": role, "content": text}
+            text = chat_suffix(self.tokenizer, self.messages, [message], last_turn=self.last_turn)
+            self.messages.append(message)
+            self.last_turn = ""
         ids = encode_text(self.tokenizer, text)
         self.tokens += ids
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
 
 
-def decode(tokenizer: Any, generation: Generation) -> str:
+def decode(tokenizer: Any, generation: Generation, *, special: bool = False) -> str:
+    """A generation's text (``special``: with its special tokens, as the chat template sees a turn)."""
     if tokenizer is None:
         return generation.text
-    return tokenizer.decode(generation.output_ids, skip_special_tokens=True)
+    return tokenizer.decode(generation.output_ids, skip_special_tokens=not special)
 
 
 class EpisodeWork:
@@ -173,7 +169,14 @@ class EpisodeWork:
         if not self.batched:
             return await gather_all(*(self._episodes(p, r) for p, r in zip(prompts, requests)))
         answers = await self.engine.generate_batch(requests)
-        return self._single_turn(prompts, requests, answers)
+        score_groups = getattr(self.env, "score_groups", None)
+        if score_groups is None or self.override is not None:
+            return self._single_turn(prompts, requests, answers)
+        texts = [[self._text(generation) for generation in generations] for generations in answers]
+        return self._single_turn(prompts, requests, answers, texts, await score_groups(prompts, texts))
+
+    def _text(self, generation: Generation) -> str:
+        return generation.text if self.tokenizer is None else decode(self.tokenizer, generation)
 
     def _requests(self, prompts: list[Prompt]) -> list[GroupRequest]:
         """One request per prompt: an eval prompt's one greedy sample (id ``e<group>-<attempt>``),
@@ -182,19 +185,21 @@ class EpisodeWork:
         return [GroupRequest(p.input_ids, greedy, 1, f"e{p.group_id}-{p.attempt}") if p.is_eval
                 else GroupRequest(p.input_ids, train, n, f"g{p.group_id}-{p.attempt}") for p in prompts]
 
-    def _single_turn(self, prompts: list[Prompt], requests: list[GroupRequest],
-                     answers: list[list[Generation]]) -> list[list[Rollout]]:
+    def _single_turn(self, prompts: list[Prompt], requests: list[GroupRequest], answers: list[list[Generation]],
+                     texts: Optional[list[list[str]]] = None,
+                     scores: Optional[list[list[float]]] = None) -> list[list[Rollout]]:
         """The rollouts single-turn groups' generations make: prompt tokens untrained (mask 0,
         logprob 0), then the generated ones with their behaviour logprobs and version stamps
         (each rollout takes over its generation's stamps: the engine made them for this call).
         The fields :meth:`_rollout` sets, built inline: this runs once per sample. Rollouts of
         the same prompt and generated lengths share one loss mask (a rollout's lists are never
-        changed once built)."""
+        changed once built). ``texts`` and ``scores``: each sample's completion and reward where
+        the environment scored the groups itself (``score_groups``)."""
         score, override, tokenizer, env, live = self.env.score, self.override, self.tokenizer, self.env, Origin.live
         untrained: dict[int, list[float]] = {}
         masks: dict[tuple[int, int], list[int]] = {}
         groups = []
-        for prompt, request, generations in zip(prompts, requests, answers):
+        for number, (prompt, request, generations) in enumerate(zip(prompts, requests, answers)):
             prompt_ids, answer, env_name, is_eval = prompt.input_ids, prompt.answer, prompt.env, prompt.is_eval
             prompt_len, group_id, attempt, base = len(prompt_ids), prompt.group_id, prompt.attempt, request.rid
             nothing = untrained.get(prompt_len)
@@ -202,8 +207,11 @@ class EpisodeWork:
                 nothing = untrained[prompt_len] = [0.0] * prompt_len
             rollouts = []
             for i, generation in enumerate(generations):
-                completion = generation.text if tokenizer is None else decode(tokenizer, generation)
-                reward = float(score(completion, answer)) if override is None else override(completion, answer)
+                if scores is not None:
+                    completion, reward = texts[number][i], float(scores[number][i])
+                else:
+                    completion = generation.text if tokenizer is None else decode(tokenizer, generation)
+                    reward = float(score(completion, answer)) if override is None else override(completion, answer)
                 correct = is_correct(env, completion, answer, reward) if is_eval else None
                 output_ids = generation.output_ids
                 shape = (prompt_len, len(output_ids))

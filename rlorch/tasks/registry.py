@@ -18,7 +18,7 @@ BUILT_IN: dict[str, str] = {
     "reverse_retry": "rlorch.tasks.digits:reverse_retry_task",
     "sort": "rlorch.tasks.digits:sort_task",
     "calculator": "rlorch.tasks.calculator:calculator_task",
-    "jsonl": "rlorch.tasks.jsonl:jsonl_task",
+    "jsonl": "rlorch.tasks.dataset:data_task",
 }
 """Each built-in task's factory as ``module:function``, imported only when chosen."""
 PARAMS: dict[str, str] = {
@@ -42,13 +42,17 @@ def _factory(name: str) -> Factory:
 
 
 def make_environment(config: Config) -> Environment:
-    """The task's environment; ``data.path`` set always means the jsonl task.
+    """The task's environment; ``data.path`` set always means the data task (``jsonl``).
 
     ``task.name`` is a registered name, or ``package.module:Class`` for an environment of your
-    own: ``Class(**task.params)`` must give an object with ``name``, ``make_prompt`` and an
-    async ``episode`` (see :class:`rlorch.types.Environment`).
+    own (importable from the working directory, as in a Hydra application):
+    ``Class(**task.params)`` must give an object with ``name``, ``make_prompt`` and an async
+    ``episode`` (see :class:`rlorch.types.Environment`). ``task.reward`` belongs to the data task.
     """
     name = "jsonl" if config.data.path else config.task.name
+    if config.task.reward and name != "jsonl":
+        raise ConfigError("task.reward", "reward functions score a task from data: set data.path (an environment "
+                                         "of your own computes its reward in episode)")
     if ":" in name:
         return _user_environment(name, dict(config.task.params))
     if name not in BUILT_IN:
@@ -58,14 +62,11 @@ def make_environment(config: Config) -> Environment:
 
 
 def _user_environment(spec: str, params: dict) -> Environment:
-    import importlib
     import inspect
 
-    module_name, _, attribute = spec.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError("task.name", f"cannot load {spec!r}: {err}") from err
+    from rlorch.tasks.base import import_spec
+
+    factory = import_spec(spec, "task.name")
     try:
         env = factory(**params)
     except TypeError as err:
