@@ -113,6 +113,13 @@ class DigitTask(SingleTurn):
         length = low + pick
         return str(draw % _POWERS[length] if length < len(_POWERS) else draw % 10 ** length).zfill(length)[::-1]
 
+    @property
+    def answer_tokens(self) -> int:
+        """Most tokens an answer takes (one a digit with the tiny model's tokenizer): a completion
+        that reached them holds a whole answer, so ending at the length limit there is no
+        truncation."""
+        return self.max_digits
+
     def make_prompt(self, index: int, seed: int) -> tuple[str, str]:
         """Training prompt ``index``: never one of the held-out strings."""
         text = self._draw(f"{self.name}:{seed}:{index}")

@@ -156,6 +156,7 @@ class EpisodeWork:
     def __init__(self, config: Config, *, engine: Engine, tokenizer: Any, env: Environment,
                  override: Optional[Reward] = None):
         self.engine, self.tokenizer, self.env, self.override = engine, tokenizer, env, override
+        self.answer_tokens: Optional[int] = getattr(env, "answer_tokens", None)
         self.train_params = sampling_params(config, tokenizer)
         self.eval_params = sampling_params(config, tokenizer, greedy=True)
         self.group_size = config.rollout.group_size
@@ -220,7 +221,8 @@ class EpisodeWork:
                     mask = masks[shape] = [0] * prompt_len + [1] * len(output_ids)
                 rollouts.append(Rollout(group_id, f"{base}-{i}", env_name, prompt_ids + output_ids, mask,
                                         nothing + generation.logprobs, generation.versions, reward, live,
-                                        generation.finish_reason, is_eval, prompt_len, completion, correct,
+                                        finish_reason(generation.finish_reason, len(output_ids), self.answer_tokens),
+                                        is_eval, prompt_len, completion, correct,
                                         attempt))
             groups.append(rollouts)
         return groups
@@ -231,7 +233,8 @@ class EpisodeWork:
                          for i in range(request.n)]
         rewards = await gather_all(*(self.env.episode(c, prompt.answer) for c in conversations))
         return [self._rollout(prompt, c.rid, c.tokens, c.loss_mask, c.logprobs, c.versions, float(r),
-                              c.finish_reason, c.completion) for c, r in zip(conversations, rewards)]
+                              finish_reason(c.finish_reason, len(c.tokens) - len(prompt.input_ids), self.answer_tokens),
+                              c.completion) for c, r in zip(conversations, rewards)]
 
     def _rollout(self, prompt: Prompt, rid: str, tokens: list[int], loss_mask: list[int], logprobs: list[float],
                  versions: VersionStamps, reward: float, finish_reason: str, completion: str) -> Rollout:
@@ -241,6 +244,16 @@ class EpisodeWork:
         return Rollout(prompt.group_id, rid, prompt.env, tokens, loss_mask, logprobs, versions, reward,
                        Origin.live, finish_reason, prompt.is_eval, len(prompt.input_ids), completion,
                        correct, prompt.attempt)
+
+
+def finish_reason(reason: str, generated: int, answer_tokens: Optional[int]) -> str:
+    """How a rollout ended, as its records count it: an environment whose answers take at most
+    ``answer_tokens`` tokens (the digit tasks: one a digit) ends a turn that reached them as it
+    expects, ``stop``, even where the length limit was what stopped the engine; a turn cut
+    shorter stays ``length`` (truncated: ``truncated_share``)."""
+    if reason == "length" and answer_tokens is not None and generated >= answer_tokens:
+        return "stop"
+    return reason
 
 
 def make_work(config: Config, *, engine: Engine, tokenizer: Any, env: Environment,
