@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 
 import pytest
 
@@ -68,10 +69,18 @@ def test_launched_pool_reloads_and_survives_a_killed_server(model_dir, perturbed
             start = await _progress(victim)
             params = SamplingParams(max_new_tokens=100)
             pending = [asyncio.ensure_future(pool.generate(PROMPT, params, f"r{i}")) for i in range(16)]
+            deadline = time.monotonic() + 120
             while await _progress(victim) < start + 5:
+                assert time.monotonic() < deadline, "the first server generated nothing in 120 s"
                 await asyncio.sleep(0.01)
             assert pool.gauges()["in_flight"][victim.name] > 0
             os.kill(servers[0]["pid"], signal.SIGKILL)
+            killed = time.monotonic()
+            # README: a launched engine that exits is out of the pool within a second (its exit is
+            # looked for every 0.5 s); 3 s leaves room for a loaded machine.
+            while pool.health()["servers_dead"] < 1:
+                assert time.monotonic() - killed < 3, f"the killed server still in the pool after 3 s: {pool.health()}"
+                await asyncio.sleep(0.02)
             results = await asyncio.gather(*pending)
             gauges = pool.gauges()
         finally:
