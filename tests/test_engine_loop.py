@@ -66,13 +66,14 @@ def test_killing_one_of_two_servers_mid_run_loses_no_rollout(tmp_path):
 
 def test_a_launched_server_exits_when_its_launcher_is_gone(tmp_path):
     launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    server = subprocess.Popen([sys.executable, "-m", "rlorch.cli", "serve", "--port", "0",
+    server = subprocess.Popen([sys.executable, "-m", "rlorch.cli", "serve", "--host", "127.0.0.2", "--port", "0",
                                "--parent-pid", str(launcher.pid)], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
     # Up (it says where it listens) and still running while its launcher lives.
     deadline = time.monotonic() + 120
     while "listening on http://" not in (line := server.stdout.readline()):
         assert line and time.monotonic() < deadline, "rlorch serve did not start"
+    assert "listening on http://127.0.0.2:" in line, line     # serve --host
     assert server.poll() is None
     launcher.kill()
     launcher.wait()

@@ -55,8 +55,18 @@ def test_every_case_has_a_bound():
     assert set(EXIT_WITHIN) == set(faults.CASES)
 
 
-@pytest.mark.parametrize("case", [name if name in QUICK else pytest.param(name, marks=pytest.mark.slow)
-                                  for name in faults.CASES])
+KNOWN = {"serve_limits": "rlorch serve parses the unread rest of a refused 50 MB body as a new request and "
+                         "logs it (aiohttp BadHttpMethod with the bytes): the server stalls for tens of seconds, "
+                         "/health and the body timeout with it"}
+"""Cases that fail on a known defect (strict: a fix makes them pass and fails this mark)."""
+
+
+def _marks(name: str) -> list:
+    marks = [] if name in QUICK else [pytest.mark.slow]
+    return marks + ([pytest.mark.xfail(strict=True, reason=KNOWN[name])] if name in KNOWN else [])
+
+
+@pytest.mark.parametrize("case", [pytest.param(name, marks=_marks(name)) for name in faults.CASES])
 def test_fault_case(tmp_path, case):
     """Each case of the fault suite (``tests/faults.py`` says what each asserts): it ends within
     its bound, leaves no process behind, loses and repeats nothing."""

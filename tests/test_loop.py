@@ -203,6 +203,7 @@ def test_metrics_carry_the_step_keys_and_periodic_gauges_and_eval_records(tmp_pa
     assert [r["step"] for r in evals] == [0, 5, 10] and all(r["prompts"] == 4 for r in evals)
     assert summary["eval_step_first"] == 0 and summary["eval_step_last"] == 10
     assert len((tmp_path / "metrics" / "rollouts" / "step_000003.jsonl").read_text().splitlines()) == 8
+    assert (tmp_path / "metrics" / "report" / "report.md").exists()      # run.report defaults to true
 
 
 def test_resume_alarm_fails_the_run_when_the_gate_is_not_recovered(tmp_path, monkeypatch):
@@ -231,6 +232,11 @@ def test_resume_from_a_checkpoint_the_watcher_skipped_past_trains_every_step(tmp
     assert trained_groups == list(range(len(trained_groups)))
     assert (run_dir / "checkpoints" / "step_000010" / "orchestrator.json").read_text() == older
     assert list((run_dir / "checkpoints").glob("superseded-*/step_000020"))
+    # README: the first life's batches past step 10 and the config the override replaced are kept.
+    (superseded,) = (run_dir / "rollouts").glob("superseded-*")
+    assert sorted(p.name for p in superseded.glob("step_*.jsonl")) == [f"step_{s:06d}.jsonl" for s in range(11, 21)]
+    (before,) = run_dir.glob("config.before-resume-*.yaml")
+    assert "steps: 20" in before.read_text() and "steps: 25" in (run_dir / "config.yaml").read_text()
 
 
 @pytest.mark.parametrize("staleness", [0, 1, 2])

@@ -38,6 +38,7 @@ def steps_of(records: list[dict]) -> list[dict]:
 # progress and the end-of-run report --------------------------------------------------------------
 def test_outside_a_terminal_phases_plain_lines_and_the_report_are_printed(tmp_path, capsys):
     code, summary, _ = train(tmp_path / "run", "train.steps=12", "run.log_every=5", "run.report=false")
+    assert not (tmp_path / "run" / "report").exists()      # run.report=false
     err = capsys.readouterr().err
     assert code == 0
     assert "starting 1 sim engine…" in err and "engines ready in" in err and "trainer ready in" in err

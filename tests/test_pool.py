@@ -189,10 +189,13 @@ def test_server_commands(tmp_path):
     assert "--attention-backend" not in server_command(config, model_path=tmp_path, port=1234)
 
 
-def test_connecting_to_running_servers_launches_nothing(model_dir, tmp_path):
-    thread = ServerThread(CpuServer(model_dir, threads=1))
+def test_connecting_to_running_servers_launches_nothing_and_sends_the_api_key(model_dir, tmp_path, monkeypatch):
+    """README: for servers given by inference.addresses the client sends RLORCH_API_KEY if set
+    (the server refuses requests without it: see test_faults)."""
+    thread = ServerThread(CpuServer(model_dir, threads=1, api_key="s3cret-key"))
     config = cpu_config(1)
     config.inference.addresses = [thread.address]
+    monkeypatch.setenv("RLORCH_API_KEY", "s3cret-key")
 
     async def scenario():
         pool = await start_engines(config, log_dir=tmp_path / "logs", servers_file=tmp_path / "servers.json",
