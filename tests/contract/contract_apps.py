@@ -42,8 +42,9 @@ class StandIn:
                                             stdout=handle, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 120
         while True:
-            assert self.process.poll() is None, self.log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "stand-in app did not start:\n" + self.log.read_text()[-3000:]
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()     # a start that timed out must not leave the app running
+                raise AssertionError("stand-in app did not start:\n" + self.log.read_text()[-3000:])
             try:
                 urllib.request.urlopen(f"http://{self.address}/model_info", timeout=2).read()
                 return
