@@ -22,6 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from helpers import free_port, wait_until as wait_for  # noqa: E402
+
 TAG = "RLORCH_FAULT_TAG"
 LEFTOVER_BOUND_S = 10.0
 """Nothing of a run may outlive it (or its orchestrator) by more than this."""
@@ -114,17 +118,29 @@ def leftovers_after(tag: str, bound: float = LEFTOVER_BOUND_S) -> int:
     return len(tagged(tag))
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout:g}s for {what}")
-        time.sleep(0.1)
+def strike(run: Run, out: Outcome, *, when: Callable[[], bool], what: str, fault: Callable[[], None],
+           wait: float = 60, bound: float = LEFTOVER_BOUND_S) -> Optional[int]:
+    """Wait (up to 240 s) until ``when`` holds, then do ``fault`` to the run and time its end
+    from there: returns the run's exit code (None if it outlived ``wait``) and records
+    ``exit_s`` and ``leftovers`` on ``out``; whatever of the run is left is killed."""
+    try:
+        wait_for(when, 240, what)
+        struck = time.monotonic()
+        fault()
+        code = run.wait(wait)
+        out.exit_s = round(time.monotonic() - struck, 2)
+        out.leftovers = leftovers_after(run.tag, bound)
+    finally:
+        run.kill_all()
+    return code
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
 
 
 def newest_checkpoint(run_dir: Path) -> int:
-    steps = [int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*")]
-    return max(steps, default=0)
+    return max(checkpoint_steps(run_dir), default=0)
 
 
 def summary(run_dir: Path) -> dict:
@@ -173,6 +189,25 @@ def trainer_steps(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+def step_records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [r for r in map(json.loads, lines[:-1] if lines and not lines[-1].endswith("}") else lines)
+            if r["kind"] == "step"]
+
+
+def _live_pids(pids: list[int]) -> list[int]:
+    live = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            live.append(pid)
+    return live
+
+
 def trainer_pid(run_dir: Path, tag: str, module: str) -> int:
     """The tagged process running ``module`` (torch.distributed.run or rlorch.trainer.fsdp). A
     rank forked by the fork server keeps the server's command line: it is found by the pid it
@@ -197,16 +232,9 @@ def kill_orchestrator_then_resume(tmp: Path) -> Outcome:
     follow within the bound; a resume then trains alone (one trainer line per step)."""
     out, run_dir = Outcome("kill -9 orchestrator, resume"), tmp / "kill-orch"
     run = Run("train", f"run.dir={run_dir}", "train.steps=40", *REAL)
-    try:
-        wait_for(lambda: checkpoint_state(run_dir, 3).exists(), 240, "checkpoint 3")
-        before = step_files(run_dir, 3)
-        killed = time.monotonic()
-        os.kill(run.pid, signal.SIGKILL)
-        run.wait(10)
-        out.leftovers = leftovers_after(run.tag)
-        out.exit_s = round(time.monotonic() - killed, 2)
-    finally:
-        run.kill_all()
+    before = {}
+    strike(run, out, when=lambda: checkpoint_state(run_dir, 3).exists(), what="checkpoint 3",
+           fault=lambda: (before.update(step_files(run_dir, 3)), os.kill(run.pid, signal.SIGKILL)), wait=10)
     resumed = Run("resume", f"checkpoint={run_dir}/checkpoints/step_000003", "train.steps=6")
     code = resumed.wait(240)
     out.leftovers += leftovers_after(resumed.tag, 0)
@@ -227,15 +255,8 @@ def kill_trainer_process(tmp: Path, module: str, case: str) -> Outcome:
     # One process runs without torchrun's agent unless torchrun has arguments to take.
     agent = ["trainer.fsdp.torchrun_args=['--max-restarts=0']"] if module == "torch.distributed.run" else []
     run = Run("train", f"run.dir={run_dir}", "train.steps=60", *REAL, *agent)
-    try:
-        wait_for(lambda: trainer_steps(run_dir) >= 2, 240, "two trainer steps")
-        killed = time.monotonic()
-        os.kill(trainer_pid(run_dir, run.tag, module), signal.SIGKILL)
-        code = run.wait(60)
-        out.exit_s = round(time.monotonic() - killed, 2)
-        out.leftovers = leftovers_after(run.tag)
-    finally:
-        run.kill_all()
+    code = strike(run, out, when=lambda: trainer_steps(run_dir) >= 2, what="two trainer steps",
+                  fault=lambda: os.kill(trainer_pid(run_dir, run.tag, module), signal.SIGKILL))
     out.check(code == 1, f"exit {code}: {run.output[-800:]}")
     result = summary(run_dir)
     out.lost, out.duplicates = result["lost"], duplicate_groups(run_dir)
@@ -250,16 +271,8 @@ def kill_engine(tmp: Path) -> Outcome:
     out, run_dir = Outcome("kill -9 only engine"), tmp / "kill-engine"
     run = Run("train", "conf=sync", f"run.dir={run_dir}", "train.steps=200", "rollout.max_new_tokens=100",
               "rollout.request_timeout=60", "inference.max_restarts=0", *REAL)
-    try:
-        wait_for(lambda: trainer_steps(run_dir) >= 1, 240, "a trainer step")
-        engine = json.loads((run_dir / "servers.json").read_text())[0]["pid"]
-        killed = time.monotonic()
-        os.kill(engine, signal.SIGKILL)
-        code = run.wait(60)
-        out.exit_s = round(time.monotonic() - killed, 2)
-        out.leftovers = leftovers_after(run.tag)
-    finally:
-        run.kill_all()
+    code = strike(run, out, when=lambda: trainer_steps(run_dir) >= 1, what="a trainer step",
+                  fault=lambda: os.kill(json.loads((run_dir / "servers.json").read_text())[0]["pid"], signal.SIGKILL))
     out.check(code == 1, f"exit {code}: {run.output[-800:]}")
     out.check(out.exit_s is not None and out.exit_s < 30, f"took {out.exit_s}s")
     result = summary(run_dir)
@@ -274,7 +287,7 @@ def kill_engine(tmp: Path) -> Outcome:
 
 
 HANG = ["inference.health_interval=0.5", "inference.health_timeout=1", "inference.health_failures=2",
-        "inference.control_timeout=2", "inference.hang_timeout=4"]
+        "inference.control_timeout=2", "inference.reload_timeout=10", "inference.hang_timeout=4"]
 """Hang detection sized for a test: suspect after ~2 s of silence, killed after 4 s more."""
 
 
@@ -285,32 +298,38 @@ def freeze_engine(tmp: Path, *, only: bool) -> Outcome:
     out = Outcome("SIGSTOP only engine" if only else "SIGSTOP one of two engines")
     run_dir = tmp / ("freeze-only" if only else "freeze-one")
     layout = ["inference.num_servers=1", "inference.max_restarts=0"] if only else ["inference.num_servers=2"]
-    run = Run("train", f"run.dir={run_dir}", "train.steps=60", *REAL, *HANG, *layout)
-    frozen = None
+    # The engines are the subject: real `rlorch serve` engines, the sim trainer.
+    run = Run("train", f"run.dir={run_dir}", "train.steps=200" if not only else "train.steps=400", *REAL, *HANG,
+              *layout, "trainer=sim", "trainer.sim.step_time=0.1", "rollout.max_new_tokens=8")
+    frozen: list[int] = []
+
+    def freeze() -> None:
+        frozen.append(json.loads((run_dir / "servers.json").read_text())[0]["pid"])
+        os.kill(frozen[0], signal.SIGSTOP)
+
     try:
-        wait_for(lambda: trainer_steps(run_dir) >= 3, 240, "three trainer steps")
-        frozen = json.loads((run_dir / "servers.json").read_text())[0]["pid"]
-        stopped = time.monotonic()
-        os.kill(frozen, signal.SIGSTOP)
-        code = run.wait(240)
-        out.exit_s = round(time.monotonic() - stopped, 2)
-        out.leftovers = leftovers_after(run.tag)
+        code = strike(run, out, when=lambda: len(step_records(run_dir)) >= (3 if only else 10), what="step records",
+                      fault=freeze, wait=240)
     finally:
-        if frozen is not None:
-            try:
-                os.kill(frozen, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        run.kill_all()
+        for pid in _live_pids(frozen):
+            os.kill(pid, signal.SIGCONT)
     result = summary(run_dir)
     out.lost, out.duplicates = result.get("lost"), duplicate_groups(run_dir)
     if only:
         out.check(code == 1 and out.exit_s < 4 + 20, f"exit {code} after {out.exit_s}s: {run.output[-800:]}")
-        out.check("hung" in (result.get("error") or "") and "inference.hang_timeout" in result["error"],
-                  f"error does not say the engine hung: {result.get('error')}")
+        error = result.get("error") or ""
+        out.check("hung" in error and "inference.hang_timeout" in error and "inference.max_restarts" in error,
+                  f"error does not say the engine hung, naming the keys: {error}")
     else:
         out.check(code == 0 and result.get("status") == "completed", f"exit {code}: {run.output[-800:]}")
-        out.check(result.get("server_restarts", 0) >= 1, f"no restart: {result}")
+        out.check(result.get("server_restarts", 0) >= 1 and result.get("servers_dead") == 0, f"no restart: {result}")
+        steps = step_records(run_dir)
+        # Training went on while the engine was frozen, and the restarted one rejoined.
+        out.check(any(r["step"] > 10 and r.get("servers_suspect") for r in steps), "no step while it was suspect")
+        out.check(any(r.get("server_restarts") and r.get("servers_up") == 2 for r in steps),
+                  "the restarted server never rejoined")
+    # leftovers (counted before this case kills anything) include the frozen engine: 0 means the
+    # run killed it.
     out.check(out.lost == 0 and out.leftovers == 0 and out.duplicates == 0, "lost/leftovers/duplicates")
     return out.done()
 
@@ -319,15 +338,8 @@ def signal_during_startup(tmp: Path, sig: signal.Signals = signal.SIGTERM) -> Ou
     """A signal while the trainer is still starting: clean exit, a summary, no orphan."""
     out, run_dir = Outcome(f"{sig.name} during start-up"), tmp / f"startup-{sig.name}"
     run = Run("train", f"run.dir={run_dir}", "train.steps=5", *REAL)
-    try:
-        wait_for(lambda: (run_dir / "logs" / "trainer.log").exists(), 240, "the trainer to start")
-        sent = time.monotonic()
-        os.kill(run.pid, sig)
-        code = run.wait(60)
-        out.exit_s = round(time.monotonic() - sent, 2)
-        out.leftovers = leftovers_after(run.tag)
-    finally:
-        run.kill_all()
+    code = strike(run, out, when=lambda: (run_dir / "logs" / "trainer.log").exists(), what="the trainer to start",
+                  fault=lambda: os.kill(run.pid, sig))
     out.check(code == 128 + sig.value, f"exit {code}: {run.output[-800:]}")
     result = summary(run_dir)
     out.lost = result["lost"]
@@ -341,21 +353,22 @@ def signal_twice_midrun_then_resume(tmp: Path, sig: signal.Signals = signal.SIGI
     the rest without repeating or changing a batch."""
     out, run_dir = Outcome(f"{sig.name} twice mid-run, resume"), tmp / f"twice-{sig.name}"
     run = Run("train", f"run.dir={run_dir}", "train.steps=40", *REAL)
-    try:
-        wait_for(lambda: trainer_steps(run_dir) >= 2, 240, "two trainer steps")
-        sent = time.monotonic()
+
+    def twice() -> None:
         os.kill(run.pid, sig)
-        time.sleep(0.3)
+        time.sleep(0.3)      # the second signal lands during the shutdown the first one started
         os.kill(run.pid, sig)
-        code = run.wait(60)
-        out.exit_s = round(time.monotonic() - sent, 2)
-        out.leftovers = leftovers_after(run.tag)
-    finally:
-        run.kill_all()
+
+    code = strike(run, out, when=lambda: trainer_steps(run_dir) >= 2, what="two trainer steps", fault=twice)
     out.check(code == 128 + sig.value, f"exit {code}: {run.output[-800:]}")
     first = summary(run_dir)
     out.check(first["status"] == "interrupted" and first["checkpoint"], f"summary {first}")
     stopped = first["steps"]
+    # One checkpoint for the interruption (the second signal adds none): beside the periodic
+    # ones (trainer.checkpoint_every=3) only step `stopped`'s, the one the summary names.
+    extra = [step for step in checkpoint_steps(run_dir) if step % 3]
+    out.check(extra in ([], [stopped]) and first["checkpoint"] == str(run_dir / "checkpoints" / f"step_{stopped:06d}"),
+              f"checkpoints {checkpoint_steps(run_dir)} after stopping at {stopped}: {first['checkpoint']}")
     before = step_files(run_dir, stopped)
     resumed = Run("resume", f"checkpoint={first['checkpoint']}", f"train.steps={stopped + 2}")
     code = resumed.wait(240)
@@ -504,27 +517,17 @@ def serve_limits(tmp: Path) -> Outcome:
     """`rlorch serve` against an oversized body and a slow client: a 413 at once, the slow
     connection timed out (BODY_TIMEOUT_S), the server answering health checks throughout. (Idle
     connections close after IDLE_TIMEOUT_S = 75 s; the suite checks that with shorter limits.)"""
-    import urllib.error
-    import urllib.request
-
     out = Outcome("serve: 50 MB body, slow client")
-    port = _free_port()
+    port = free_port()
     run = Run("serve", "--port", str(port))
     base = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: _status(f"{base}/health") == 200, 120, "rlorch serve")
         started = time.monotonic()
-        body = json.dumps({"text": "a" * 50_000_000}).encode()
-        request = urllib.request.Request(f"{base}/generate", data=body, headers={"Content-Type": "application/json"})
-        try:
-            urllib.request.urlopen(request, timeout=60)
-            status = 200
-        except urllib.error.HTTPError as err:
-            status = err.code
-        except (ConnectionError, urllib.error.URLError):
-            status = 413
+        status = post_status(port, "/generate", 50_000_000)
         out.exit_s = round(time.monotonic() - started, 2)
         out.check(status == 413, f"50 MB body answered {status}")
+        out.check(_status(f"{base}/health") == 200 and run.process.poll() is None, "the server died on the body")
         out.check(slow_and_idle_closed(port, within=30, idle=False) == [], "the slow connection stayed open")
     finally:
         os.kill(run.pid, signal.SIGTERM)
@@ -532,6 +535,27 @@ def serve_limits(tmp: Path) -> Outcome:
         run.kill_all()
     out.leftovers = leftovers_after(run.tag, 0)
     return out.done()
+
+
+def post_status(port: int, path: str, size: int) -> int:
+    """POST a ``size``-byte JSON body and return the status the server answered, read off the
+    socket: a server that refuses a large body may close the connection before reading it, so
+    the status line is read even when sending the rest fails (0 when no status came back)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as connection:
+        connection.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           f"Content-Length: {size}\r\n\r\n".encode())
+        chunk = b"a" * 65536
+        try:
+            for _ in range(0, size, len(chunk)):
+                connection.sendall(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        try:
+            line = connection.makefile("rb").readline()
+        except (ConnectionError, socket.timeout):
+            return 0
+    parts = line.split()
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
 
 
 def slow_and_idle_closed(port: int, *, within: float, idle: bool = True) -> list[str]:
@@ -554,12 +578,6 @@ def slow_and_idle_closed(port: int, *, within: float, idle: bool = True) -> list
             stuck.append(name)
         connection.close()
     return stuck
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _status(url: str) -> int:

@@ -215,16 +215,24 @@ def test_dispatcher_respects_the_gate_and_pause():
         await hold.wait()
         return [rollout(prompt.group_id, 1.0, [[0, 1]])]
 
+    async def turns(n: int = 50) -> None:
+        """Let every ready task run, ``n`` times over (no clock involved)."""
+        for _ in range(n):
+            await asyncio.sleep(0)
+
     async def scenario():
         dispatcher = make_dispatcher(slow, prompts=20)
         await dispatcher.start()
-        await asyncio.sleep(0.05)
+        deadline = asyncio.get_running_loop().time() + 10
+        while dispatcher.in_flight < 4 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.005)
+        await turns()
         capped = dispatcher.in_flight
         hold.set()
         dispatcher.pause()
         await dispatcher.wait_idle(5)
         paused_admitted = dispatcher.admitted
-        await asyncio.sleep(0.05)
+        await turns()
         assert dispatcher.admitted == paused_admitted
         await dispatcher.stop()
         return capped
@@ -233,16 +241,21 @@ def test_dispatcher_respects_the_gate_and_pause():
 
 
 class RecordingEngines:
-    def __init__(self):
-        self.reloads = []
+    """Records each reload with the live policy version at the time the engines were asked."""
+
+    def __init__(self, policy: PolicyVersion | None = None):
+        self.reloads, self.live_during_reload, self.policy = [], [], policy
 
     async def reload(self, path: str, version: int) -> None:
         self.reloads.append((Path(path).name, version))
+        if self.policy is not None:
+            self.live_during_reload.append(self.policy.value)
 
 
 def test_watcher_loads_only_published_checkpoints_and_bumps_after_reload(tmp_path):
     run = RunDir(tmp_path).make()
-    policy, engines = PolicyVersion(), RecordingEngines()
+    policy = PolicyVersion()
+    engines = RecordingEngines(policy)
     watcher = WeightWatcher(WatcherConfig(), policy=policy, engines=engines, published=run.published_weights)
     run.weights_for(1).mkdir()
     assert not asyncio.run(watcher.poll_once()) and policy.value == 0      # no marker yet
@@ -251,6 +264,8 @@ def test_watcher_loads_only_published_checkpoints_and_bumps_after_reload(tmp_pat
     mark(run.weights_for(2), PUBLISHED)
     assert asyncio.run(watcher.poll_once())
     assert engines.reloads == [("step_000002", 2)] and policy.value == 2
+    # While the engines loaded version 2 the live version was still 0: the bump follows the reload.
+    assert engines.live_during_reload == [0]
     assert watcher.reload_s is not None
 
 
@@ -291,13 +306,22 @@ def test_watcher_moves_on_when_the_trainer_pruned_the_version_it_was_loading(tmp
     run = RunDir(tmp_path).make()
     policy, engines = PolicyVersion(), PruningEngines(run)
     failures = []
-    watcher = WeightWatcher(WatcherConfig(), policy=policy, engines=engines, published=run.published_weights,
-                            on_error=failures.append)
+    watcher = WeightWatcher(WatcherConfig(poll_interval=0.01), policy=policy, engines=engines,
+                            published=run.published_weights, on_error=failures.append)
     run.weights_for(1).mkdir()
     mark(run.weights_for(1), PUBLISHED)
-    assert not asyncio.run(watcher.poll_once()) and policy.value == 0
-    assert asyncio.run(watcher.poll_once()) and policy.value == 3
-    assert engines.reloads == [("step_000003", 3)] and watcher.superseded == 1 and not failures
+
+    async def polling():
+        # The watcher's own loop: a superseded reload must not reach on_error or end the loop.
+        await watcher.start()
+        deadline = asyncio.get_running_loop().time() + 10
+        while policy.value < 3 and not failures and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        await watcher.stop()
+
+    asyncio.run(polling())
+    assert not failures and watcher.error is None, failures
+    assert policy.value == 3 and engines.reloads == [("step_000003", 3)] and watcher.superseded == 1
     run.weights_for(4).mkdir()
     mark(run.weights_for(4), PUBLISHED)
     engines.reload = lambda path, version: (_ for _ in ()).throw(RuntimeError("engine down"))

@@ -63,7 +63,7 @@ def test_the_fsdp_trainer_refuses_simulated_tokens():
     ("rollout.max_concurrent=0", "rollout.max_concurrent", ">= 1"),
     ("rollout.queue_size=4", "rollout.queue_size", "rollout.batch_size"),
     ("rollout.enforce=eager", "rollout.enforce", "[admission, ship, strict]"),
-    ("rollout.staleness=2", "rollout.staleness", ""),
+    ("rollout.staleness=2", "rollout.staleness", "unknown key (did you mean rollout.max_staleness?)"),
     ("rollout.batch_size=many", "rollout.batch_size", "many"),
     ("trainer.correction=none", "trainer.correction", "trainer.allow_uncorrected=true"),
 ])

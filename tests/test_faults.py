@@ -37,36 +37,40 @@ def assert_clean(outcome: faults.Outcome, *, exit_within: float) -> None:
     assert outcome.lost in (0, None) and outcome.duplicates in (0, None)
 
 
-# ---- processes ------------------------------------------------------------------------------
+# ---- every case of faults.CASES ------------------------------------------------------------
 
-@pytest.mark.slow
-def test_kill_9_of_the_orchestrator_takes_its_trainer_and_engine_with_it(tmp_path):
-    assert_clean(faults.kill_orchestrator_then_resume(tmp_path), exit_within=faults.LEFTOVER_BOUND_S)
+EXIT_WITHIN = {
+    "kill_orchestrator": faults.LEFTOVER_BOUND_S, "kill_torchrun": 15, "kill_worker": 15, "kill_engine": 30,
+    "freeze_engine": 240, "freeze_only_engine": 4 + 20, "sigterm_startup": 30, "sigint_startup": 30,
+    "sigint_twice": 30, "sigterm_twice": 30, "corrupt_newest": 30, "corrupt_older": 30, "two_processes": 30,
+    "disk_full": 60, "nonfinite_config": 30, "nonfinite_training": 240, "serve_limits": 30}
+"""Seconds from the fault to the end of the run (or the refusal, or the 413), per case."""
 
-
-@pytest.mark.slow
-def test_kill_9_of_torchrun_fails_the_run_and_stops_its_rank(tmp_path):
-    assert_clean(faults.kill_trainer_process(tmp_path, "torch.distributed.run", "torchrun"), exit_within=15)
-
-
-@pytest.mark.slow
-def test_kill_9_of_the_trainer_rank_fails_the_run(tmp_path):
-    assert_clean(faults.kill_trainer_process(tmp_path, "rlorch.trainer.fsdp", "rank"), exit_within=15)
+QUICK = {"corrupt_newest", "corrupt_older", "two_processes", "disk_full", "nonfinite_config"}
+"""Cases on the sim backends or refused before anything starts; the rest start real engines
+and the FSDP trainer and are marked slow."""
 
 
-@pytest.mark.slow
-def test_kill_9_of_the_only_engine_fails_the_run_within_30s_naming_it(tmp_path):
-    assert_clean(faults.kill_engine(tmp_path), exit_within=30)
+def test_every_case_has_a_bound():
+    assert set(EXIT_WITHIN) == set(faults.CASES)
 
 
-@pytest.mark.slow
-def test_sigterm_while_the_trainer_starts_ends_cleanly_with_a_summary(tmp_path):
-    assert_clean(faults.signal_during_startup(tmp_path, signal.SIGTERM), exit_within=30)
+KNOWN = {"serve_limits": "rlorch serve parses the unread rest of a refused 50 MB body as a new request and "
+                         "logs it (aiohttp BadHttpMethod with the bytes): the server stalls for tens of seconds, "
+                         "/health and the body timeout with it"}
+"""Cases that fail on a known defect (not strict: how long the stall lasts depends on the machine)."""
 
 
-@pytest.mark.slow
-def test_sigint_twice_mid_run_checkpoints_once_and_the_resume_repeats_nothing(tmp_path):
-    assert_clean(faults.signal_twice_midrun_then_resume(tmp_path, signal.SIGINT), exit_within=30)
+def _marks(name: str) -> list:
+    marks = [] if name in QUICK else [pytest.mark.slow]
+    return marks + ([pytest.mark.xfail(reason=KNOWN[name])] if name in KNOWN else [])
+
+
+@pytest.mark.parametrize("case", [pytest.param(name, marks=_marks(name)) for name in faults.CASES])
+def test_fault_case(tmp_path, case):
+    """Each case of the fault suite (``tests/faults.py`` says what each asserts): it ends within
+    its bound, leaves no process behind, loses and repeats nothing."""
+    assert_clean(faults.CASES[case](tmp_path), exit_within=EXIT_WITHIN[case])
 
 
 @pytest.mark.slow
@@ -85,19 +89,6 @@ def test_the_trainer_skips_non_finite_gradients_and_fails_on_the_third_in_a_row(
 
 
 # ---- the run directory ----------------------------------------------------------------------
-
-@pytest.mark.parametrize("which", ["newest", "older"])
-def test_a_corrupt_checkpoint_is_refused_before_anything_moves(tmp_path, which):
-    assert_clean(faults.corrupt_checkpoint(tmp_path, which), exit_within=30)
-
-
-def test_one_process_per_run_directory(tmp_path):
-    assert_clean(faults.two_processes_one_run_dir(tmp_path), exit_within=30)
-
-
-def test_disk_full_fails_the_run_with_the_cause(tmp_path):
-    assert_clean(faults.disk_full(tmp_path), exit_within=60)
-
 
 def test_a_truncated_trainer_state_is_named_with_its_exception(tmp_path):
     run_dir = tmp_path / "run"
@@ -172,10 +163,6 @@ def test_serve_on_a_busy_port_says_so_in_one_line(model_dir):
 
 # ---- non-finite numbers ---------------------------------------------------------------------
 
-def test_non_finite_settings_are_refused_naming_the_key(tmp_path):
-    assert_clean(faults.non_finite_config(tmp_path), exit_within=30)
-
-
 def test_an_engine_whose_generation_loop_fails_answers_500_and_fails_health(model_dir, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
@@ -220,12 +207,8 @@ def test_serve_refuses_an_oversized_body_and_times_out_slow_and_idle_clients(mod
     thread = ServerThread(CpuServer(model_dir, threads=1, body_timeout=1.0, idle_timeout=2.0))
     port = int(thread.address.rsplit(":", 1)[1])
     try:
-        body = json.dumps({"text": "a" * 50_000_000}).encode()
-        try:
-            status = _status(urllib.request.Request(f"http://{thread.address}/generate", data=body))
-        except (ConnectionError, urllib.error.URLError):
-            status = 413
-        assert status == 413
+        assert faults.post_status(port, "/generate", 50_000_000) == 413
+        assert _status(f"http://{thread.address}/health") == 200
         assert faults.slow_and_idle_closed(port, within=10) == []
     finally:
         thread.stop()

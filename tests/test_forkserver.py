@@ -161,3 +161,15 @@ print(*seen)
                      env=dict(os.environ)).wait(120)
     forkserver.discard()
     assert forkserver.running()
+
+
+def test_rlorch_forkserver_0_launches_the_ordinary_way(monkeypatch, tmp_path):
+    """README: RLORCH_FORKSERVER=0 launches a forkable command as a plain subprocess (through a
+    fork server, warm or not, spawn returns a ``Forked``)."""
+    from rlorch.launch import forkserver
+
+    monkeypatch.setenv("RLORCH_FORKSERVER", "0")
+    command = [sys.executable, "-m", sorted(forkserver.FORKABLE)[0], "--help"]
+    process = forkserver.spawn(command, log_path=str(tmp_path / "log"), env=dict(os.environ))
+    process.wait(120)
+    assert isinstance(process, subprocess.Popen) and process.returncode == 0

@@ -38,6 +38,7 @@ def steps_of(records: list[dict]) -> list[dict]:
 # progress and the end-of-run report --------------------------------------------------------------
 def test_outside_a_terminal_phases_plain_lines_and_the_report_are_printed(tmp_path, capsys):
     code, summary, _ = train(tmp_path / "run", "train.steps=12", "run.log_every=5", "run.report=false")
+    assert not (tmp_path / "run" / "report").exists()      # run.report=false
     err = capsys.readouterr().err
     assert code == 0
     assert "starting 1 sim engine…" in err and "engines ready in" in err and "trainer ready in" in err
@@ -246,8 +247,20 @@ def test_tensorboard_and_wandb_offline_receive_the_step_records(tmp_path, monkey
     pytest.importorskip("wandb")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    import wandb
+
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    logged, init = [], wandb.init
+
+    def spying_init(*args, **kwargs):
+        run = init(*args, **kwargs)
+        log = run.log
+        monkeypatch.setattr(run, "log", lambda values, step=None, **kw: (
+            logged.append(step) if "reward_mean" in values else None, log(values, step=step, **kw))[1])
+        return run
+
+    monkeypatch.setattr(wandb, "init", spying_init)
     run_dir = tmp_path / "run"
     code, _, _ = train(run_dir, "train.steps=6", "run.report=false", "metrics.tensorboard=true",
                        "metrics.wandb=true", "metrics.wandb_project=rlorch-test")
@@ -258,7 +271,7 @@ def test_tensorboard_and_wandb_offline_receive_the_step_records(tmp_path, monkey
     assert "eval/accuracy" in events.Tags()["scalars"]
     offline = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(offline) == 1 and offline[0].stat().st_size > 0
-    assert os.environ["WANDB_MODE"] == "offline"
+    assert logged == [1, 2, 3, 4, 5, 6], logged       # each step's figures went to the W&B run
 
 
 def test_in_a_terminal_the_live_display_leaves_its_last_state_on_screen():

@@ -79,12 +79,18 @@ def run_to_the_end(pack: Packs, groups: int, **settings) -> tuple[Dispatcher, li
     return asyncio.run(scenario())
 
 
-async def started_on_hold(pack, **kwargs):
-    """A started dispatcher whose packs the engine holds, once its first packs are sent."""
+async def started_on_hold(pack, *, sent: int, **kwargs):
+    """A started dispatcher whose packs the engine holds, once packs of ``sent`` groups are sent
+    (and every ready task has run again, so a pack sent beyond them would show)."""
     pack.hold.clear()
     d = dispatcher(pack, **kwargs)
     await d.start()
-    await asyncio.sleep(0.05)
+    deadline = asyncio.get_running_loop().time() + 10
+    while sum(map(len, pack.calls)) < sent:
+        assert asyncio.get_running_loop().time() < deadline, f"packs sent: {pack.calls}, expected {sent} groups"
+        await asyncio.sleep(0.005)
+    for _ in range(50):
+        await asyncio.sleep(0)
     return d
 
 
@@ -102,7 +108,7 @@ def test_a_pack_holds_only_what_the_gate_admits_now():
     pack = Packs()
 
     async def scenario():
-        d = await started_on_hold(pack, prompts=10, capacity=3 * GROUP)
+        d = await started_on_hold(pack, sent=3, prompts=10, capacity=3 * GROUP)
         first = list(pack.calls), d.in_flight, d.gate.running
         pack.hold.set()
         await drain(d, 10)
@@ -152,7 +158,7 @@ def test_checkpoint_state_lists_every_prompt_of_a_pack_in_flight_and_cancel_retu
     pack = Packs()
 
     async def scenario():
-        d = await started_on_hold(pack, prompts=6, capacity=5 * GROUP)
+        d = await started_on_hold(pack, sent=5, prompts=6, capacity=5 * GROUP)
         state = d.state()
         abandoned = await d.cancel_in_flight()
         return d, state, abandoned

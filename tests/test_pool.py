@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 
 import pytest
 
@@ -68,12 +69,22 @@ def test_launched_pool_reloads_and_survives_a_killed_server(model_dir, perturbed
             start = await _progress(victim)
             params = SamplingParams(max_new_tokens=100)
             pending = [asyncio.ensure_future(pool.generate(PROMPT, params, f"r{i}")) for i in range(16)]
+            deadline = time.monotonic() + 120
             while await _progress(victim) < start + 5:
+                assert time.monotonic() < deadline, "the first server generated nothing in 120 s"
                 await asyncio.sleep(0.01)
             assert pool.gauges()["in_flight"][victim.name] > 0
             os.kill(servers[0]["pid"], signal.SIGKILL)
             results = await asyncio.gather(*pending)
             gauges = pool.gauges()
+            # README: a launched engine that exits is out of the pool within a second, even with
+            # no request to notice it (its exit is looked for every 0.5 s); 3 s leaves room for a
+            # loaded machine.
+            os.kill(servers[1]["pid"], signal.SIGKILL)
+            killed = time.monotonic()
+            while pool.health()["servers_dead"] < 2:
+                assert time.monotonic() - killed < 3, f"an idle server killed 3 s ago is in the pool: {pool.health()}"
+                await asyncio.sleep(0.02)
         finally:
             await pool.close()
         return versions, servers, results, gauges
@@ -180,10 +191,13 @@ def test_server_commands(tmp_path):
     assert "--attention-backend" not in server_command(config, model_path=tmp_path, port=1234)
 
 
-def test_connecting_to_running_servers_launches_nothing(model_dir, tmp_path):
-    thread = ServerThread(CpuServer(model_dir, threads=1))
+def test_connecting_to_running_servers_launches_nothing_and_sends_the_api_key(model_dir, tmp_path, monkeypatch):
+    """README: for servers given by inference.addresses the client sends RLORCH_API_KEY if set
+    (the server refuses requests without it: see test_faults)."""
+    thread = ServerThread(CpuServer(model_dir, threads=1, api_key="s3cret-key"))
     config = cpu_config(1)
     config.inference.addresses = [thread.address]
+    monkeypatch.setenv("RLORCH_API_KEY", "s3cret-key")
 
     async def scenario():
         pool = await start_engines(config, log_dir=tmp_path / "logs", servers_file=tmp_path / "servers.json",

@@ -333,10 +333,10 @@ def test_pause_in_place_keeps_requests_until_continue_or_abort(server):
         kept = asyncio.ensure_future(_post_all(server, [{**payload, "rid": "kept"}]))
         await _wait_for(lambda: stats(server)["generated_tokens"] >= start + 2)
         call(server, "/pause_generation", {"mode": "in_place"})
-        await asyncio.sleep(0.05)
-        frozen = stats(server)["generated_tokens"]
-        await asyncio.sleep(0.1)
-        assert stats(server)["generated_tokens"] == frozen and stats(server)["num_running_reqs"] == 1
+        at_pause = stats(server)["generated_tokens"]
+        await asyncio.sleep(0.2)    # a window in which nothing may be generated (not a wait for a state)
+        # The decode step under way when the pause came may still finish: one token at most.
+        assert stats(server)["generated_tokens"] <= at_pause + 1 and stats(server)["num_running_reqs"] == 1
         call(server, "/continue_generation", {})
         (kept_answer,) = await kept
         start = stats(server)["generated_tokens"]

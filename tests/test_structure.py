@@ -106,12 +106,20 @@ def test_no_import_cycles():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+def component_violations(root: Path = PACKAGE, components: set[str] = COMPONENTS) -> list[str]:
+    """Each orchestrator component of ``root`` that imports another component or the loop."""
+    orchestrator = root / "orchestrator"
+    found = []
+    for name in sorted(components):
+        forbidden = {f"rlorch.orchestrator.{other}" for other in (components - {name}) | {"loop"}}
+        bad = imports_of(orchestrator / f"{name}.py", root) & forbidden
+        if bad:
+            found.append(f"orchestrator/{name}.py imports {sorted(bad)}")
+    return found
+
+
 def test_orchestrator_components_import_no_other_component_and_not_the_loop():
-    orchestrator = PACKAGE / "orchestrator"
-    for name in COMPONENTS:
-        forbidden = {f"rlorch.orchestrator.{other}" for other in (COMPONENTS - {name}) | {"loop"}}
-        bad = imports_of(orchestrator / f"{name}.py") & forbidden
-        assert not bad, f"orchestrator/{name}.py imports {sorted(bad)}"
+    assert component_violations() == []
 
 
 def test_launch_command_builders_do_not_import_each_other_and_the_plan_imports_neither():
@@ -170,9 +178,12 @@ def test_the_component_rule_catches_a_component_importing_another(tmp_path):
     package = _write_package(tmp_path, {
         "__init__": "", "orchestrator/__init__": "",
         "orchestrator/checkpoints": "def f():\n    from rlorch.orchestrator.dispatcher import Dispatcher\n",
-        "orchestrator/evaluation": "from . import sinks\n"})
-    assert "rlorch.orchestrator.dispatcher" in imports_of(package / "orchestrator" / "checkpoints.py", package)
-    assert "rlorch.orchestrator.sinks" in imports_of(package / "orchestrator" / "evaluation.py", package)
+        "orchestrator/evaluation": "from . import sinks\n", "orchestrator/dispatcher": "import json\n",
+        "orchestrator/sinks": "from .loop import Orchestrator\n"})
+    assert component_violations(package, {"checkpoints", "evaluation", "dispatcher", "sinks"}) == [
+        "orchestrator/checkpoints.py imports ['rlorch.orchestrator.dispatcher']",
+        "orchestrator/evaluation.py imports ['rlorch.orchestrator.sinks']",
+        "orchestrator/sinks.py imports ['rlorch.orchestrator.loop']"]
 
 
 @pytest.mark.slow

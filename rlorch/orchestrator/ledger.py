@@ -13,7 +13,7 @@ Counts persist across resumes: the checkpoint's ``totals`` are this life's start
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from typing import Callable, Optional
 
 from rlorch.rundir.state import regroup
 from rlorch.types import Batch, Fate, Rollout
@@ -96,3 +96,16 @@ class Ledger:
                 "stale_tokens": self.counts["stale_tokens"], "persisted_untrained": untrained,
                 "requeued": requeued, "unsaved": unsaved, "lost": self.admitted - accounted,
                 "empty_batches": self.counts["empty_batches"] + empty_batches}
+
+
+def unaccounted(lost: int) -> Optional[str]:
+    """Why an accounting with this ``lost`` breaks the ledger's invariant (None when it is 0):
+    positive, admitted rollouts that reached no fate; negative, rollouts whose fate was counted
+    twice. Either way the counts the summary reports are wrong, and the run fails saying so."""
+    if lost > 0:
+        return (f"ledger: lost = {lost}: {lost} admitted rollout(s) were neither trained, filtered, dropped as "
+                "stale, persisted untrained nor requeued")
+    if lost < 0:
+        return (f"ledger: lost = {lost}: {-lost} rollout fate(s) were counted twice (more trained, filtered, "
+                "dropped, persisted or requeued than admitted)")
+    return None

@@ -25,7 +25,7 @@ from rlorch.orchestrator.evaluation import Evaluations
 from rlorch.orchestrator.filing import Filing
 from rlorch.orchestrator.gate import CapacityGate
 from rlorch.orchestrator.idle import LoopIdle
-from rlorch.orchestrator.ledger import Ledger
+from rlorch.orchestrator.ledger import Ledger, unaccounted
 from rlorch.orchestrator.loggers import make_loggers
 from rlorch.orchestrator.metrics import MetricsLoop
 from rlorch.orchestrator.runstats import RunStats
@@ -100,8 +100,7 @@ class Orchestrator:
     # wiring ----------------------------------------------------------------------------------
     def _on_version(self, version: int) -> None:
         # Checked before the dispatcher can run: the admissions made on the resumed version alone.
-        alarm = self.gate.resume_alarm()
-        if alarm is not None:
+        if (alarm := self.gate.resume_alarm()) is not None:
             self._raise_alarm(StopReason(StopKind.resume_alarm, alarm))
         self.idle.trainer.set("waiting", self.policy.value >= self.shipping.shipped)
         self.dispatcher.notify()
@@ -115,8 +114,7 @@ class Orchestrator:
         self._raise_alarm(StopReason(StopKind.signal, signal_name))
 
     def _restore(self) -> None:
-        state = self.resume
-        if state is None:
+        if (state := self.resume) is None:
             return
         self.policy.bump(state.step)
         self.shipping.restore(state.step)
@@ -235,9 +233,8 @@ class Orchestrator:
         """File finished groups until the sink holds batch ``step`` (or its filter budget ran out).
         Groups already waiting are filed without yielding to the event loop, where alone the
         alarm can be raised; :meth:`_next_group` checks it after every wait."""
-        sink, dispatcher = self.sink, self.dispatcher
-        while not (sink.ready() or sink.over_budget()):
-            group = dispatcher.try_get()
+        while not (self.sink.ready() or self.sink.over_budget()):
+            group = self.dispatcher.try_get()
             self.filing.file(group if group is not None else await self._next_group(alarm_task), step)
 
     async def _train(self, alarm_task: asyncio.Task) -> None:
@@ -294,7 +291,10 @@ class Orchestrator:
         self.snapshots.finish(max(self.policy.value, self.shipping.shipped), abandoned=abandoned)
 
     def _summary(self, status: str, error: Optional[str]) -> dict:
+        accounting = self.snapshots.account(self.policy.value)
+        if problem := unaccounted(accounting["lost"]):    # the ledger's invariant, checked on every run
+            status, error, self.stop_reason = "failed", problem, StopReason(StopKind.bookkeeping, problem)
         return {"status": status, "error": error, **StopReason.fields(self.stop_reason), "version": self.policy.value,
-                **self.engines.health(), **self.snapshots.account(self.policy.value), "short_batches": self.sink.totals.short_batches,
+                **self.engines.health(), **accounting, "short_batches": self.sink.totals.short_batches,
                 "parked_s": round(self.shipping.parked_s, 4), "transfer_fallbacks": self.watcher.transfer_fallbacks,
                 **self.evaluations.summary(), **self.stats.summary(loop_started=self.loop_started)}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from rlorch.launch.local import free_port
 
 STAND_IN = Path(__file__).with_name("sglang_stand_in.py")
 SGLANG_PIN = "0.5.23"
@@ -24,12 +25,6 @@ def require_sglang() -> None:
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(message + " (CI=true: contract tests must run)")
         pytest.skip(message)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class StandIn:
@@ -47,8 +42,9 @@ class StandIn:
                                             stdout=handle, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 120
         while True:
-            assert self.process.poll() is None, self.log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "stand-in app did not start:\n" + self.log.read_text()[-3000:]
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()     # a start that timed out must not leave the app running
+                raise AssertionError("stand-in app did not start:\n" + self.log.read_text()[-3000:])
             try:
                 urllib.request.urlopen(f"http://{self.address}/model_info", timeout=2).read()
                 return

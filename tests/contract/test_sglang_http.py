@@ -125,6 +125,41 @@ def test_abort_of_one_request_spares_requests_whose_id_it_prefixes(sglang_app):
     assert [(o.finish_reason, len(o.output_ids)) for o in spared] == [("length", 40), ("length", 40)]
 
 
+def _method_source(relative: str, cls: str, method: str) -> str:
+    """The source of ``cls.method`` in the installed sglang (read, not imported: the scheduler
+    imports GPU-only packages)."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    from contract_apps import require_sglang
+
+    require_sglang()
+    path = Path(importlib.util.find_spec("sglang").origin).parent / relative
+    source = path.read_text()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == method:
+                    return ast.get_source_segment(source, item)
+    raise AssertionError(f"sglang/{relative} has no {cls}.{method}: the stand-in copies it")
+
+
+def test_the_pinned_sglang_refuses_a_duplicate_id_and_aborts_by_prefix_as_the_stand_in_does():
+    """The stand-in's duplicate-rid refusal and prefix-match abort, checked against the code it
+    copies, so that a drift in SGLang fails the contract rather than a GPU run."""
+    init = _method_source("srt/managers/tokenizer_manager.py", "TokenizerManager", "_init_req_state")
+    assert "if rid in self.rid_to_state" in init, init
+    assert 'raise ValueError(f"Duplicate request ID detected: {rid}")' in init, init
+    abort = _method_source("srt/managers/tokenizer_manager.py", "TokenizerManager", "abort_request")
+    # An abort acts only on a rid in flight (with one tokenizer worker) ...
+    assert "state = None if abort_all else self.rid_to_state.get(rid)" in abort, abort
+    assert "elif get_serving().tokenizer_worker_num == 1:\n                return" in abort, abort
+    # ... and then the scheduler aborts every request whose rid starts with it.
+    scheduler = _method_source("srt/managers/scheduler.py", "Scheduler", "abort_request")
+    assert "req.rid.startswith(recv_req.rid)" in scheduler, scheduler
+
+
 def test_the_app_refuses_a_duplicate_id_and_the_client_never_sends_one(sglang_app):
     async def scenario():
         body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 20}, "rid": "dup"}

@@ -22,7 +22,8 @@ from rlorch.inference.pool import EnginePool
 from rlorch.inference.routed import RoutedServer
 from rlorch.types import SamplingParams
 
-from contract_apps import StandIn, free_port, require_sglang
+from contract_apps import StandIn, require_sglang
+from rlorch.launch.local import free_port
 
 
 @pytest.fixture(scope="module")

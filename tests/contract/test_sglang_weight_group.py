@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from contract_apps import free_port
+from contract_apps import require_sglang
+from rlorch.launch.local import free_port
 from rlorch.inference.client import EngineError, SGLangEngine
 from rlorch.launch.weight_group import GroupSpec, broadcast, close_group, dtype_name, open_group
 
@@ -22,8 +23,10 @@ SGLANG_SOURCE = Path(__import__("importlib").util.find_spec("sglang").origin).pa
     __import__("importlib").util.find_spec("sglang") else None
 
 
-def test_the_pinned_sglang_keeps_the_session_rules_and_group_construction_the_stand_in_copies(sglang_app):
-    """The stand-in mirrors these; a drift in SGLang fails here rather than in a GPU run."""
+def test_the_pinned_sglang_keeps_the_session_rules_and_group_construction_the_stand_in_copies():
+    """The stand-in mirrors these; a drift in SGLang fails here rather than in a GPU run. (Source
+    only: no app is started for it.)"""
+    require_sglang()
     updater = (SGLANG_SOURCE / "srt/managers/scheduler_components/weight_updater.py").read_text()
     for message in ("update_weights_from_distributed must run between", "a weight-update session is already open",
                     "no weight-update session is open"):
