@@ -50,6 +50,7 @@ async def _progress(engine: SGLangEngine) -> int:
 
 def test_launched_pool_reloads_and_survives_a_killed_server(model_dir, perturbed_dir, tmp_path):
     config = cpu_config(2)
+    config.inference.max_restarts = 0  # a dead server stays dead here (restarts: test_ray_run, test_scale)
     log_dir = tmp_path / "run" / "logs"
 
     async def scenario():
@@ -249,3 +250,30 @@ def test_batch_on_a_server_that_is_gone_starts_again_on_a_live_one(model_dir):
     for groups in answers:
         assert [len(group) for group in groups] == [2, 1]
         assert [len(g.output_ids) for group in groups for g in group] == [4, 4, 3]
+
+
+def test_a_launched_server_that_exits_is_started_again_and_rejoins_at_the_current_version(
+        model_dir, perturbed_dir, tmp_path):
+    config = cpu_config(1)
+    config.inference.max_restarts = 1
+    log_dir = tmp_path / "run" / "logs"
+
+    async def scenario():
+        pool = await start_engines(config, log_dir=log_dir, servers_file=log_dir.parent / "servers.json",
+                                   model_path=model_dir)
+        try:
+            await pool.reload(str(perturbed_dir), 1)
+            pid = json.loads((tmp_path / "run" / "servers.json").read_text())[0]["pid"]
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 120
+            while pool.health()["server_restarts"] < 1 or pool.health()["servers_up"] < 1:
+                assert time.monotonic() < deadline, f"not restarted within 120 s: {pool.health()}"
+                await asyncio.sleep(0.05)
+            generation = await pool.generate(PROMPT, SamplingParams(max_new_tokens=4), "after")
+            return generation, await pool.engines[0].weight_version(), pool.health()
+        finally:
+            await pool.close()
+
+    generation, version, health = asyncio.run(scenario())
+    assert version == 1 and generation.versions.head == generation.versions.tail == 1
+    assert health["servers_dead"] == 0 and health["server_restarts"] == 1
