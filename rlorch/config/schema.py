@@ -531,6 +531,10 @@ class LoraConfig:
     """LoRA scaling numerator: the adapter's update is scaled by alpha / rank."""
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     """Names of the linear modules that get adapters (default: every attention and MLP projection)."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Modules trained in full beside the adapters (peft's ``modules_to_save``, matched by name
+    ending), e.g. ``[norm]`` for every RMSNorm: the tiny default model is randomly initialised,
+    and with its norms frozen its logits stay too flat to learn the task."""
 
     def __post_init__(self) -> None:
         _require(self.rank >= 0, "model.lora.rank", "must be >= 0 (0 = no LoRA)")

@@ -90,7 +90,7 @@ def save(run: RunDir, step: int, model: torch.nn.Module, optimizer: torch.optim.
         shutil.rmtree(parts.weights, ignore_errors=True)
         trainer_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer, options=_options(trainable_only))
+    model_state, optim_state = _state(model, optimizer, trainable_only)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(trainer_dir / "dcp"))
     published = run.weights_for(step)
     if (published / PUBLISHED).exists():
@@ -116,6 +116,17 @@ def _options(trainable_only: bool) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=trainable_only)
 
 
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool) -> tuple[dict, dict]:
+    """The model's and optimizer's state dicts; ``trainable_only`` keeps the parameters that
+    train alone (a weight tied to a frozen one is frozen too, though ``ignore_frozen_params``
+    keeps its second name)."""
+    model_state, optim_state = get_state_dict(model, optimizer, options=_options(trainable_only))
+    if trainable_only:
+        trainable = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
+        model_state = {name: value for name, value in model_state.items() if name in trainable}
+    return model_state, optim_state
+
+
 def load(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
          trainable_only: bool = False) -> tuple[int, Optional[int]]:
     """Restore model, optimizer and RNG from a COMPLETE checkpoint; returns its step and the
@@ -130,7 +141,7 @@ def load(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
         step = int(state["step"])
     except (OSError, ValueError, KeyError) as err:
         raise CheckpointError(f"{trainer_dir / STATE_FILE}: unreadable ({err})") from err
-    model_state, optim_state = get_state_dict(model, optimizer, options=_options(trainable_only))
+    model_state, optim_state = _state(model, optimizer, trainable_only)
     loaded = {"model": model_state, "optim": optim_state}
     try:
         dcp.load(loaded, checkpoint_id=str(trainer_dir / "dcp"))
@@ -138,7 +149,8 @@ def load(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
         raise CheckpointError(f"{trainer_dir / 'dcp'}: unreadable ({type(err).__name__}: "
                               f"{str(err).splitlines()[0] if str(err) else ''})") from err
     set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"],
-                   options=_options(trainable_only))
+                   # Frozen weights are not in the checkpoint; dcp.load above read every trainable one.
+                   options=StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only))
     try:
         set_rng_state(state["rng"])
     except (KeyError, TypeError, ValueError, RuntimeError) as err:

@@ -434,11 +434,14 @@ def served_state(worker: Worker) -> dict:
 def cast(state: dict, dtype: torch.dtype) -> dict:
     """``state`` in ``dtype``; tensors already in it are passed through, and two names of one
     tensor (tied weights) get one cast tensor."""
-    done: dict[int, torch.Tensor] = {}
+    done: dict[tuple, torch.Tensor] = {}
     out = {}
     for name, tensor in state.items():
         if tensor.is_floating_point() and tensor.dtype != dtype:
-            tensor = done.setdefault(id(tensor), tensor.to(dtype))
+            view = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+            if view not in done:
+                done[view] = tensor.to(dtype)
+            tensor = done[view]
         out[name] = tensor
     return out
 

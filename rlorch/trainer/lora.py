@@ -15,6 +15,10 @@ import torch
 PEFT_PREFIX = "base_model.model."
 """What ``PeftModel`` puts before the base model's own state-dict names."""
 _ADAPTER = re.compile(r"^(?P<module>.+)\.lora_(?P<part>[AB])\.[^.]+\.weight$")
+_ORIGINAL = ".original_module."
+"""peft's frozen copy of a module trained in full (``modules_to_save``): not served."""
+_TRAINED_COPY = re.compile(r"\.modules_to_save\.[^.]+\.")
+"""peft's trained copy of such a module: served under the module's own name."""
 
 
 def wrap(model, lora) -> torch.nn.Module:
@@ -23,7 +27,8 @@ def wrap(model, lora) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
 
     return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0,
-                                            target_modules=list(lora.target_modules)))
+                                            target_modules=list(lora.target_modules),
+                                            modules_to_save=list(lora.modules_to_save) or None))
 
 
 def base_model(model) -> torch.nn.Module:
@@ -34,8 +39,9 @@ def base_model(model) -> torch.nn.Module:
 def merged(state: dict, scaling: float) -> dict:
     """The full state dict of a ``PeftModel`` with every adapter merged into its base weight:
     ``W + scaling * B @ A`` under the base model's names (``PEFT_PREFIX`` and ``.base_layer``
-    dropped, no ``lora_`` key left). Tensors of modules without adapters are passed through
-    (tied weights stay one tensor)."""
+    dropped, no ``lora_`` key left); a module trained in full (``modules_to_save``) is its
+    trained copy. Tensors of modules without adapters are passed through (tied weights stay
+    one tensor)."""
     adapters: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in state.items():
         found = _ADAPTER.match(name)
@@ -43,8 +49,9 @@ def merged(state: dict, scaling: float) -> dict:
             adapters.setdefault(found["module"], {})[found["part"]] = tensor
     out = {}
     for name, tensor in state.items():
-        if _ADAPTER.match(name):
+        if _ADAPTER.match(name) or _ORIGINAL in name:
             continue
+        name = _TRAINED_COPY.sub(".", name)
         module, _, leaf = name.rpartition(".")
         if module.endswith(".base_layer"):
             owner = module.removesuffix(".base_layer")
