@@ -22,10 +22,10 @@ def one_rank():
 def test_bf16_computes_in_bf16_and_keeps_fp32_weights_gradients_and_optimizer_state(one_rank):
     from rlorch.config.compose import compose
     from rlorch.model import ensure_default_model
-    from rlorch.trainer.fsdp import _decoder_layers, _sharded, load_model, shards
+    from rlorch.trainer.fsdp import _decoder_layers, _sharded, load_model, uses_fsdp
 
     config = compose(["model.dtype=bfloat16"])
-    assert shards(1, "bfloat16") and not shards(1, "float32")
+    assert uses_fsdp(1, "bfloat16") and not uses_fsdp(1, "float32")
     model = load_model(config, ensure_default_model())
     seen = []
     for layer in _decoder_layers(model):

@@ -142,7 +142,7 @@ def mixed_precision(dtype: str) -> Optional[MixedPrecisionPolicy]:
                                 output_dtype=torch.float32)
 
 
-def shards(world: int, dtype: str) -> bool:
+def uses_fsdp(world: int, dtype: str) -> bool:
     """Whether the model becomes FSDP2 units. One float32 rank has nothing to shard: FSDP2's
     per-parameter DTensor dispatch would cost about a quarter of a tiny model's CPU step for
     nothing. Mixed precision is FSDP2's even on one rank. DCP checkpoints reshard on load, so a
@@ -152,9 +152,9 @@ def shards(world: int, dtype: str) -> bool:
 
 def _sharded(model, device, dtype: str):
     """``model`` with each decoder layer and the root as FSDP2 units over every rank when
-    :func:`shards` says so, under ``model.dtype``'s mixed-precision policy."""
+    :func:`uses_fsdp` says so, under ``model.dtype``'s mixed-precision policy."""
     world = dist.get_world_size()
-    if shards(world, dtype):
+    if uses_fsdp(world, dtype):
         mesh = init_device_mesh(device.type, (world,))
         policy = mixed_precision(dtype) or MixedPrecisionPolicy()
         # Only the root casts its output (the logits): a layer's stays in the compute dtype
@@ -194,7 +194,7 @@ def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
     model = load_model(config, path)
     if config.trainer.activation_checkpointing:
         checkpoint_activations(model)
-    sharded = shards(world, config.model.dtype)
+    sharded = uses_fsdp(world, config.model.dtype)
     model = _sharded(model, device, config.model.dtype)
     # Plain tensors (one float32 rank) are updated by the fused kernel in one call per step
     # instead of a dozen small ops per parameter; DTensor shards keep the default implementation.
