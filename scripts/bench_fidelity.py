@@ -76,7 +76,7 @@ FAMILIES = {
     "cosine": ["trainer.lr_schedule=cosine", "trainer.warmup_steps=20", "trainer.min_lr_ratio=0.1"],
     "kl": ["trainer.kl_coef=0.05"],
     "bf16": ["model.dtype=bfloat16"],
-    "lora": ["model.lora.rank=32", "model.lora.alpha=32", "model.lora.modules_to_save=[norm]", "trainer.lr=3e-3"],
+    "lora": ["model.lora.rank=16", "model.lora.alpha=32", "model.lora.modules_to_save=[norm]", "trainer.lr=1e-2"],
 }
 """One learning check per trainer option family, on top of the default run."""
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -79,22 +77,3 @@ def test_only_the_adapters_are_trainable():
                              for name in trainable)
     assert any("modules_to_save" in name for name in trainable)
 
-
-LORA_LEARNS = ["model.lora.rank=32", "model.lora.alpha=32", "model.lora.modules_to_save=[norm]", "trainer.lr=3e-3"]
-"""The LoRA setting the README reports on the default task (scripts/bench_fidelity.py --families lora)."""
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("RLORCH_LONG_TESTS"),
-                    reason="a whole default run (minutes on 2 cores): set RLORCH_LONG_TESTS=1")
-def test_lora_learns_the_default_task(tmp_path):
-    import json
-    import subprocess
-    import sys
-
-    run_dir = tmp_path / "lora"
-    done = subprocess.run([sys.executable, "-m", "rlorch.cli", "train", f"run.dir={run_dir}", "run.progress=false",
-                           *LORA_LEARNS], capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, done.stderr
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["eval_accuracy_first"] <= 0.1 and summary["eval_accuracy_last"] >= 0.8, summary
