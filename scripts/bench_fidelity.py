@@ -6,8 +6,14 @@ accuracy (mean +- sd over seeds), samples to 50% and 80% accuracy (mean over the
 there, with how many did), loop wall time and its ratio to sync; writes a PNG of accuracy against
 samples and against wall seconds. `none` runs off-policy only with trainer.allow_uncorrected.
 
+`--families` adds one learning check per trainer option family, each at the default staleness
+and correction: dr_grpo, rloo, cosine (with warm-up), kl (trainer.kl_coef > 0), bf16
+(model.dtype=bfloat16) and lora (adapters, with their own learning rate). `--staleness ""`
+leaves the async grid out.
+
 Usage: python scripts/bench_fidelity.py [--seeds 3] [--staleness 1,2,4]
-       [--corrections decoupled,tis,none] [--plot fidelity.png] [--keep DIR] [key=value ...]
+       [--corrections decoupled,tis,none] [--families dr_grpo,rloo,cosine,kl,bf16,lora]
+       [--plot fidelity.png] [--keep DIR] [key=value ...]
 """
 
 from __future__ import annotations
@@ -64,8 +70,22 @@ def train(root: Path, name: str, seed: int, overrides: list[str]) -> Run:
     return run
 
 
-def configurations(staleness: list[int], corrections: list[str]) -> dict[str, list[str]]:
+FAMILIES = {
+    "dr_grpo": ["trainer.advantage=dr_grpo"],
+    "rloo": ["trainer.advantage=rloo"],
+    "cosine": ["trainer.lr_schedule=cosine", "trainer.warmup_steps=20", "trainer.min_lr_ratio=0.1"],
+    "kl": ["trainer.kl_coef=0.05"],
+    "bf16": ["model.dtype=bfloat16"],
+    "lora": ["model.lora.rank=16", "model.lora.alpha=32", "model.lora.modules_to_save=[norm]", "trainer.lr=1e-2"],
+}
+"""One learning check per trainer option family, on top of the default run."""
+
+
+def configurations(staleness: list[int], corrections: list[str], families: list[str] = ()) -> dict[str, list[str]]:
     configs = {"sync S=0": ["conf=sync"]}
+    if families:  # the families' baseline: the default run, every option at its default
+        configs["default"] = []
+    configs.update({f"family {name}": FAMILIES[name] for name in families})
     for s in staleness:
         for correction in corrections:
             extra = ["trainer.allow_uncorrected=true"] if correction == "none" else []
@@ -133,11 +153,16 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--staleness", default="1,2,4")
     parser.add_argument("--corrections", default="decoupled,tis,none")
+    parser.add_argument("--families", default="", help=f"comma-separated, of {','.join(FAMILIES)}")
     parser.add_argument("--plot", type=Path, default=Path("fidelity.png"))
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = parser.parse_args()
-    configs = configurations([int(s) for s in args.staleness.split(",")], args.corrections.split(","))
+    families = [name for name in args.families.split(",") if name]
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown:
+        parser.error(f"--families: unknown {unknown}; known: {','.join(FAMILIES)}")
+    configs = configurations([int(s) for s in args.staleness.split(",") if s], args.corrections.split(","), families)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}; "
           f"{len(configs)} configurations x {args.seeds} seeds")
     results: dict[str, list[Run]] = {name: [] for name in configs}

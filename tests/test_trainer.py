@@ -398,3 +398,58 @@ def test_activation_checkpointing_under_fsdp_gives_the_same_step(tmp_path):
     checkpointed, _ = _one_step_weights(tmp_path / "ac", "trainer.fsdp.nproc=2", "trainer.activation_checkpointing=true")
     assert checkpointed["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=1e-7)
     assert checkpointed["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_lora_trains_adapters_on_two_ranks_publishes_merged_weights_and_resumes_exactly(tmp_path):
+    """Two ranks shard decoder layers holding frozen base weights and trainable adapters. The
+    checkpoint holds the adapters (and the trained norms) alone; every published version is full
+    weights under the base model's names that an engine loads as it is; a run resumed from
+    step 2 re-trains step 3 to the very weights of the uninterrupted run."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from rlorch.model import ensure_default_model
+
+    lora = ("model.lora.rank=4", "model.lora.alpha=8", "model.lora.modules_to_save=[norm]", "trainer.lr=0.05",
+            "trainer.fsdp.nproc=2")
+    run, config = _make_run(tmp_path / "run", *lora)
+    for step in (1, 2, 3):
+        _write_batch(run, step)
+    code, output = _finish(_launch(config, run), timeout=300)
+    assert code == 0, output
+    first = _metrics(run)
+    uninterrupted = load_file(str(run.weights_for(3) / "model.safetensors"))
+    base = AutoModelForCausalLM.from_pretrained(ensure_default_model()).state_dict()
+    assert sorted(uninterrupted) == sorted(base)
+    assert not torch.equal(uninterrupted["model.layers.0.self_attn.q_proj.weight"],
+                           base["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(uninterrupted["model.embed_tokens.weight"], base["model.embed_tokens.weight"])
+    served = AutoModelForCausalLM.from_pretrained(run.weights_for(3))
+    assert torch.equal(served.state_dict()["model.layers.1.mlp.down_proj.weight"],
+                       uninterrupted["model.layers.1.mlp.down_proj.weight"])
+    saved = dcp.FileSystemReader(str(run.checkpoint(2) / "trainer" / "dcp")).read_metadata()
+    model_keys = [key for key in saved.state_dict_metadata if key.startswith("model.")]
+    assert model_keys and all("lora_" in key or "modules_to_save" in key for key in model_keys)
+
+    code, output = _finish(_launch(config, run, run.checkpoint(2)), timeout=300)
+    assert code == 0, output
+    resumed = _metrics(run)[3]
+    assert resumed["step"] == 3
+    assert resumed["loss"] == pytest.approx(first[2]["loss"], rel=1e-6, abs=1e-7)
+    assert resumed["grad_norm"] == pytest.approx(first[2]["grad_norm"], rel=1e-6)
+    again = load_file(str(run.weights_for(3) / "model.safetensors"))
+    assert all(torch.equal(again[name], uninterrupted[name]) for name in uninterrupted)
+
+
+@pytest.mark.slow
+def test_bf16_publishes_bf16_weights(tmp_path):
+    """model.dtype=bfloat16 trains fp32 master weights and publishes the served dtype."""
+    import torch
+
+    record, weights = _one_step_weights(tmp_path, "model.dtype=bfloat16")
+    assert {tensor.dtype for tensor in weights.values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "weights" / "step_000001" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert record["skipped_updates"] == 0 and record["grad_norm"] > 0

@@ -535,12 +535,42 @@ class TrainerConfig:
         _require(self.keep_checkpoints_every >= 0, "trainer.keep_checkpoints_every", "must be >= 0")
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""Every linear layer of a Qwen2/Llama decoder layer (attention and MLP)."""
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank of the adapters (through ``peft``, ``pip install "rlorch[lora]"``); 0 trains
+    every weight. Only the adapters train and are checkpointed; published weights are merged."""
+    alpha: float = 32.0
+    """LoRA scaling numerator: the adapter's update is scaled by alpha / rank."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Names of the linear modules that get adapters (default: every attention and MLP projection)."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Modules trained in full beside the adapters (peft's ``modules_to_save``, matched by name
+    ending), e.g. ``[norm]`` for every RMSNorm: the tiny default model is randomly initialised,
+    and with its norms frozen its logits stay too flat to learn the task."""
+
+    def __post_init__(self) -> None:
+        _require(self.rank >= 0, "model.lora.rank", "must be >= 0 (0 = no LoRA)")
+        _require(self.alpha > 0, "model.lora.alpha", "must be > 0")
+        _require(not self.rank or bool(self.target_modules), "model.lora.target_modules",
+                 "must name at least one module when model.lora.rank > 0")
+        _require(not self.rank or _installed("peft"), "model.lora.rank",
+                 'LoRA needs peft: pip install "rlorch[lora]" (or set model.lora.rank=0)')
+
+
 @dataclass
 class ModelConfig:
     path: Optional[str] = None
     """Local HF model directory; empty uses the tiny default model, created on first use."""
     dtype: str = "float32"
-    """Weights dtype for generation and training (float32, bfloat16)."""
+    """Served and compute dtype (float32, bfloat16, float16). Below float32 the trainer keeps
+    fp32 master weights and optimizer state and computes in this dtype (FSDP2 mixed precision,
+    gradients reduced in fp32); published weights are in this dtype."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype",

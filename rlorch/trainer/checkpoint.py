@@ -1,6 +1,7 @@
 """Full resumable trainer state under ``checkpoints/step_N/``.
 
-Layout: ``trainer/dcp/`` (model and optimizer, sharded, torch.distributed.checkpoint),
+Layout: ``trainer/dcp/`` (model and optimizer, sharded, torch.distributed.checkpoint; with LoRA
+the model part is the adapters alone, the frozen base being the model path's),
 ``trainer/trainer_state.json`` (step, RNG states, optimizer steps taken), ``weights/`` (HF copy of version N) and,
 last, ``trainer/COMPLETE``. Invariant: a checkpoint without COMPLETE is never resumed from and
 is overwritten by the next save of the same step.
@@ -18,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from rlorch.rundir.layout import COMPLETE, PUBLISHED, CheckpointDir, RunDir, mark, write_json_atomic
 
@@ -72,13 +73,14 @@ def link_or_copy_tree(source: Path, target: Path, skip: tuple[str, ...] = (PUBLI
 
 
 def save(run: RunDir, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-         rank: int, write_weights: Callable[[Path], None], optimizer_steps: int = 0) -> Path:
+         rank: int, write_weights: Callable[[Path], None], optimizer_steps: int = 0,
+         trainable_only: bool = False) -> Path:
     """Collective: every rank calls it. Replaces whatever ``checkpoints/step_N/trainer`` and
     ``weights`` held (a checkpoint of an abandoned trajectory, or a partial one): COMPLETE goes
     first and comes back last, after a barrier. ``write_weights(dir)`` is called on every rank
     (it gathers the full state dict) when version ``step`` was not published, else rank 0 links
     the published files. ``optimizer_steps`` (the learning-rate schedule's position) goes into
-    the state file."""
+    the state file. ``trainable_only`` leaves frozen parameters (LoRA's base) out."""
     checkpoint = run.checkpoint(step)
     parts = CheckpointDir(checkpoint)
     trainer_dir = parts.trainer
@@ -88,7 +90,7 @@ def save(run: RunDir, step: int, model: torch.nn.Module, optimizer: torch.optim.
         shutil.rmtree(parts.weights, ignore_errors=True)
         trainer_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = _state(model, optimizer, trainable_only)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(trainer_dir / "dcp"))
     published = run.weights_for(step)
     if (published / PUBLISHED).exists():
@@ -110,9 +112,27 @@ def save(run: RunDir, step: int, model: torch.nn.Module, optimizer: torch.optim.
     return checkpoint
 
 
-def load(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, Optional[int]]:
+def _options(trainable_only: bool) -> StateDictOptions:
+    return StateDictOptions(ignore_frozen_params=trainable_only)
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool) -> tuple[dict, dict]:
+    """The model's and optimizer's state dicts; ``trainable_only`` keeps the parameters that
+    train alone (a weight tied to a frozen one is frozen too, though ``ignore_frozen_params``
+    keeps its second name)."""
+    model_state, optim_state = get_state_dict(model, optimizer, options=_options(trainable_only))
+    if trainable_only:
+        trainable = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
+        model_state = {name: value for name, value in model_state.items() if name in trainable}
+    return model_state, optim_state
+
+
+def load(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+         trainable_only: bool = False) -> tuple[int, Optional[int]]:
     """Restore model, optimizer and RNG from a COMPLETE checkpoint; returns its step and the
-    optimizer steps taken (None in a checkpoint written before they were recorded)."""
+    optimizer steps taken (None in a checkpoint written before they were recorded).
+    ``trainable_only``: the checkpoint holds the trainable parameters alone (as saved with it);
+    the frozen ones keep the values they were built with."""
     trainer_dir = CheckpointDir(checkpoint).trainer
     if not is_complete(checkpoint):
         raise CheckpointError(f"{checkpoint}: not a complete checkpoint (no trainer/{COMPLETE})")
@@ -121,14 +141,16 @@ def load(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
         step = int(state["step"])
     except (OSError, ValueError, KeyError) as err:
         raise CheckpointError(f"{trainer_dir / STATE_FILE}: unreadable ({err})") from err
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = _state(model, optimizer, trainable_only)
     loaded = {"model": model_state, "optim": optim_state}
     try:
         dcp.load(loaded, checkpoint_id=str(trainer_dir / "dcp"))
     except Exception as err:
         raise CheckpointError(f"{trainer_dir / 'dcp'}: unreadable ({type(err).__name__}: "
                               f"{str(err).splitlines()[0] if str(err) else ''})") from err
-    set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"],
+                   # Frozen weights are not in the checkpoint; dcp.load above read every trainable one.
+                   options=StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only))
     try:
         set_rng_state(state["rng"])
     except (KeyError, TypeError, ValueError, RuntimeError) as err:

@@ -10,6 +10,7 @@ Invariant: version N is the weights after exactly the batches 1..N, each trained
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -24,13 +25,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlorch.lifecycle import orchestrator_pid, watch_parents
 from rlorch.model import resolve_model_path
 from rlorch.rundir.layout import RunDir, load_config, write_json_atomic
-from rlorch.trainer import checkpoint
+from rlorch.trainer import checkpoint, lora
 from rlorch.trainer.broadcast import Broadcaster, plan
 from rlorch.trainer.batch import BatchError, micro_batches, minibatch_slices, read_batch
 from rlorch.trainer.checkpoint import CheckpointError
@@ -70,6 +71,8 @@ class Worker:
     step: int = 0
     saved: set = field(default_factory=set)
     """Checkpoints this life resumed from or wrote; any other one on disk gets overwritten."""
+    sharded: bool = False
+    """Whether the model is FSDP2 units (DTensor parameters): several ranks, or mixed precision."""
     reference: Optional[torch.nn.Module] = None
     """With ``trainer.kl_coef > 0``: the initial weights, frozen and sharded like the policy."""
     broadcaster: Optional[Broadcaster] = None
@@ -128,17 +131,47 @@ def checkpoint_activations(model) -> None:
         layer.forward = forward
 
 
-def _sharded(model, device):
-    """``model`` with each decoder layer and the root as FSDP2 units over every rank."""
+def mixed_precision(dtype: str) -> Optional[MixedPrecisionPolicy]:
+    """FSDP2's policy for ``model.dtype`` below float32: parameters are all-gathered in that
+    dtype for the forward and backward, gradients are reduced in float32 into the float32
+    sharded parameters (the master weights, which the optimizer and its state keep in float32),
+    and the logits come out in float32. None for float32: no policy, nothing cast."""
+    if dtype == "float32":
+        return None
+    return MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32,
+                                output_dtype=torch.float32)
+
+
+def uses_fsdp(world: int, dtype: str) -> bool:
+    """Whether the model becomes FSDP2 units. One float32 rank has nothing to shard: FSDP2's
+    per-parameter DTensor dispatch would cost about a quarter of a tiny model's CPU step for
+    nothing. Mixed precision is FSDP2's even on one rank. DCP checkpoints reshard on load, so a
+    run may resume under another world size either way."""
+    return world > 1 or mixed_precision(dtype) is not None
+
+
+def _sharded(model, device, dtype: str):
+    """``model`` with each decoder layer and the root as FSDP2 units over every rank when
+    :func:`uses_fsdp` says so, under ``model.dtype``'s mixed-precision policy."""
     world = dist.get_world_size()
-    if world > 1:
-        # One rank has nothing to shard: FSDP2's per-parameter DTensor dispatch would cost about
-        # a quarter of a tiny model's CPU step for nothing. DCP checkpoints reshard on load, so a
-        # run may resume under another world size either way.
+    if uses_fsdp(world, dtype):
         mesh = init_device_mesh(device.type, (world,))
+        policy = mixed_precision(dtype) or MixedPrecisionPolicy()
+        # Only the root casts its output (the logits): a layer's stays in the compute dtype
+        # for the next one (and for the final norm and head, which the root computes).
+        inner = dataclasses.replace(policy, output_dtype=None)
         for layer in _decoder_layers(model):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=inner)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def load_model(config, path):
+    """The model as trained: float32 master weights whatever ``model.dtype`` is (mixed precision
+    computes in it), with LoRA adapters when ``model.lora.rank > 0``."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if config.model.lora.rank:
+        model = lora.wrap(model, config.model.lora)
     return model
 
 
@@ -148,9 +181,9 @@ def build_reference(config, path: str, device) -> Optional[torch.nn.Module]:
     sharded like the policy and never published. None at 0: no copy is kept."""
     if not config.trainer.kl_coef:
         return None
-    reference = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, config.model.dtype))
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     reference.requires_grad_(False)
-    return _sharded(reference.eval(), device)
+    return _sharded(reference.eval(), device, config.model.dtype)
 
 
 def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
@@ -158,19 +191,22 @@ def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
     rank, world = dist.get_rank(), dist.get_world_size()
     path = resolve_model_path(config.model.path) if rank == 0 else None
     path = _broadcast(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, config.model.dtype))
+    model = load_model(config, path)
     if config.trainer.activation_checkpointing:
         checkpoint_activations(model)
-    model = _sharded(model, device)
-    # One rank holds plain tensors, which the fused kernel updates in one call per step instead
-    # of a dozen small ops per parameter; DTensor shards keep the default implementation.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.trainer.lr,
-                                  weight_decay=config.trainer.weight_decay, fused=True if world == 1 else None)
+    sharded = uses_fsdp(world, config.model.dtype)
+    model = _sharded(model, device, config.model.dtype)
+    # Plain tensors (one float32 rank) are updated by the fused kernel in one call per step
+    # instead of a dozen small ops per parameter; DTensor shards keep the default implementation.
+    # Frozen weights (LoRA's base) get no optimizer state.
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.trainer.lr,
+                                  weight_decay=config.trainer.weight_decay, fused=None if sharded else True)
     tokenizer = AutoTokenizer.from_pretrained(path) if rank == 0 else None
-    worker = Worker(config, run, model, optimizer, tokenizer, HFWriter(model, tokenizer), device, rank, world,
-                    reference=build_reference(config, path, device))
+    worker = Worker(config, run, model, optimizer, tokenizer, HFWriter(lora.base_model(model), tokenizer), device,
+                    rank, world, sharded=sharded, reference=build_reference(config, path, device))
     if resume is not None:
-        worker.step, optimizer_steps = checkpoint.load(resume, model, optimizer)
+        worker.step, optimizer_steps = checkpoint.load(resume, model, optimizer,
+                                                       trainable_only=bool(config.model.lora.rank))
         # An older checkpoint lacks the count: every batch before it took the configured minibatches.
         worker.optimizer_steps = (optimizer_steps if optimizer_steps is not None
                                   else worker.step * config.trainer.minibatches)
@@ -374,17 +410,45 @@ def _accumulate(worker: Worker, micros: list, counts: Counts, proximal: list, pr
     return loss_sum, stats
 
 
-def _full_state_dict(model, world: int) -> dict:
-    """Collective: the full (unsharded) state dict on rank 0's CPU, empty elsewhere. A single
-    rank's model is a plain module whose own state dict is that already (on its device)."""
-    if world == 1:
+def _full_state_dict(model, sharded: bool) -> dict:
+    """Collective: the full (unsharded) state dict on rank 0's CPU, empty elsewhere. An unsharded
+    model is a plain module whose own state dict is that already (on its device)."""
+    if not sharded:
         return {name: tensor.to("cpu") for name, tensor in model.state_dict().items()}
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def served_state(worker: Worker) -> dict:
+    """Collective: the weights engines serve, on rank 0 (empty elsewhere): the full state dict
+    with LoRA adapters merged, under the base model's names, in ``model.dtype`` (tied tensors
+    stay tied). In float32 without LoRA it is the full state dict itself."""
+    state = _full_state_dict(worker.model, worker.sharded)
+    if not state:
+        return state
+    adapters = worker.config.model.lora
+    if adapters.rank:
+        state = lora.merged(state, adapters.alpha / adapters.rank)
+    return cast(state, getattr(torch, worker.config.model.dtype))
+
+
+def cast(state: dict, dtype: torch.dtype) -> dict:
+    """``state`` in ``dtype``; tensors already in it are passed through, and two names of one
+    tensor (tied weights) get one cast tensor."""
+    done: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and tensor.dtype != dtype:
+            view = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+            if view not in done:
+                done[view] = tensor.to(dtype)
+            tensor = done[view]
+        out[name] = tensor
+    return out
+
+
 def write_weights(worker: Worker, target: Path) -> None:
     """Collective: the HF checkpoint of the current weights into ``target`` (rank 0 writes)."""
-    state = _full_state_dict(worker.model, worker.world)
+    state = served_state(worker)
     if worker.rank == 0:
         worker.writer.write(target, state)
 
@@ -408,8 +472,8 @@ def publish_version(worker: Worker, step: int, *, last: bool = False) -> None:
     Versions are handed off one at a time and in order (the previous hand-off is finished, and
     its error raised, before the next starts); the state dict is a copy taken now, so training
     on does not change what is handed off."""
-    state = _full_state_dict(worker.model, worker.world)
-    if worker.world == 1:
+    state = served_state(worker)
+    if not worker.sharded:
         state = own_copy(worker.model, state)
     if worker.rank == 0:
         wait_handed_off(worker)
@@ -440,7 +504,7 @@ def save_checkpoint(worker: Worker, step: int) -> None:
     worker.saved.add(step)
     checkpoint.save(worker.run, step, worker.model, worker.optimizer, rank=worker.rank,
                     write_weights=lambda target: write_weights(worker, target),
-                    optimizer_steps=worker.optimizer_steps)
+                    optimizer_steps=worker.optimizer_steps, trainable_only=bool(worker.config.model.lora.rank))
 
 
 def _append_metrics(run, record: dict) -> None:

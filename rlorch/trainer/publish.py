@@ -32,11 +32,28 @@ def fsync_tree(path: Path) -> None:
 
 
 def write_hf(target: Path, model, state_dict: dict, tokenizer) -> None:
-    """An HF directory (config, safetensors weights, tokenizer) from a full state dict."""
+    """An HF directory (config, safetensors weights, tokenizer) from a full state dict. The
+    config names the weights' dtype: ``save_pretrained`` writes the model's own, which under
+    mixed precision is the float32 of the master weights, not the served dtype."""
+    dtypes = {tensor.dtype for tensor in state_dict.values() if tensor.is_floating_point()}
     target.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(target, state_dict=state_dict)
+    if len(dtypes) == 1:
+        _set_config_dtype(target / "config.json", str(dtypes.pop()).removeprefix("torch."))
     if tokenizer is not None:
         tokenizer.save_pretrained(target)
+
+
+def _set_config_dtype(path: Path, dtype: str) -> None:
+    import json
+
+    config = json.loads(path.read_text())
+    keys = [key for key in ("dtype", "torch_dtype") if key in config]
+    if all(config[key] == dtype for key in keys):
+        return
+    for key in keys or ["dtype"]:
+        config[key] = dtype
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 @dataclass

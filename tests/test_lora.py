@@ -1,0 +1,79 @@
+"""LoRA: the config keys, the merge that publishes adapters as full weights, and frozen bases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlorch.config.compose import compose
+from rlorch.config.schema import ConfigError
+
+
+@pytest.mark.parametrize("override,key,fragment", [
+    ("model.lora.rank=-1", "model.lora.rank", ">= 0"),
+    ("model.lora.alpha=0", "model.lora.alpha", "> 0"),
+    ("model.lora.target_modules=[]", "model.lora.target_modules", "at least one"),
+])
+def test_an_invalid_lora_setting_names_its_key(override, key, fragment):
+    with pytest.raises(ConfigError, match=fragment) as raised:
+        compose(["model.lora.rank=8", override])
+    assert raised.value.key == key
+
+
+def test_lora_without_peft_is_refused_with_the_install_line(monkeypatch):
+    import rlorch.config.schema as schema
+
+    real = schema._installed
+    monkeypatch.setattr(schema, "_installed", lambda package: package != "peft" and real(package))
+    assert compose([]).model.lora.rank == 0  # off: peft is not needed
+    with pytest.raises(ConfigError, match=r'pip install "rlorch\[lora\]"') as raised:
+        compose(["model.lora.rank=8"])
+    assert raised.value.key == "model.lora.rank"
+
+
+def _adapted(rank: int = 4, alpha: float = 8.0, targets=("q_proj", "down_proj"), save=("norm",)):
+    from transformers import AutoModelForCausalLM
+
+    from rlorch.config.schema import LoraConfig
+    from rlorch.model import ensure_default_model
+    from rlorch.trainer import lora
+
+    base = AutoModelForCausalLM.from_pretrained(ensure_default_model(), dtype=torch.float32)
+    names = list(base.state_dict())
+    torch.manual_seed(0)
+    model = lora.wrap(base, LoraConfig(rank=rank, alpha=alpha, target_modules=list(targets),
+                                       modules_to_save=list(save)))
+    with torch.no_grad():  # B starts at zero and the trained copies equal the originals: move them
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+    return model, names
+
+
+def test_merged_weights_are_peft_s_own_merge_under_the_base_model_s_names():
+    from rlorch.trainer import lora
+
+    model, names = _adapted()
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    merged = lora.merged(state, scaling=8.0 / 4)
+    expected = model.merge_and_unload().state_dict()
+    assert sorted(merged) == sorted(names) == sorted(expected)
+    assert not any("lora" in name or "base_layer" in name for name in merged)
+    for name in names:
+        assert torch.allclose(merged[name], expected[name], atol=1e-6), name
+    untouched = [n for n in names if f"{lora.PEFT_PREFIX}{n}" in state]
+    assert "model.embed_tokens.weight" in untouched
+    assert all(merged[n] is state[f"{lora.PEFT_PREFIX}{n}"] for n in untouched)
+    assert not torch.equal(merged["model.norm.weight"], state[f"{lora.PEFT_PREFIX}model.norm.original_module.weight"])
+    adapted = "model.layers.0.self_attn.q_proj.weight"
+    base = state[f"{lora.PEFT_PREFIX}model.layers.0.self_attn.q_proj.base_layer.weight"]
+    assert not torch.allclose(merged[adapted], base)
+
+
+def test_only_the_adapters_are_trainable():
+    model, _ = _adapted()
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in name or ".lora_B." in name or "norm.modules_to_save." in name
+                             for name in trainable)
+    assert any("modules_to_save" in name for name in trainable)
+
