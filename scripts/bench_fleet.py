@@ -206,6 +206,8 @@ def main() -> None:
     parser.add_argument("--memory-gb", type=float, default=None,
                         help="Memory the orchestrator may use (default: 70%% of this machine's).")
     args = parser.parse_args()
+    # A SIGTERM (timeout, a job scheduler) unwinds through the finally blocks that stop the fleets.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     memory = (args.memory_gb * 2**30 if args.memory_gb else
               0.7 * os.sysconf("SC_PHYS_PAGES") * PAGE)
     workdir = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
