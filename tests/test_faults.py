@@ -58,12 +58,13 @@ def test_every_case_has_a_bound():
 KNOWN = {"serve_limits": "rlorch serve parses the unread rest of a refused 50 MB body as a new request and "
                          "logs it (aiohttp BadHttpMethod with the bytes): the server stalls for tens of seconds, "
                          "/health and the body timeout with it"}
-"""Cases that fail on a known defect (not strict: how long the stall lasts depends on the machine)."""
+"""Cases that fail on a known defect: not run (the stall costs CI over a minute and says nothing
+new); `pytest tests/test_faults.py -k serve_limits --runxfail` runs one to see whether it is fixed."""
 
 
 def _marks(name: str) -> list:
     marks = [] if name in QUICK else [pytest.mark.slow]
-    return marks + ([pytest.mark.xfail(reason=KNOWN[name])] if name in KNOWN else [])
+    return marks + ([pytest.mark.xfail(reason=KNOWN[name], run=False)] if name in KNOWN else [])
 
 
 @pytest.mark.parametrize("case", [pytest.param(name, marks=_marks(name)) for name in faults.CASES])
