@@ -56,9 +56,27 @@ def _interruptible():
     server) ends the command with a word and status 130, not silently."""
     try:
         yield
+    except Exception as err:
+        if not interrupted_within(err):
+            raise
+        typer.echo("interrupted before the run started: no run directory was made", err=True)
+        raise typer.Exit(130)
     except KeyboardInterrupt:
         typer.echo("interrupted before the run started: no run directory was made", err=True)
         raise typer.Exit(130)
+
+
+def interrupted_within(err: BaseException) -> bool:
+    """Whether a Ctrl-C is what ``err`` came of: OmegaConf re-raises an exception inside a
+    structured config's checks as its own ValidationError, keeping the KeyboardInterrupt only as
+    the context."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, KeyboardInterrupt):
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False
 
 
 OVERRIDES_HELP = ("Hydra overrides, key=value (e.g. rollout.max_staleness=4 inference=sim); "
@@ -75,6 +93,8 @@ def _config_or_exit(overrides: list[str]):
     try:
         return compose(overrides)
     except ConfigError as err:
+        if interrupted_within(err):
+            raise KeyboardInterrupt from err
         Console(stderr=True, soft_wrap=True).print(f"[bold red]invalid config[/] [bold]{escape(err.key)}[/]: "
                                    f"{escape(str(err).split(': ', 1)[-1])}", highlight=False)
         raise typer.Exit(2)

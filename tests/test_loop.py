@@ -335,3 +335,23 @@ def test_ctrl_c_in_the_first_second_says_so(tmp_path):
         process.send_signal(signal.SIGINT)
         _, err = process.communicate(timeout=30)
         assert process.returncode == 130 and "interrupted" in err, (delay, err)
+
+
+def test_a_ctrl_c_that_omegaconf_rewrapped_still_ends_with_the_interrupted_word(capsys):
+    """OmegaConf re-raises what interrupts a structured config's checks as a ValidationError whose
+    context is the KeyboardInterrupt: the command still ends with status 130 and the word."""
+    import typer
+    from omegaconf.errors import ValidationError
+
+    from rlorch.cli import _interruptible
+
+    with pytest.raises(typer.Exit) as ended:
+        with _interruptible():
+            try:
+                raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                raise ValidationError("full_key: run object_type=RunConfig")
+    assert ended.value.exit_code == 130 and "interrupted" in capsys.readouterr().err
+    with pytest.raises(ValidationError):
+        with _interruptible():
+            raise ValidationError("a real config error stays one")
