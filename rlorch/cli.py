@@ -56,12 +56,9 @@ def _interruptible():
     server) ends the command with a word and status 130, not silently."""
     try:
         yield
-    except Exception as err:
+    except (Exception, KeyboardInterrupt) as err:
         if not interrupted_within(err):
             raise
-        typer.echo("interrupted before the run started: no run directory was made", err=True)
-        raise typer.Exit(130)
-    except KeyboardInterrupt:
         typer.echo("interrupted before the run started: no run directory was made", err=True)
         raise typer.Exit(130)
 
