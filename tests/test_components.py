@@ -343,3 +343,35 @@ def test_step_age_figures_match_numpy_on_the_few_ages_a_batch_has():
         assert age_stats(ages) == {"age_max": int(values.max()), "age_p99": float(np.percentile(values, 99)),
                                    "age_mean": round(float(values.mean()), 4),
                                    "age_counts": np.bincount(np.maximum(values, 0)).tolist()}, ages
+
+
+def test_dispatcher_admits_nothing_while_max_buffered_rollouts_wait_and_resumes_once_taken():
+    """Backpressure (``rollout.max_buffered``): finished rollouts nobody has taken stop admission
+    at the bound (a pass in progress may overshoot it by at most the gate's concurrency), and
+    taking them lets admission go on."""
+    async def instant(prompt: Prompt):
+        return [rollout(prompt.group_id, 1.0, [[0, 1]])]
+
+    async def turns(n: int = 50) -> None:
+        for _ in range(n):
+            await asyncio.sleep(0)
+
+    async def scenario():
+        dispatcher = make_dispatcher(instant, prompts=40, max_buffered=3)
+        await dispatcher.start()
+        deadline = asyncio.get_running_loop().time() + 10
+        while dispatcher.out_rollouts < 3 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.005)
+        await dispatcher.wait_idle(5)
+        await turns()
+        held = dispatcher.admitted, dispatcher.out_rollouts
+        while dispatcher.try_get() is not None:
+            pass
+        dispatcher.notify()
+        await turns()
+        await dispatcher.stop()
+        return held, dispatcher.admitted
+
+    (held_admitted, held_buffered), later = asyncio.run(scenario())
+    assert 3 <= held_buffered == held_admitted <= 3 + 4 - 1
+    assert later > held_admitted

@@ -355,3 +355,17 @@ def test_a_ctrl_c_that_omegaconf_rewrapped_still_ends_with_the_interrupted_word(
     with pytest.raises(ValidationError):
         with _interruptible():
             raise ValidationError("a real config error stays one")
+
+
+def test_filter_budget_ships_short_batches_in_a_run_where_most_groups_are_filtered(tmp_path):
+    """Two in three groups score the same on every sample (filtered). With a budget of one
+    batch's worth of filtered rollouts each batch ships short once it is spent (a group in
+    flight may overshoot it); with no budget every batch waits to fill."""
+    mostly_filtered = ["task=custom", "task.name=tests.mostly_solved:MostlySolved", "inference.sim.reward=task",
+                       "+task.params.every=3", "rollout.group_size=4", "rollout.batch_size=16", "train.steps=6",
+                       "train.stop_on_converged=false"]
+    code, summary, steps = train(tmp_path, "budget", *mostly_filtered, "rollout.filter_budget=1")
+    assert code == 0 and summary["short_batches"] == 6, summary
+    assert all(s["rollouts"] < 16 and s["filtered"] <= 16 + 2 * 4 for s in steps), steps
+    code, summary, steps = train(tmp_path, "unbounded", *mostly_filtered, "rollout.filter_budget=0")
+    assert code == 0 and summary["short_batches"] == 0 and all(s["rollouts"] == 16 for s in steps), summary

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from faults import tree_digest
+
 # Admission-side gating bounds what is admitted; observed age may overshoot S when completion
 # times vary. Tests that assert the age bound on real runs use strict mode, which never trains
 # a token older than S.
@@ -43,6 +45,9 @@ def steps_of(lines: list[dict]) -> list[dict]:
 
 @pytest.mark.slow
 def test_train_then_resume_continues_from_the_checkpoint(env, tmp_path):
+    """A 4-step run resumes from its step-4 checkpoint with the age bound held. A resume from the
+    step-2 checkpoint with a truncated DCP shard, or truncated HF weights, is refused naming the
+    file and leaves the run directory byte-identical."""
     run_dir = tmp_path / "real"
     done = rlorch(env, "train", f"run.dir={run_dir}", "train.steps=4", "trainer.checkpoint_every=2", STRICT, *SMALL)
     assert done.returncode == 0, done.stderr
@@ -57,6 +62,16 @@ def test_train_then_resume_continues_from_the_checkpoint(env, tmp_path):
     published = sorted((run_dir / "weights").glob("step_*"))
     assert published and (published[-1] / "PUBLISHED").exists()
     AutoModelForCausalLM.from_pretrained(published[-1])
+
+    older = run_dir / "checkpoints" / "step_000002"
+    for damaged in (max((older / "trainer" / "dcp").glob("*.distcp")), max((older / "weights").glob("*.safetensors"))):
+        intact = damaged.read_bytes()
+        damaged.write_bytes(intact[: len(intact) // 2])
+        digest = tree_digest(run_dir)
+        refused = rlorch(env, "resume", f"checkpoint={older}", "train.steps=6")
+        assert refused.returncode == 2 and str(damaged) in refused.stderr + refused.stdout, refused.stderr
+        assert tree_digest(run_dir) == digest
+        damaged.write_bytes(intact)
 
     again = rlorch(env, "resume", f"checkpoint={run_dir / 'checkpoints' / 'step_000004'}", "train.steps=6")
     assert again.returncode == 0, again.stderr
