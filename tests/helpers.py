@@ -43,11 +43,12 @@ def step_count(run_dir: Path) -> int:
     return path.read_text().count('"kind": "step"') if path.exists() else 0
 
 
-def train(run_dir: Path, *overrides: str) -> tuple[int, dict, list[dict]]:
-    """A sim run (``conf=sim``) in this process: its exit code, summary and step records."""
+def train(run_dir: Path, *overrides: str, progress: bool = False) -> tuple[int, dict, list[dict]]:
+    """A sim run (``conf=sim``) in this process: its exit code, summary and step records
+    (``progress``: with the progress lines an operator sees)."""
     from rlorch.config.compose import compose
     from rlorch.runner import run_training
 
-    config = compose(["conf=sim", f"run.dir={run_dir}", "run.progress=false", *overrides])
+    config = compose(["conf=sim", f"run.dir={run_dir}", f"run.progress={str(progress).lower()}", *overrides])
     code = run_training(config, [])
     return code, *read_run(run_dir)

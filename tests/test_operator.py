@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import helpers
+from helpers import read_metrics
 from rlorch.cli import app
 from rlorch.config.compose import compose
 from rlorch.config.schema import ConfigError
@@ -24,11 +26,9 @@ FAST = ["inference.sim.latency=[0.005,0.005]", "trainer.sim.step_time=0.01"]
 
 
 def train(run_dir: Path, *overrides: str) -> tuple[int, dict, list[dict]]:
-    config = compose(["conf=sim", f"run.dir={run_dir}", *FAST, *overrides])
-    code = run_training(config, [])
-    summary = json.loads((run_dir / "summary.json").read_text())
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return code, summary, records
+    """A fast sim run with its progress lines on: exit code, summary and every record."""
+    code, summary, _ = helpers.train(run_dir, *FAST, *overrides, progress=True)
+    return code, summary, read_metrics(run_dir)
 
 
 def steps_of(records: list[dict]) -> list[dict]:
@@ -357,7 +357,7 @@ def test_the_report_writes_accuracy_in_percent_and_covers_every_life_of_a_resume
     train(run_dir, "train.steps=10", "trainer.checkpoint_every=5", "run.report=false", "eval.every=5")
     assert resume_training(str(run_dir), ["train.steps=14", "run.report=true"]) == 0
     text = (run_dir / "report" / "report.md").read_text()
-    steps = steps_of([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()])
+    steps = steps_of(read_metrics(run_dir))
     assert "| steps | 14 |" in text, text
     assert f"| reward first -> last | {steps[0]['reward_mean']:.4g} -> {steps[-1]['reward_mean']:.4g} |" in text, text
     assert "| eval accuracy first -> last | 0.0% -> 0.0% |" in text, text

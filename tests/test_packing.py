@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+import helpers
 from rlorch.config.compose import compose
 from rlorch.config.schema import ConfigError
 from rlorch.orchestrator.dispatcher import Dispatcher, GenerationFailed
 from rlorch.orchestrator.gate import CapacityGate
 from rlorch.rundir.layout import RunDir
-from rlorch.runner import run_training
 from rlorch.types import Origin, PolicyVersion, Prompt, Rollout, VersionStamps
 
 GROUP = 2
@@ -185,14 +185,12 @@ def test_pack_samples_is_validated_naming_the_key():
 
 def trained_rollouts(tmp_path: Path, name: str, *overrides: str) -> tuple[dict, list[dict]]:
     run_dir = tmp_path / name
-    config = compose(["conf=sim", f"run.dir={run_dir}", "run.progress=false", "eval.enabled=false",
-                      "inference.sim.latency=[0,0]", "trainer.sim.step_time=0", "train.steps=6",
-                      "rollout.batch_size=16", "rollout.group_size=2", "rollout.max_concurrent=64",
-                      "metrics.interval=0.001", *overrides])
-    assert run_training(config, []) == 0
-    summary = json.loads((run_dir / "summary.json").read_text())
-    gauges = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    summary["engine_calls"] = max(record.get("engines_calls", 0) for record in gauges)
+    code, summary, _ = helpers.train(run_dir, "eval.enabled=false", "inference.sim.latency=[0,0]",
+                                     "trainer.sim.step_time=0", "train.steps=6", "rollout.batch_size=16",
+                                     "rollout.group_size=2", "rollout.max_concurrent=64", "metrics.interval=0.001",
+                                     *overrides)
+    assert code == 0
+    summary["engine_calls"] = max(record.get("engines_calls", 0) for record in helpers.read_metrics(run_dir))
     lines = [json.loads(line) for step in range(1, 7) for line in RunDir(run_dir).batch(step).read_text().splitlines()]
     return summary, lines
 

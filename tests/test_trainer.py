@@ -85,6 +85,22 @@ def _wait_for(condition, process: subprocess.Popen, timeout: float = 90) -> None
         time.sleep(0.05)
 
 
+def _relaunch_from_step_2(run: RunDir, *, nproc: int, steps: int, checkpoint_every: int) -> subprocess.Popen:
+    """The trainer again, on ``nproc`` ranks, from the step-2 checkpoint (DCP reshards it)."""
+    config = compose(["trainer.fsdp.device=cpu", f"train.steps={steps}", f"trainer.checkpoint_every={checkpoint_every}",
+                      "trainer.fsdp.micro_batch_size=2", f"trainer.fsdp.nproc={nproc}"])
+    save_config(config, run.config)
+    return _launch(config, run, run.checkpoint(2))
+
+
+def _assert_step_3_reproduced(run: RunDir, first_life: list[dict]) -> None:
+    """Same checkpoint, same batch: the resumed step 3 reproduces the first life's."""
+    resumed = _metrics(run)[3]
+    assert resumed["step"] == 3
+    assert resumed["loss"] == pytest.approx(first_life[2]["loss"], rel=1e-4, abs=1e-6)
+    assert resumed["grad_norm"] == pytest.approx(first_life[2]["grad_norm"], rel=1e-4)
+
+
 def test_trains_publishes_checkpoints_resumes_and_stops(tmp_path):
     """Two ranks train 3 steps; one rank resumes from step 2 (DCP reshards), re-trains step 3
     identically, then checkpoints step 3 on STOP while waiting for batch 4."""
@@ -112,19 +128,12 @@ def test_trains_publishes_checkpoints_resumes_and_stops(tmp_path):
     # Step 3's weights and checkpoint now belong to an abandoned trajectory: both get replaced.
     (run.weights_for(3) / "abandoned").write_text("")
     (run.checkpoint(3) / "trainer" / "abandoned").write_text("")
-    config = compose(["trainer.fsdp.device=cpu", "train.steps=5", "trainer.checkpoint_every=10",
-                      "trainer.fsdp.micro_batch_size=2", "trainer.fsdp.nproc=1"])
-    save_config(config, run.config)
-    process = _launch(config, run, run.checkpoint(2))
+    process = _relaunch_from_step_2(run, nproc=1, steps=5, checkpoint_every=10)
     _wait_for(lambda: len(_metrics(run)) == 4 and (run.weights_for(3) / PUBLISHED).exists(), process)
     write_atomic(run.stop_file, b"")
     code, output = _finish(process)
     assert code == 0, output
-    resumed = _metrics(run)[3]
-    assert resumed["step"] == 3
-    # Same checkpoint, same batch: the resumed step reproduces the first life's step 3.
-    assert resumed["loss"] == pytest.approx(first_life[2]["loss"], rel=1e-4, abs=1e-6)
-    assert resumed["grad_norm"] == pytest.approx(first_life[2]["grad_norm"], rel=1e-4)
+    _assert_step_3_reproduced(run, first_life)
     assert (run.checkpoint(3) / "trainer" / COMPLETE).exists()
     assert not (run.checkpoint(3) / "trainer" / "abandoned").exists()
     assert not (run.weights_for(3) / "abandoned").exists()
@@ -259,16 +268,10 @@ def test_a_single_rank_checkpoint_resumes_on_two_ranks(tmp_path):
     single = _metrics(run)
     assert [m["step"] for m in single] == [1, 2, 3]
 
-    config = compose(["trainer.fsdp.device=cpu", "train.steps=3", "trainer.checkpoint_every=2",
-                      "trainer.fsdp.micro_batch_size=2", "trainer.fsdp.nproc=2"])
-    save_config(config, run.config)
-    code, output = _finish(_launch(config, run, run.checkpoint(2)))
+    code, output = _finish(_relaunch_from_step_2(run, nproc=2, steps=3, checkpoint_every=2))
     assert code == 0, output
     assert json.loads((run.trainer / "ready").read_text())["world_size"] == 2
-    resumed = _metrics(run)[3]
-    assert resumed["step"] == 3
-    assert resumed["loss"] == pytest.approx(single[2]["loss"], rel=1e-4, abs=1e-6)
-    assert resumed["grad_norm"] == pytest.approx(single[2]["grad_norm"], rel=1e-4)
+    _assert_step_3_reproduced(run, single)
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -58,3 +60,19 @@ class StandIn:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+async def wait_for_requests(addresses: list[str], rids: list[str], *, tokens: int = 0, timeout: float = 30) -> None:
+    """Return once every rid is held by one of the stand-in apps at ``addresses`` with at least
+    ``tokens`` generated (its ``/server_info``); fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        held: dict[str, int] = {}
+        for address in addresses:
+            url = address if "://" in address else f"http://{address}"
+            info = await asyncio.to_thread(lambda: json.load(urllib.request.urlopen(f"{url}/server_info", timeout=5)))
+            held.update(info["internal_states"][0]["requests"])
+        if all(held.get(rid, -1) >= tokens for rid in rids):
+            return
+        assert time.monotonic() < deadline, f"requests {rids} not at the app with {tokens} tokens: {held}"
+        await asyncio.sleep(0.01)

@@ -154,7 +154,9 @@ class StandInTokenizerManager:
         return None
 
     async def get_internal_state(self):
-        return [{}]
+        """What ``/server_info`` reports as ``internal_states``: here, the requests the app holds
+        and the tokens each has generated, so that tests poll on state instead of sleeping."""
+        return [{"requests": {rid: len(req.output) for rid, req in self.rid_to_state.items()}}]
 
     async def generate_request(self, obj, request=None):
         """One request, or (like TokenizerManager._handle_batch_request without streaming) a batch

@@ -6,10 +6,12 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import aiohttp
 import pytest
 
+from contract_apps import wait_for_requests
 from rlorch.inference.client import SGLangEngine
 from rlorch.inference.pool import EnginePool
 from rlorch.types import GroupRequest, SamplingParams
@@ -27,10 +29,14 @@ async def _post(address: str, path: str, payload: dict) -> tuple[int, dict]:
             return response.status, await response.json(content_type=None)
 
 
-async def _in_flight(engine: SGLangEngine, rids: list[str]) -> None:
+async def _in_flight(engine: SGLangEngine, rids: list[str], *, tokens: int = 1) -> None:
+    """Every rid is at the app with ``tokens`` generated (1: a pause now cuts it mid-generation;
+    0: it is queued there)."""
+    deadline = time.monotonic() + 30
     while not all(engine.wire_rid(rid) for rid in rids):
+        assert time.monotonic() < deadline, f"{rids} never sent"
         await asyncio.sleep(0.01)
-    await asyncio.sleep(0.1)
+    await wait_for_requests([engine.url], [engine.wire_rid(rid) for rid in rids], tokens=tokens)
 
 
 def test_generate_answers_with_tokens_logprobs_and_version(sglang_app):
@@ -93,7 +99,7 @@ def test_pause_with_in_flight_and_queued_requests_then_reload_and_continue(sglan
             await _in_flight(engine, [f"run-{i}" for i in range(3)])
             await engine.pause()
             queued = asyncio.ensure_future(engine.generate(PROMPT, params(5), "queued"))
-            await asyncio.sleep(0.2)
+            await _in_flight(engine, ["queued"], tokens=0)
             await engine.reload("/checkpoints/step_2", 2)
             await engine.resume()
             return await asyncio.gather(*running, queued), engine.resubmits
@@ -164,7 +170,7 @@ def test_the_app_refuses_a_duplicate_id_and_the_client_never_sends_one(sglang_ap
     async def scenario():
         body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 20}, "rid": "dup"}
         first = asyncio.ensure_future(_post(sglang_app.address, "/generate", body))
-        await asyncio.sleep(0.1)
+        await wait_for_requests([sglang_app.address], ["dup"])
         second = await _post(sglang_app.address, "/generate", body)
         await first
         engine = SGLangEngine(sglang_app.address)
@@ -232,9 +238,8 @@ def test_older_answer_shapes(stand_in, shape):
             await engine.pause()
             await engine.reload("/checkpoints/step_3", 3)
             queued = asyncio.ensure_future(engine.generate(PROMPT, params(6), "q"))
-            await asyncio.sleep(0.3)
+            await _in_flight(engine, ["q"], tokens=0)
             await engine.pause()
-            await asyncio.sleep(0.2)
             await engine.resume()
             return await queued, engine.resubmits
         finally:

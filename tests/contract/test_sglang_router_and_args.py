@@ -22,7 +22,7 @@ from rlorch.inference.pool import EnginePool
 from rlorch.inference.routed import RoutedServer
 from rlorch.types import SamplingParams
 
-from contract_apps import StandIn, require_sglang
+from contract_apps import StandIn, require_sglang, wait_for_requests
 from rlorch.launch.local import free_port
 
 
@@ -75,7 +75,9 @@ def test_the_router_refuses_control_routes_so_they_go_to_every_worker(routed):
             await pool.reload("/checkpoints/step_3", 3)
             outs = await pool.generate_group([5, 6, 7], SamplingParams(max_new_tokens=20), 4, "g0")
             running = asyncio.ensure_future(pool.generate([5, 6, 7], SamplingParams(max_new_tokens=40), "r"))
-            await asyncio.sleep(0.3)
+            while not server.router.wire_rid("r"):
+                await asyncio.sleep(0.01)
+            await wait_for_requests(workers, [server.router.wire_rid("r")], tokens=1)
             await pool.reload("/checkpoints/step_4", 4)
             return refused, info, outs, await running, await server.weight_version()
         finally:
