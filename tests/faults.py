@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -60,13 +61,16 @@ class Outcome:
 
 
 class Run:
-    """One ``rlorch`` command as a tagged process group of its own."""
+    """One ``rlorch`` command as a tagged process group of its own. Its output goes to a file,
+    not a pipe: a pipe nobody reads until the end would block a process that writes more than
+    the pipe holds, and the case would measure the harness."""
 
     def __init__(self, *args: str, env: Optional[dict] = None, preexec: Optional[Callable] = None):
         self.tag = uuid.uuid4().hex
         self.env = {**(env or os.environ), TAG: self.tag, "PYTHONUNBUFFERED": "1", "COLUMNS": "400"}
+        self._log = tempfile.TemporaryFile()
         self.process = subprocess.Popen([sys.executable, "-m", "rlorch.cli", *args], env=self.env,
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                         stdout=self._log, stderr=subprocess.STDOUT,
                                          start_new_session=True, preexec_fn=preexec)
         self.output = ""
 
@@ -76,9 +80,11 @@ class Run:
 
     def wait(self, timeout: float) -> Optional[int]:
         try:
-            self.output, _ = self.process.communicate(timeout=timeout)
+            self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             return None
+        self._log.seek(0)
+        self.output = self._log.read().decode(errors="replace")
         return self.process.returncode
 
     def kill_all(self) -> None:
@@ -528,6 +534,7 @@ def serve_limits(tmp: Path) -> Outcome:
         out.exit_s = round(time.monotonic() - started, 2)
         out.check(status == 413, f"50 MB body answered {status}")
         out.check(_status(f"{base}/health") == 200 and run.process.poll() is None, "the server died on the body")
+        out.check(closed_after_refusal(port) < 5, "the refused connection stayed open, waiting for the body")
         out.check(slow_and_idle_closed(port, within=30, idle=False) == [], "the slow connection stayed open")
     finally:
         os.kill(run.pid, signal.SIGTERM)
@@ -546,8 +553,8 @@ def post_status(port: int, path: str, size: int) -> int:
                            f"Content-Length: {size}\r\n\r\n".encode())
         chunk = b"a" * 65536
         try:
-            for _ in range(0, size, len(chunk)):
-                connection.sendall(chunk)
+            for start in range(0, size, len(chunk)):
+                connection.sendall(chunk[:size - start])
         except (BrokenPipeError, ConnectionResetError):
             pass
         try:
@@ -556,6 +563,17 @@ def post_status(port: int, path: str, size: int) -> int:
             return 0
     parts = line.split()
     return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+
+
+def closed_after_refusal(port: int) -> float:
+    """Seconds from announcing a 50 MB body (and sending none of it) to the server's closing
+    the connection after its 413 (a server that drains the body would wait for it)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as connection:
+        connection.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 50000000\r\n\r\n")
+        started = time.monotonic()
+        while connection.recv(4096):
+            pass
+        return time.monotonic() - started
 
 
 def slow_and_idle_closed(port: int, *, within: float, idle: bool = True) -> list[str]:

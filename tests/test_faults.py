@@ -55,19 +55,8 @@ def test_every_case_has_a_bound():
     assert set(EXIT_WITHIN) == set(faults.CASES)
 
 
-KNOWN = {"serve_limits": "rlorch serve parses the unread rest of a refused 50 MB body as a new request and "
-                         "logs it (aiohttp BadHttpMethod with the bytes): the server stalls for tens of seconds, "
-                         "/health and the body timeout with it"}
-"""Cases that fail on a known defect: not run (the stall costs CI over a minute and says nothing
-new); `pytest tests/test_faults.py -k serve_limits --runxfail` runs one to see whether it is fixed."""
-
-
-def _marks(name: str) -> list:
-    marks = [] if name in QUICK else [pytest.mark.slow]
-    return marks + ([pytest.mark.xfail(reason=KNOWN[name], run=False)] if name in KNOWN else [])
-
-
-@pytest.mark.parametrize("case", [pytest.param(name, marks=_marks(name)) for name in faults.CASES])
+@pytest.mark.parametrize("case", [pytest.param(name, marks=[] if name in QUICK else [pytest.mark.slow])
+                                  for name in faults.CASES])
 def test_fault_case(tmp_path, case):
     """Each case of the fault suite (``tests/faults.py`` says what each asserts): it ends within
     its bound, leaves no process behind, loses and repeats nothing."""
