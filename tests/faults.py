@@ -354,10 +354,11 @@ def signal_during_startup(tmp: Path, sig: signal.Signals = signal.SIGTERM) -> Ou
     return out.done()
 
 
-def signal_twice_midrun_then_resume(tmp: Path, sig: signal.Signals = signal.SIGINT) -> Outcome:
+def signal_twice_midrun_then_resume(tmp: Path, sig: signal.Signals = signal.SIGINT, *, resume: bool = True) -> Outcome:
     """Two signals mid-run: one bounded shutdown, a checkpoint with its state; the resume trains
-    the rest without repeating or changing a batch."""
-    out, run_dir = Outcome(f"{sig.name} twice mid-run, resume"), tmp / f"twice-{sig.name}"
+    the rest without repeating or changing a batch (``resume=False``: the shutdown only, for a
+    second signal whose resume would repeat the first's)."""
+    out, run_dir = Outcome(f"{sig.name} twice mid-run" + (", resume" if resume else "")), tmp / f"twice-{sig.name}"
     run = Run("train", f"run.dir={run_dir}", "train.steps=40", *REAL)
 
     def twice() -> None:
@@ -375,6 +376,10 @@ def signal_twice_midrun_then_resume(tmp: Path, sig: signal.Signals = signal.SIGI
     extra = [step for step in checkpoint_steps(run_dir) if step % 3]
     out.check(extra in ([], [stopped]) and first["checkpoint"] == str(run_dir / "checkpoints" / f"step_{stopped:06d}"),
               f"checkpoints {checkpoint_steps(run_dir)} after stopping at {stopped}: {first['checkpoint']}")
+    if not resume:
+        out.lost = first["lost"]
+        out.check(out.lost == 0 and out.leftovers == 0, "lost/leftovers")
+        return out.done()
     before = step_files(run_dir, stopped)
     resumed = Run("resume", f"checkpoint={first['checkpoint']}", f"train.steps={stopped + 2}")
     code = resumed.wait(240)
@@ -629,7 +634,7 @@ CASES: dict[str, Callable[[Path], Outcome]] = {
     "sigterm_startup": signal_during_startup,
     "sigint_startup": lambda tmp: signal_during_startup(tmp, signal.SIGINT),
     "sigint_twice": signal_twice_midrun_then_resume,
-    "sigterm_twice": lambda tmp: signal_twice_midrun_then_resume(tmp, signal.SIGTERM),
+    "sigterm_twice": lambda tmp: signal_twice_midrun_then_resume(tmp, signal.SIGTERM, resume=False),
     "corrupt_newest": lambda tmp: corrupt_checkpoint(tmp, "newest"),
     "corrupt_older": lambda tmp: corrupt_checkpoint(tmp, "older"),
     "two_processes": two_processes_one_run_dir,
