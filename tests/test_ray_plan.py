@@ -69,3 +69,14 @@ def test_a_node_s_trainer_command_joins_node_0():
     assert node_trainer_command(command, 1, "10.0.0.5", 4242) == [
         "torchrun", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.5", "--master-port", "4242",
         "-m", "w"]
+
+
+def test_the_ray_plan_fills_unset_counts_from_run_gpus():
+    """``run.gpus`` is a node's GPUs under Ray too: unset counts split them as the local
+    launcher does (8: four SGLang servers and a 4-GPU trainer), with no GPU on this machine."""
+    config = compose(["run.launcher=ray", "inference=sglang", "trainer=fsdp", "run.gpus=8"])
+    plan = ray_plan(config, run_dir=None)
+    groups = {r["name"]: r["bundles"] for r in plan if r["role"] == "placement_group"}
+    assert sorted(groups) == ["server-0", "server-1", "server-2", "server-3", "trainer"]
+    assert groups["server-3"] == [{"GPU": 1.0}] and groups["trainer"] == [{"GPU": 4.0}]
+    assert len([r for r in plan if r["role"].startswith("server-")]) == 4

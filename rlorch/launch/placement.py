@@ -101,6 +101,13 @@ def _counts(config: Config, gpus: int) -> tuple[int, int]:
     return (1 if servers is None else servers), (1 if nproc is None else nproc)
 
 
+def fill_counts(config: Config, gpus: int) -> Config:
+    """``config`` with unset ``inference.num_servers`` and ``trainer.fsdp.nproc`` filled for a
+    node of ``gpus`` GPUs, and nothing placed: under Ray the cluster places, so this machine's
+    devices are not checked."""
+    return _filled(config, gpus)
+
+
 def _filled(config: Config, gpus: int) -> Config:
     servers, nproc = _counts(config, gpus)
     if (servers, nproc) == (config.inference.num_servers, config.trainer.fsdp.nproc):

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from rlorch.config.schema import Config, InferenceBackend, TrainerBackend
-from rlorch.launch.placement import (idle_gpu_warning, inherited_devices, node_trainer_gpus, place,
+from rlorch.launch.placement import (fill_counts, idle_gpu_warning, inherited_devices, node_trainer_gpus, place,
                                      resolve_layout, visible_env, visible_gpus)
 from rlorch.launch.server_command import server_command
 from rlorch.launch.trainer_command import trainer_command
@@ -57,7 +57,7 @@ def ray_plan(config: Config, *, run_dir: Path) -> list[dict]:
     node; the trainer's rendezvous is node 0's). Starts nothing, needs no cluster."""
     from rlorch.launch.ray import node_trainer_command, requests, server_bundles
 
-    config = resolve_layout(config, 0)
+    config = fill_counts(config, config.run.gpus or 0)
     plan: list[dict] = [{"role": "orchestrator", "node": 0, "command": "rlorch train (this process, the Ray driver)",
                          "env": {}}]
     plan += [{"role": "placement_group", **group} for group in requests(config)]

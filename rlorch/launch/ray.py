@@ -63,9 +63,9 @@ def trainer_bundles(config) -> list[dict[str, float]]:
     """The trainer's bundles, one per node: ``nproc`` GPUs, or ``nproc`` CPUs on a CPU trainer
     (``trainer.fsdp.device=auto`` trains on GPUs when ``run.gpus`` is set or the connected
     cluster has GPUs)."""
-    from rlorch.launch.placement import resolve_layout
+    from rlorch.launch.placement import fill_counts
 
-    fsdp = resolve_layout(config, 0).trainer.fsdp if config.trainer.fsdp.nproc is None else config.trainer.fsdp
+    fsdp = fill_counts(config, config.run.gpus or 0).trainer.fsdp
     kind = "GPU" if fsdp.device == "cuda" or (fsdp.device == "auto" and _cluster_gpus(config)) else "CPU"
     return [{kind: float(fsdp.nproc)} for _ in range(fsdp.nnodes)]
 
