@@ -270,10 +270,13 @@ def test_a_launched_server_that_exits_is_started_again_and_rejoins_at_the_curren
                 assert time.monotonic() < deadline, f"not restarted within 120 s: {pool.health()}"
                 await asyncio.sleep(0.05)
             generation = await pool.generate(PROMPT, SamplingParams(max_new_tokens=4), "after")
-            return generation, await pool.engines[0].weight_version(), pool.health()
+            recorded = json.loads((tmp_path / "run" / "servers.json").read_text())
+            return generation, await pool.engines[0].weight_version(), pool.health(), pid, recorded
         finally:
             await pool.close()
 
-    generation, version, health = asyncio.run(scenario())
+    generation, version, health, killed, recorded = asyncio.run(scenario())
     assert version == 1 and generation.versions.head == generation.versions.tail == 1
     assert health["servers_dead"] == 0 and health["server_restarts"] == 1
+    # servers.json names the restarted process, not the killed one.
+    assert [r["index"] for r in recorded] == [0] and recorded[0]["pid"] not in (None, killed)

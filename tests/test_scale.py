@@ -41,6 +41,11 @@ def test_scale_refuses_anything_but_a_server_count_of_a_run(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.cluster
+def _fleet(run_dir):
+    """The server indices ``servers.json`` lists now."""
+    return [r["index"] for r in json.loads((run_dir / "servers.json").read_text())]
+
+
 def test_a_fleet_grows_from_one_to_three_and_shrinks_back_with_nothing_lost(tmp_path):
     run_dir = tmp_path / "run"
     run = faults.Run("train", "inference=cpu", "inference.num_servers=1", "train.steps=2000", f"run.dir={run_dir}",
@@ -51,9 +56,11 @@ def test_a_fleet_grows_from_one_to_three_and_shrinks_back_with_nothing_lost(tmp_
         faults.wait_for(lambda: any(r["engines_servers"] == 3 and r["engines_servers_up"] == 3
                                     for r in _periodic(run_dir)), 300, "three servers up")
         grown = faults.trainer_steps(run_dir)
+        fleet = faults.wait_for(lambda: len(_fleet(run_dir)) == 3 and _fleet(run_dir), 30, "servers.json of three")
         faults.wait_for(lambda: faults.trainer_steps(run_dir) >= grown + 2, 300, "two steps on three servers")
         _scale(run_dir, 1)
         faults.wait_for(lambda: _periodic(run_dir)[-1]["engines_servers"] == 1, 300, "back to one server")
+        shrunk_fleet = faults.wait_for(lambda: len(_fleet(run_dir)) == 1 and _fleet(run_dir), 30, "servers.json of one")
         shrunk = faults.trainer_steps(run_dir)
         faults.wait_for(lambda: faults.trainer_steps(run_dir) >= shrunk + 2, 300, "two steps on one server")
         run.process.send_signal(signal.SIGTERM)
@@ -72,3 +79,4 @@ def test_a_fleet_grows_from_one_to_three_and_shrinks_back_with_nothing_lost(tmp_
     assert {r.get("servers") for r in steps if r.get("kind") == "step"} >= {1, 3}
     assert "rlorch scale: 1 -> 3 servers" in run.output and "rlorch scale: 3 -> 1 servers" in run.output
     assert leftovers == 0
+    assert fleet == [0, 1, 2] and shrunk_fleet == [0], (fleet, shrunk_fleet)

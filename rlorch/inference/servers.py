@@ -37,7 +37,7 @@ from rlorch.launch.base import LaunchError, Launched, Launcher, exit_reason
 from rlorch.launch.placement import server_env
 from rlorch.launch.server_command import API_KEY_ENV
 from rlorch.lifecycle import cancel_and_wait, off_loop
-from rlorch.rundir.layout import RunDir
+from rlorch.rundir.layout import RunDir, write_json_atomic
 from rlorch.types import PolicyVersion
 
 log = logging.getLogger("rlorch.servers")
@@ -76,7 +76,7 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
 
     try:
         await asyncio.gather(*(_wait_ready(launcher, s, e, inference.ready_timeout) for s, e in zip(servers, engines)))
-        await record_versions(servers, engines, servers_file, inference.expect_version)
+        records = await record_versions(servers, engines, servers_file, inference.expect_version)
     except BaseException:
         await asyncio.gather(*(e.close() for e in engines), return_exceptions=True)
         await shutdown()
@@ -97,6 +97,9 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
         fresh = launcher.start_server(config, server.index, log_dir=log_dir, model_path=model_path, api_key=api_key,
                                       env=server_env(config, server.index), port=int(server.address.rsplit(":", 1)[1]))
         servers[server.index] = fresh
+        if server.index in records:
+            records[server.index] = {**records[server.index], "address": fresh.address, "pid": server_pid(fresh)}
+            write_records(servers_file, records)
         return fresh
 
     async def add_server() -> None:
@@ -113,12 +116,16 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
             raise
         by_name[engine.name] = fresh
         pool.add(engine)
+        records[index] = server_record(fresh, await engine.server_info())
+        write_records(servers_file, records)
 
     async def remove_server(name: str) -> None:
         server = by_name.pop(name)
         await pool.remove(name, timeout=config.rollout.request_timeout)
         await launcher.stop([server], timeout=inference.shutdown_timeout)
         launcher.release(server)
+        records.pop(server.index, None)
+        write_records(servers_file, records)
 
     if scale_file is not None and not inference.addresses and not inference.router:
         monitor.append(asyncio.create_task(follow_scale(scale_file, by_name, add=add_server, remove=remove_server,
@@ -237,18 +244,33 @@ async def _wait_ready(launcher: Launcher, server: Launched, engine: SGLangEngine
 
 
 async def record_versions(servers: list[Launched], engines: list[SGLangEngine], path: Path,
-                          expect: Optional[str]) -> None:
+                          expect: Optional[str]) -> dict[int, dict]:
+    """Write ``servers.json`` (each server's address, pid, log and reported versions) and return
+    its records by server index."""
     infos = await asyncio.gather(*(e.server_info() for e in engines))
-    record = [{"index": s.index, "address": s.address, "version": info.get("version"),
-               "pid": s.extra.get("pid", getattr(s.handle, "pid", None)), "log": str(s.log) if s.log is not None else None,
-               "model_path": info.get("model_path"), "weight_version": info.get("weight_version")}
-              for s, info in zip(servers, infos)]
-    path.write_text(json.dumps(record, indent=1))
+    records = {s.index: server_record(s, info) for s, info in zip(servers, infos)}
+    write_records(path, records)
     if expect is not None:
-        wrong = [r for r in record if str(r["version"]) != str(expect)]
+        wrong = [r for r in records.values() if str(r["version"]) != str(expect)]
         if wrong:
             raise LaunchError("inference.expect_version is " + repr(expect) + " but " + ", ".join(
                 f"{r['address']} runs {r['version']!r}" for r in wrong))
+    return records
+
+
+def server_record(server: Launched, info: dict) -> dict:
+    return {"index": server.index, "address": server.address, "version": info.get("version"),
+            "pid": server_pid(server), "log": str(server.log) if server.log is not None else None,
+            "model_path": info.get("model_path"), "weight_version": info.get("weight_version")}
+
+
+def server_pid(server: Launched) -> Optional[int]:
+    return server.extra.get("pid", getattr(server.handle, "pid", None))
+
+
+def write_records(path: Path, records: dict[int, dict]) -> None:
+    """``servers.json`` as the fleet is now: rewritten when a server restarts, joins or leaves."""
+    write_json_atomic(path, [records[index] for index in sorted(records)])
 
 
 @inference_backend(InferenceBackend.cpu, InferenceBackend.sglang)

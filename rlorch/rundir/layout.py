@@ -16,7 +16,7 @@ Layout (steps are 1-based; training step N reads batch N and publishes weights v
                                     before that step's version is published
     trainer/ready                   written once the trainer has loaded its model
     trainer/workers/rank-R.json     the pid of each trainer rank (killed with its group on stop)
-    servers.json                    the inference servers and the version each reported
+    servers.json                    the inference servers now (rewritten on a restart or a scale) and their versions
     tensorboard/                    TensorBoard scalars (metrics.tensorboard=true)
     logs/                           per-process logs
     STOP                            asks the trainer to checkpoint its last step and exit
