@@ -51,7 +51,7 @@ PHRASINGS = (
 
 
 def write_sums(root: Path) -> tuple[Path, Path]:
-    """``train.jsonl`` (300 rows) and ``heldout.jsonl`` (100 rows: one phrasing of each fact)."""
+    """``train.jsonl`` (165 rows) and ``heldout.jsonl`` (55 rows: one phrasing of each fact)."""
     facts = [(a, b) for a in range(10) for b in range(10) if a + b <= 9]
     random.Random("bench_chat").shuffle(facts)
     held = {fact: i % len(PHRASINGS) for i, fact in enumerate(facts)}
@@ -82,9 +82,9 @@ def main() -> None:
         root.mkdir(parents=True, exist_ok=True)
         train, heldout = write_sums(root)
         overrides = [f"run.dir={root / 'run'}", "run.progress=false", f"data.path={train}",
-                     f"data.eval_path={heldout}", "data.messages_key=messages",
-                     "task.reward=math",
-                     "rollout.max_new_tokens=1", "trainer.lr=2e-3", "train.steps=2000", "eval.every=25", *TWO_CORES, *args]
+                     f"data.eval_path={heldout}", "data.messages_key=messages", "task.reward=math",
+                     "rollout.max_new_tokens=1", "trainer.lr=2e-3", "train.steps=2000", "eval.every=25",
+                     *TWO_CORES, *args]
         load_before = load()
         started = time.monotonic()
         deadline = threading.Timer(minutes * 60, os.kill, (os.getpid(), signal.SIGINT))
