@@ -1,26 +1,40 @@
 """A chat-format task from a data file, scored by the built-in math reward, on the tiny model.
 
-Writes single-digit sums as chat messages (``[{"role": "user", "content": "3+4="}]``, answer
-``7``) to a JSONL file, holds out a fixed fifth of them (``data.eval_fraction``), trains the CPU
-default on the rest and prints held-out greedy accuracy first -> last, the steps and the wall
-time. The same code paths as the GPU recipe: messages, the chat template, a data file, the math
-reward. Beside ``math`` (weight 1), partial credit for a number near the answer
-(:func:`closeness`, weight 0.5) and a format penalty (:func:`digits_only`, weight 0.2, at most 0)
-shape the randomly initialised model's search, as TRL's GSM8K examples add format rewards; a
-held-out answer counts as right only at the maximum reward (1.5): the math reward 1, the
-number exact, digits only. The run is stopped (SIGINT: drained, checkpointed) after ``--minutes`` (default 10).
+The task: single-digit sums ``a+b`` (digits a, b with a + b <= 9: 55 facts), each written in four
+phrasings as chat messages, the answer the sum (``7``)::
 
-Usage: python scripts/bench_chat.py [--minutes 10] [key=value ...]
+    [{"role": "user", "content": "3+4="}]
+    [{"role": "user", "content": "add:3,4"}]
+    [{"role": "user", "content": "whatis3+4"}]
+    [{"role": "system", "content": "sum"}, {"role": "user", "content": "3|4"}]
+
+What is held out: for every fact, one of its four phrasings (a fixed shuffle of the facts, dealt
+round robin, so each phrasing is held out for 13 or 14 facts). The 165 other rows are written to
+``train.jsonl`` and trained on; the 55 held-out rows to ``heldout.jsonl`` (``data.eval_path``)
+and never trained on. A held-out row is a prompt the model has never seen: it has trained the
+fact in the three other phrasings and the phrasing with the other facts, and must put the two
+together. No unseen fact is asked: a randomly initialised model of this size does not infer
+addition facts it never saw (holding out a fifth of the 100 facts a+b, a, b in 0..9, stayed at
+0% for 10 minutes). Held-out accuracy is greedy exact match (the math reward at 1), printed
+first -> last with the steps, the wall time, the load average (the machine may be shared) and
+what the best prompt-independent answer would score (``9``: 10 of the 55 held-out rows).
+
+The reward is the built-in ``math`` alone; the answer is one token (``rollout.max_new_tokens=1``,
+so every completion ends at the length limit and the run says so), ``trainer.lr=2e-3``. The
+run is stopped (SIGINT: drained, checkpointed) after ``--minutes`` (default 10).
+
+Usage: python scripts/bench_chat.py [--minutes 10] [--run-dir DIR] [key=value ...]
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import sys
-import threading
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -28,43 +42,50 @@ from rlorch.config.compose import compose
 from rlorch.runner import run_training
 
 TWO_CORES = ["inference.num_servers=1", "inference.cpu.max_batch=128", "rollout.pack_samples=128"]
+PHRASINGS = (
+    lambda a, b: [{"role": "user", "content": f"{a}+{b}="}],
+    lambda a, b: [{"role": "user", "content": f"add:{a},{b}"}],
+    lambda a, b: [{"role": "user", "content": f"whatis{a}+{b}"}],
+    lambda a, b: [{"role": "system", "content": "sum"}, {"role": "user", "content": f"{a}|{b}"}],
+)
 
 
-def digits_only(prompts, completions, **columns) -> list[float]:
-    """Minus the share of an answer's characters that are not digits (-1 for an empty one)."""
-    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
-    return [-sum(not ch.isdigit() for ch in text) / len(text) if text else -1.0 for text in texts]
+def write_sums(root: Path) -> tuple[Path, Path]:
+    """``train.jsonl`` (165 rows) and ``heldout.jsonl`` (55 rows: one phrasing of each fact)."""
+    facts = [(a, b) for a in range(10) for b in range(10) if a + b <= 9]
+    random.Random("bench_chat").shuffle(facts)
+    held = {fact: i % len(PHRASINGS) for i, fact in enumerate(facts)}
+    train, heldout = root / "train.jsonl", root / "heldout.jsonl"
+    with open(train, "w") as t, open(heldout, "w") as h:
+        for a, b in sorted(facts):
+            for form, phrase in enumerate(PHRASINGS):
+                row = json.dumps({"messages": phrase(a, b), "answer": str(a + b)}) + "\n"
+                (h if held[a, b] == form else t).write(row)
+    return train, heldout
 
 
-def closeness(prompts, completions, answer, **columns) -> list[float]:
-    """Partial credit for a number near the answer: 1 - |got - answer| / 10, at least 0."""
-    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
-    return [max(0.0, 1 - abs(int(text) - int(a)) / 10) if text.isdigit() else 0.0 for text, a in zip(texts, answer)]
-
-
-def write_sums(path: Path) -> Path:
-    with open(path, "w") as handle:
-        for a in range(10):
-            for b in range(10):
-                row = {"messages": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}
-                handle.write(json.dumps(row) + "\n")
-    return path
+def load() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "n/a"
 
 
 def main() -> None:
     args = sys.argv[1:]
-    minutes = 10.0
-    if "--minutes" in args:
-        at = args.index("--minutes")
-        minutes = float(args[at + 1])
-        del args[at:at + 2]
+    options = {"--minutes": "10", "--run-dir": ""}
+    for name in options:
+        if name in args:
+            at = args.index(name)
+            options[name] = args[at + 1]
+            del args[at:at + 2]
+    minutes = float(options["--minutes"])
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        data = write_sums(root / "sums.jsonl")
-        overrides = [f"run.dir={root / 'run'}", "run.progress=false", f"data.path={data}",
-                     "data.messages_key=messages", "task.reward=[math,__main__:closeness,__main__:digits_only]",
-                     "task.reward_weights=[1.0,0.5,0.2]", "data.eval_fraction=0.2", "rollout.max_new_tokens=2",
-                     "train.steps=1000", "eval.every=10", *TWO_CORES, *args]
+        root = Path(options["--run-dir"] or tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        train, heldout = write_sums(root)
+        overrides = [f"run.dir={root / 'run'}", "run.progress=false", f"data.path={train}",
+                     f"data.eval_path={heldout}", "data.messages_key=messages", "task.reward=math",
+                     "rollout.max_new_tokens=1", "trainer.lr=2e-3", "train.steps=2000", "eval.every=25",
+                     *TWO_CORES, *args]
+        load_before = load()
         started = time.monotonic()
         deadline = threading.Timer(minutes * 60, os.kill, (os.getpid(), signal.SIGINT))
         deadline.daemon = True
@@ -73,14 +94,18 @@ def main() -> None:
         deadline.cancel()
         wall = time.monotonic() - started
         summary = json.loads((root / "run" / "summary.json").read_text())
-        evals = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
-        evals = [r for r in evals if r["kind"] == "eval"]
+        records = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+        evals = [r for r in records if r["kind"] == "eval"]
+        answers = [json.loads(line)["answer"] for line in heldout.read_text().splitlines()]
     first, last = summary.get("eval_accuracy_first"), summary.get("eval_accuracy_last")
-    print(f"status {summary['status']} (exit {code}), {summary['steps']} steps in {wall:.0f} s")
+    print(f"status {summary['status']} (exit {code}), {summary['steps']} steps in {wall:.0f} s; "
+          f"load average {load_before} before, {load()} after")
     print("held-out accuracy by step: " + ", ".join(f"{r['step']}:{r['accuracy']:.0%}" for r in evals))
     if first is not None and last is not None:
         print(f"held-out accuracy {first:.1%} -> {last:.1%} ({100 * (last - first):+.1f} points, "
               f"{evals[-1]['prompts']} held-out prompts)")
+    common = max(set(answers), key=answers.count)
+    print(f"one answer whatever the prompt ({common}) would score {answers.count(common) / len(answers):.1%}")
 
 
 if __name__ == "__main__":

@@ -240,6 +240,20 @@ def test_the_math_reward_reads_gsm8k_answers_and_needs_math_verify(tmp_path, mon
     assert caught.value.key == "task.reward" and "pip install 'rlorch[data]'" in str(caught.value)
 
 
+def test_the_math_reward_compares_plain_numbers_by_value_and_the_rest_with_math_verify(monkeypatch):
+    from rlorch.tasks.rewards import math_reward
+
+    plain = math_reward(["q"] * 5, ["7", " 7 ", "7.0", "-3", "8"], answer=["7", "7", "7", "x #### -3", "7"])
+    assert plain == [1.0, 1.0, 1.0, 1.0, 0.0]
+    calls = []
+    import math_verify
+    monkeypatch.setattr(math_verify, "parse", lambda text, *a, **k: calls.append(text) or [text])
+    monkeypatch.setattr(math_verify, "verify", lambda gold, got, *a, **k: gold == got)
+    assert math_reward(["q"] * 2, ["12", "12"], answer=["12", "13"]) == [1.0, 0.0] and calls == []
+    assert math_reward(["q"] * 2, ["\\boxed{12}", "3/4"], answer=["12", "0.75"]) == [0.0, 0.0]
+    assert calls == ["12", "\\boxed{12}", "0.75", "3/4"]
+
+
 # the GSM8K recipe ------------------------------------------------------------------------------
 def test_the_gsm8k_recipe_validates_and_plans_one_8_gpu_node(tmp_path, model_dir):
     from typer.testing import CliRunner
