@@ -8,8 +8,11 @@ samples and against wall seconds. `none` runs off-policy only with trainer.allow
 
 `--families` adds one learning check per trainer option family, each at the default staleness
 and correction: dr_grpo, rloo, cosine (with warm-up), kl (trainer.kl_coef > 0), bf16
-(model.dtype=bfloat16) and lora (adapters, with their own learning rate). `--staleness ""`
-leaves the async grid out.
+(model.dtype=bfloat16) and lora (adapters, with their own learning rate); dr_grpo and rloo
+run with the entropy bonus scaled down with their unscaled advantages. `--staleness ""` leaves
+the async grid out; `--no-sync` leaves the sync run out (the default run is then the reference
+of the wall-time column); `--jobs N` runs N trainings at a time (their loop times then include
+the contention; accuracies do not depend on it).
 
 Usage: python scripts/bench_fidelity.py [--seeds 3] [--staleness 1,2,4]
        [--corrections decoupled,tis,none] [--families dr_grpo,rloo,cosine,kl,bf16,lora]
