@@ -33,6 +33,9 @@ def test_dr_grpo_keeps_the_group_mean_and_drops_the_std():
 def test_rloo_subtracts_the_mean_of_the_other_samples():
     # 1 - (0 + 0 + 1) / 3 = 2/3; 0 - 2/3; group 2: 2 - 2/3 = 4/3, 0 - 4/3, 1 - 1 = 0.
     _close(advantages(GROUPS, "rloo"), [[2 / 3, -2 / 3, -2 / 3, 2 / 3], [4 / 3, -4 / 3, 0.0, 0.0]])
+    # verl's and the RLOO paper's form: G / (G - 1) times the group-centred reward.
+    rewards = [[0.2, 0.47, 1.0, 0.73, 0.2]]
+    _close(advantages(rewards, "rloo"), [[5 / 4 * a for a in advantages(rewards, "dr_grpo")[0]]])
 
 
 def test_reinforce_subtracts_the_batch_mean():

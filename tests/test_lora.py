@@ -77,3 +77,19 @@ def test_only_the_adapters_are_trainable():
                              for name in trainable)
     assert any("modules_to_save" in name for name in trainable)
 
+
+def test_a_tied_embedding_trained_in_full_is_one_tensor_in_training_and_in_the_published_weights():
+    from transformers import AutoModelForCausalLM
+
+    from rlorch.model import ensure_default_model
+    from rlorch.trainer import lora
+
+    model, _ = _adapted(save=("embed_tokens", "norm"))
+    trained = [name for name, p in model.named_parameters() if p.requires_grad and "embed" in name]
+    assert len(trained) == 1  # the head shares the embedding's trained copy
+    tokens = torch.tensor([[1, 13, 14, 15, 22]])
+    with torch.no_grad():
+        expected = model(tokens).logits
+        served = AutoModelForCausalLM.from_pretrained(ensure_default_model(), dtype=torch.float32)
+        served.load_state_dict(lora.merged(dict(model.state_dict()), scaling=8.0 / 4))
+        assert torch.allclose(served(tokens).logits, expected, atol=1e-5)

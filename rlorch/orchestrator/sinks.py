@@ -227,15 +227,19 @@ class TrainSink:
         counts = ", ".join(f"{n} {why.value}" for why, n in recent.most_common())
         if recent[Verdict.solved] >= SOLVED_SHARE * seen:
             return Verdict.solved, f"of the last {seen} rollouts {counts}: the task is solved"
+        entropy = self.totals.recent_surprisal / max(self.totals.recent_tokens, 1)
         if (recent[Verdict.collapsed] + recent[Verdict.solved]) * 2 > seen:
-            entropy = self.totals.recent_surprisal / max(self.totals.recent_tokens, 1)
             return Verdict.collapsed, (
                 f"of the last {seen} rollouts {counts}: the policy collapsed, its groups sample one "
                 f"completion (sampled-token entropy estimate {entropy:.3g} nats) and the collapsed ones "
                 f"fall short of the maximum reward. Raise trainer.entropy_coef or rollout.temperature, "
                 f"or lower trainer.lr")
+        # A policy whose entropy bonus outweighs its advantages (an unscaled estimator at a
+        # grpo-sized trainer.entropy_coef) samples near-uniform answers that all score the same.
         return Verdict.constant, (f"of the last {seen} rollouts {counts}: different completions score "
-                                  f"the same; a constant reward or a broken environment does this")
+                                  f"the same (sampled-token entropy estimate {entropy:.3g} nats); a constant "
+                                  f"reward, a broken environment, or a policy sampling too randomly to score "
+                                  f"(lower trainer.entropy_coef) does this")
 
     def over_budget(self) -> bool:
         """More rollouts were filtered while assembling this batch than the budget allows, and

@@ -26,9 +26,12 @@ def wrap(model, lora) -> torch.nn.Module:
     every other weight frozen. Seeded by the caller: the adapters' initial A is random."""
     from peft import LoraConfig, get_peft_model
 
+    # ensure_weight_tying: a tied input embedding trained in full (``modules_to_save``) trains
+    # one copy that the output head shares, as the served model (one tied tensor) does.
     return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0,
                                             target_modules=list(lora.target_modules),
-                                            modules_to_save=list(lora.modules_to_save) or None))
+                                            modules_to_save=list(lora.modules_to_save) or None,
+                                            ensure_weight_tying=True))
 
 
 def base_model(model) -> torch.nn.Module:
