@@ -7,8 +7,40 @@ implementations of the same Protocols.
 from __future__ import annotations
 
 import enum
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Protocol, Sequence, runtime_checkable
+
+import numpy
+
+TOKEN_IDS, LOGPROBS, MASK = "i", "f", "b"
+"""``array`` type codes of the per-token fields from the HTTP answer to the batch file: token ids
+int32, behaviour logprobs float32 (SGLang's are float32 on the device: exact), loss mask int8.
+Four, four and one bytes a token, no Python object per token. ``array`` rather than numpy: it
+concatenates with ``+``, compares with ``==`` and is empty-false like the lists it replaced."""
+
+
+def token_ids(values: Iterable[int] = ()) -> array:
+    """``values`` as a token id array (a copy; an int32 array is copied by memcpy)."""
+    return array(TOKEN_IDS, values)
+
+
+def logprob_array(values: Iterable[float] = ()) -> array:
+    """``values`` as a float32 logprob array (a copy)."""
+    return array(LOGPROBS, values)
+
+
+def mask_array(values: Iterable[int] = ()) -> array:
+    """``values`` as an int8 loss-mask array (a copy)."""
+    return array(MASK, values)
+
+
+def as_array(typecode: str, values: Iterable) -> array:
+    """``values`` itself when it already is an array of ``typecode``, else a copy as one (an
+    engine or a test fake may still hand over lists)."""
+    if isinstance(values, array) and values.typecode == typecode:
+        return values
+    return array(typecode, values)
 
 
 class PolicyVersion:
@@ -127,16 +159,19 @@ class Rollout:
 
     ``tokens`` holds prompt, model turns, tool calls and environment replies; ``loss_mask`` marks
     model tokens (the only ones trained); ``logprobs`` are the behaviour logprobs aligned with
-    ``tokens`` (0 where the mask is 0); ``versions`` covers the masked tokens in order. Its lists
-    and stamps are never changed once it is built (rollouts of one engine call may share them).
+    ``tokens`` (0 where the mask is 0); ``versions`` covers the masked tokens in order. The three
+    per-token fields are compact arrays (int32, int8, float32: see ``TOKEN_IDS``); JSON gets
+    lists (:meth:`to_json`) and the batch file is written from the arrays (:meth:`Batch.to_jsonl`).
+    Its arrays and stamps are never changed once it is built (rollouts of one engine call may
+    share them).
     """
 
     group_id: int
     episode_id: str
     env: str
-    tokens: list[int]
-    loss_mask: list[int]
-    logprobs: list[float]
+    tokens: array
+    loss_mask: array
+    logprobs: array
     versions: VersionStamps
     reward: float = 0.0
     origin: Origin = Origin.live
@@ -154,19 +189,48 @@ class Rollout:
         return self.versions.count
 
     def to_json(self) -> dict:
-        return {"group_id": self.group_id, "episode_id": self.episode_id, "env": self.env,
-                "tokens": self.tokens, "loss_mask": self.loss_mask, "logprobs": self.logprobs,
-                "versions": self.versions.runs, "reward": self.reward, "origin": self.origin,
-                "finish_reason": self.finish_reason, "is_eval": self.is_eval,
-                "prompt_len": self.prompt_len, "completion": self.completion, "correct": self.correct,
-                "attempt": self.attempt}
+        """Plain JSON values (lists for the arrays), for state files."""
+        line = self._fields()
+        line["tokens"], line["loss_mask"], line["logprobs"] = (
+            list_of(self.tokens), list_of(self.loss_mask), list_of(self.logprobs))
+        return line
 
     @classmethod
     def from_json(cls, data: dict) -> "Rollout":
         fields = dict(data)
         fields["versions"] = VersionStamps([list(run) for run in fields["versions"]])
         fields["origin"] = Origin(fields.get("origin", "live"))
+        fields["tokens"] = token_ids(fields["tokens"])
+        fields["loss_mask"] = mask_array(fields["loss_mask"])
+        fields["logprobs"] = logprob_array(fields["logprobs"])
         return cls(**fields)
+
+    def to_line(self) -> dict:
+        """:meth:`to_json` with the arrays as numpy views (no copy), for orjson's
+        ``OPT_SERIALIZE_NUMPY``: the batch file is written straight from them."""
+        line = self._fields()
+        line["tokens"], line["loss_mask"], line["logprobs"] = (
+            numpy_view(self.tokens), numpy_view(self.loss_mask), numpy_view(self.logprobs))
+        return line
+
+    def _fields(self) -> dict:
+        return {"group_id": self.group_id, "episode_id": self.episode_id, "env": self.env,
+                "tokens": None, "loss_mask": None, "logprobs": None, "versions": self.versions.runs,
+                "reward": self.reward, "origin": self.origin, "finish_reason": self.finish_reason,
+                "is_eval": self.is_eval, "prompt_len": self.prompt_len, "completion": self.completion,
+                "correct": self.correct, "attempt": self.attempt}
+
+
+def list_of(values: Any) -> list:
+    """An array (or any sequence) as a list of Python numbers."""
+    return values.tolist() if isinstance(values, array) else list(values)
+
+
+def numpy_view(values: Any):
+    """An array as a numpy array over the same memory (a list is converted)."""
+    if isinstance(values, array):
+        return numpy.frombuffer(values, dtype=values.typecode)
+    return numpy.asarray(values)
 
 
 def head_ages(rollouts: Iterable[Rollout], train_version: int) -> list[int]:
@@ -200,11 +264,12 @@ class Batch:
         per rollout instead of about one."""
         import orjson
 
-        dumps, newline, out = orjson.dumps, orjson.OPT_APPEND_NEWLINE, bytearray()
+        dumps, out = orjson.dumps, bytearray()
+        options = orjson.OPT_APPEND_NEWLINE | orjson.OPT_SERIALIZE_NUMPY
         for rollout, advantage in zip(self.rollouts, self.advantages):
-            line = rollout.to_json()
+            line = rollout.to_line()
             line["advantage"] = advantage
-            out += dumps(line, option=newline)
+            out += dumps(line, option=options)
         return bytes(out)
 
 
@@ -229,10 +294,11 @@ class SamplingParams:
 
 @dataclass(slots=True)
 class Generation:
-    """An engine's answer to one request: generated ids, behaviour logprobs, per-token versions."""
+    """An engine's answer to one request: generated ids, behaviour logprobs, per-token versions
+    (int32 and float32 arrays, see ``TOKEN_IDS``)."""
 
-    output_ids: list[int]
-    logprobs: list[float]
+    output_ids: array
+    logprobs: array
     versions: VersionStamps
     finish_reason: str
     text: str = ""

@@ -1,0 +1,135 @@
+"""SGLang's /generate answers parsed into compact arrays: no Python object per token.
+
+An answer's ``meta_info.output_token_logprobs`` is ``[[logprob, token_id, null], ...]``, about
+25 bytes a token; a general JSON parser makes four Python objects of every entry. Here the
+entries (and ``output_ids``, which repeats their ids) are cut out of the body before it is
+parsed: each entries span becomes one flat ``[logprob, id, logprob, id, ...]`` text (a single
+``bytes.replace``), which orjson and numpy turn into an int32 id array and a float32 logprob
+array; the rest of the body, small, is parsed as JSON, and the entries' place holds a
+:class:`Segment`. An answer this fast path does not read exactly as written (whitespace inside
+the entries, a token's text in them, a non-finite or missing logprob, an id that is not an
+integer) is parsed in full instead, and :func:`segment` reads its entries one by one (and names
+the fault).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from array import array
+from typing import Any, NamedTuple
+
+import numpy
+import orjson
+
+from rlorch.jsonlines import loads
+from rlorch.types import LOGPROBS, TOKEN_IDS
+
+_ENTRIES = re.compile(rb'"output_token_logprobs":\[')
+"""Where an answer's entries start. Inside a JSON string the key's quotes would be escaped, so
+this never matches in a completion's text."""
+_IDS = re.compile(rb'"output_ids":\[')
+
+
+class Segment(NamedTuple):
+    """One answer's generated token ids (int32) and behaviour logprobs (float32)."""
+
+    ids: array
+    logprobs: array
+
+
+class NotCompact(ValueError):
+    """The fast path cannot read this body exactly; parse it in full."""
+
+
+def parse_generate(body: bytes) -> Any:
+    """A /generate answer (one object or a batch's list) with each ``output_token_logprobs``
+    a :class:`Segment` and ``output_ids`` dropped (the entries carry the same ids)."""
+    try:
+        return _parse_compact(body)
+    except NotCompact:
+        return loads(body, exact=False)
+
+
+def _parse_compact(body: bytes) -> Any:
+    pieces, segments, at = [], [], 0
+    cuts = sorted([(m.start(), m.end(), True) for m in _ENTRIES.finditer(body)]
+                  + [(m.start(), m.end(), False) for m in _IDS.finditer(body)])
+    for start, opened, entries in cuts:
+        if start < at:
+            raise NotCompact("overlapping spans")
+        if entries:
+            end = _entries_end(body, opened)
+            segments.append(_entries(body, opened - 1, end))
+            pieces += [body[at:opened - 1], b"%d" % (len(segments) - 1)]
+        else:
+            end = body.find(b"]", opened) + 1
+            if not end:
+                raise NotCompact("unterminated output_ids")
+            pieces += [body[at:opened - 1], b"null"]
+        at = end
+    if not segments:
+        if cuts:
+            raise NotCompact("output_ids without entries")
+        return loads(body, exact=False)
+    pieces.append(body[at:])
+    tree = loads(b"".join(pieces), exact=False)
+    seen = 0
+    for answer in tree if isinstance(tree, list) else [tree]:
+        meta = answer.get("meta_info") if isinstance(answer, dict) else None
+        index = meta.get("output_token_logprobs") if isinstance(meta, dict) else None
+        if type(index) is not int or not 0 <= index < len(segments):
+            raise NotCompact("entries outside meta_info")
+        meta["output_token_logprobs"] = segments[index]
+        seen += 1
+    if seen != len(segments):
+        raise NotCompact("entries outside meta_info")
+    return tree
+
+
+def _entries_end(body: bytes, opened: int) -> int:
+    """The end of the entries array whose ``[`` is at ``opened - 1``: ``[]`` or the first ``]]``
+    (entries hold numbers and null only, which :func:`_entries` checks)."""
+    if body[opened:opened + 1] == b"]":
+        return opened + 1
+    end = body.find(b"]]", opened)
+    if end < 0:
+        raise NotCompact("unterminated entries")
+    return end + 2
+
+
+def _entries(body: bytes, start: int, end: int) -> Segment:
+    """``[[lp, id, null], ...]`` at ``body[start:end]`` as arrays. Anything else in the span (a
+    string, whitespace, a third value) leaves nested lists or non-numbers after the replace, which
+    the shape and type checks refuse."""
+    if end - start == 2:
+        return Segment(array(TOKEN_IDS), array(LOGPROBS))
+    count = body.count(b"[", start, end) - 1
+    flat = body[start + 1:end].replace(b",null],[", b",")
+    if not flat.endswith(b",null]]"):
+        raise NotCompact("entries other than [logprob, id, null]")
+    try:
+        values = numpy.array(orjson.loads(flat[:-7] + b"]"), dtype=numpy.float64)
+    except (orjson.JSONDecodeError, ValueError, TypeError) as err:
+        raise NotCompact(str(err)) from None
+    if values.shape != (2 * count,):
+        raise NotCompact("entries other than [logprob, id, null]")
+    ids, logprobs = values[1::2], values[0::2]
+    if not (numpy.isfinite(logprobs).all() and (ids == numpy.floor(ids)).all()
+            and (0 <= ids).all() and (ids < 2**31).all()):
+        raise NotCompact("a non-finite logprob or an id that is not a token id")
+    out_ids, out_logprobs = array(TOKEN_IDS), array(LOGPROBS)
+    out_ids.frombytes(ids.astype(numpy.int32).tobytes())
+    out_logprobs.frombytes(logprobs.astype(numpy.float32).tobytes())
+    return Segment(out_ids, out_logprobs)
+
+
+def segment(entries: Any) -> tuple[array, array]:
+    """Ids and logprobs of one answer's ``output_token_logprobs``: a :class:`Segment` as it is,
+    a parsed list entry by entry (raises ``ValueError`` naming a non-finite logprob)."""
+    if isinstance(entries, Segment):
+        return entries.ids, entries.logprobs
+    logprobs = [e[0] for e in entries]
+    if not all(isinstance(lp, (int, float)) and math.isfinite(lp) for lp in logprobs):
+        raise ValueError(f"non-finite behaviour logprob: {logprobs}")
+    return array(TOKEN_IDS, [int(e[1]) for e in entries]), array(LOGPROBS, [float(lp) for lp in logprobs])
