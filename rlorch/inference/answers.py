@@ -15,7 +15,6 @@ the fault).
 from __future__ import annotations
 
 import math
-import re
 from array import array
 from typing import Any, NamedTuple
 
@@ -25,10 +24,9 @@ import orjson
 from rlorch.jsonlines import loads
 from rlorch.types import LOGPROBS, TOKEN_IDS
 
-_ENTRIES = re.compile(rb'"output_token_logprobs":\[')
-"""Where an answer's entries start. Inside a JSON string the key's quotes would be escaped, so
-this never matches in a completion's text."""
-_IDS = re.compile(rb'"output_ids":\[')
+ENTRIES, IDS = b'"output_token_logprobs":[', b'"output_ids":['
+"""Where an answer's entries and ids start. Inside a JSON string the key's quotes are escaped, so
+neither is ever found in a completion's text."""
 
 
 class Segment(NamedTuple):
@@ -52,37 +50,43 @@ def parse_generate(body: bytes) -> Any:
 
 
 def _parse_compact(body: bytes) -> Any:
+    """Each key is looked for from where the last cut ended, so the spans are skipped, not
+    scanned (a search for the other key runs over the ids list at most)."""
     pieces, segments, at = [], [], 0
-    cuts = sorted([(m.start(), m.end(), True) for m in _ENTRIES.finditer(body)]
-                  + [(m.start(), m.end(), False) for m in _IDS.finditer(body)])
-    for start, opened, entries in cuts:
-        if start < at:
-            raise NotCompact("overlapping spans")
-        if entries:
+    entries_at, ids_at = body.find(ENTRIES), body.find(IDS)
+    while entries_at >= 0 or ids_at >= 0:
+        if entries_at >= 0 and (ids_at < 0 or entries_at < ids_at):
+            opened = entries_at + len(ENTRIES)
             end = _entries_end(body, opened)
             segments.append(_entries(body, opened - 1, end))
             pieces += [body[at:opened - 1], b"%d" % (len(segments) - 1)]
         else:
+            opened = ids_at + len(IDS)
             end = body.find(b"]", opened) + 1
             if not end:
                 raise NotCompact("unterminated output_ids")
             pieces += [body[at:opened - 1], b"null"]
         at = end
+        if entries_at < at:
+            entries_at = body.find(ENTRIES, at)
+        if ids_at < at:
+            ids_at = body.find(IDS, at)
     if not segments:
-        if cuts:
+        if pieces:
             raise NotCompact("output_ids without entries")
         return loads(body, exact=False)
     pieces.append(body[at:])
     tree = loads(b"".join(pieces), exact=False)
-    seen = 0
+    placed = 0
     for answer in tree if isinstance(tree, list) else [tree]:
         meta = answer.get("meta_info") if isinstance(answer, dict) else None
         index = meta.get("output_token_logprobs") if isinstance(meta, dict) else None
-        if type(index) is not int or not 0 <= index < len(segments):
-            raise NotCompact("entries outside meta_info")
-        meta["output_token_logprobs"] = segments[index]
-        seen += 1
-    if seen != len(segments):
+        if type(index) is int:  # else null: an answer aborted before it generated
+            if index != placed:
+                raise NotCompact("entries outside meta_info")
+            meta["output_token_logprobs"] = segments[index]
+            placed += 1
+    if placed != len(segments):
         raise NotCompact("entries outside meta_info")
     return tree
 
@@ -105,12 +109,14 @@ def _entries(body: bytes, start: int, end: int) -> Segment:
     if end - start == 2:
         return Segment(array(TOKEN_IDS), array(LOGPROBS))
     count = body.count(b"[", start, end) - 1
-    flat = body[start + 1:end].replace(b",null],[", b",")
-    if not flat.endswith(b",null]]"):
-        raise NotCompact("entries other than [logprob, id, null]")
+    # [lp,id,null],[lp,id,null] -> [lp,id,lp,id,null]: one flat list, its last value the null
+    flat = body[start + 1:end - 1].replace(b",null],[", b",")
     try:
-        values = numpy.array(orjson.loads(flat[:-7] + b"]"), dtype=numpy.float64)
-    except (orjson.JSONDecodeError, ValueError, TypeError) as err:
+        parsed = orjson.loads(flat)
+        if not isinstance(parsed, list) or parsed.pop() is not None:
+            raise NotCompact("entries other than [logprob, id, null]")
+        values = numpy.array(parsed, dtype=numpy.float64)
+    except (orjson.JSONDecodeError, ValueError, TypeError, IndexError) as err:
         raise NotCompact(str(err)) from None
     if values.shape != (2 * count,):
         raise NotCompact("entries other than [logprob, id, null]")

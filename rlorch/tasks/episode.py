@@ -16,7 +16,7 @@ from rlorch.lifecycle import gather_all
 from rlorch.tasks.base import is_single_turn
 from rlorch.tasks.prompts import chat_suffix, encode_prompt, encode_text
 from rlorch.types import (Engine, Environment, Generation, GroupRequest, Origin, Prompt, Rollout, SamplingParams,
-                          VersionStamps, is_correct, LOGPROBS, TOKEN_IDS, as_array, list_of, logprob_array,
+                          VersionStamps, is_correct, LOGPROBS, TOKEN_IDS, as_array, logprob_array, numpy_view,
                           mask_array, token_ids)
 
 EVAL_SEED_OFFSET = 1_000_003
@@ -144,7 +144,9 @@ def decode(tokenizer: Any, generation: Generation, *, special: bool = False) -> 
     """A generation's text (``special``: with its special tokens, as the chat template sees a turn)."""
     if tokenizer is None:
         return generation.text
-    return tokenizer.decode(list_of(generation.output_ids), skip_special_tokens=not special)
+    # A numpy view: transformers checks every element of a list before decoding it, and takes
+    # an array's tolist() at once.
+    return tokenizer.decode(numpy_view(generation.output_ids), skip_special_tokens=not special)
 
 
 class EpisodeWork:
