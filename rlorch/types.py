@@ -185,6 +185,13 @@ class Rollout:
     attempt: int = 0
     """Which generation of its prompt this is (strict mode regenerates too-stale groups)."""
 
+    def __post_init__(self) -> None:
+        # Whoever builds it (an engine, a test, a state file) hands over arrays or lists; it
+        # holds arrays either way (an array of the right type is kept as it is).
+        self.tokens = as_array(TOKEN_IDS, self.tokens)
+        self.loss_mask = as_array(MASK, self.loss_mask)
+        self.logprobs = as_array(LOGPROBS, self.logprobs)
+
     @property
     def generated_tokens(self) -> int:
         return self.versions.count
@@ -201,9 +208,6 @@ class Rollout:
         fields = dict(data)
         fields["versions"] = VersionStamps([list(run) for run in fields["versions"]])
         fields["origin"] = Origin(fields.get("origin", "live"))
-        fields["tokens"] = token_ids(fields["tokens"])
-        fields["loss_mask"] = mask_array(fields["loss_mask"])
-        fields["logprobs"] = logprob_array(fields["logprobs"])
         return cls(**fields)
 
     def to_line(self) -> dict:
