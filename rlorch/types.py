@@ -21,6 +21,11 @@ Four, four and one bytes a token, no Python object per token. ``array`` rather t
 concatenates with ``+``, compares with ``==`` and is empty-false like the lists it replaced."""
 
 
+LONG = 256
+"""Tokens from which numpy's fixed cost per call (microseconds) is repaid by its speed per token:
+shorter arrays are read in Python."""
+
+
 def token_ids(values: Iterable[int] = ()) -> array:
     """``values`` as a token id array (a copy; an int32 array is copied by memcpy)."""
     return array(TOKEN_IDS, values)

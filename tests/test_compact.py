@@ -31,15 +31,15 @@ class AnsweredEngine:
 
 
 def test_an_http_answer_stays_arrays_into_rollouts_and_its_batch_file_round_trips(tmp_path):
-    entries = [[-0.5, 5, None], [-0.12345679104328156, 151935, None], [-3.0517578125e-05, 7, None]]
-    body = orjson.dumps([{"text": "7", "output_ids": [5, 151935, 7],
+    entries = [[-0.5, 5, None], [-0.12345679104328156, 151935, None], [-3.0517578125e-05, 7, None]] * 300
+    body = orjson.dumps([{"text": "7", "output_ids": [e[1] for e in entries],
                           "meta_info": {"id": "a", "finish_reason": {"type": "stop"}, "completion_tokens": 3,
                                         "output_token_logprobs": entries, "weight_version": "3"}}])
     answer = parse_generate(body)[0]
     assert isinstance(answer["meta_info"]["output_token_logprobs"], Segment) and answer["output_ids"] is None
     generation = empty_generation()
     asyncio.run(SGLangEngine("127.0.0.1:9")._append(generation, answer))
-    assert generation.output_ids == array("i", [5, 151935, 7]) and generation.versions.runs == [[3, 3]]
+    assert generation.output_ids == array("i", [e[1] for e in entries]) and generation.versions.runs == [[3, 900]]
     assert generation.logprobs == array("f", [e[0] for e in entries])
 
     config = compose(["rollout.group_size=2"])
@@ -49,7 +49,8 @@ def test_an_http_answer_stays_arrays_into_rollouts_and_its_batch_file_round_trip
     rollouts = asyncio.run(work.pack([Prompt(0, [1, 2], env.name, text, expected)]))[0]
     for rollout in rollouts:
         assert (rollout.tokens.typecode, rollout.loss_mask.typecode, rollout.logprobs.typecode) == ("i", "b", "f")
-        assert rollout.tokens.tolist() == [1, 2, 5, 151935, 7] and rollout.loss_mask.tolist() == [0, 0, 1, 1, 1]
+        assert rollout.tokens.tolist() == [1, 2] + [5, 151935, 7] * 300
+        assert rollout.loss_mask.tolist() == [0, 0] + [1] * 900
         assert Rollout.from_json(orjson.loads(orjson.dumps(rollout.to_json()))) == rollout
 
     path = tmp_path / "batch.jsonl"
@@ -57,15 +58,22 @@ def test_an_http_answer_stays_arrays_into_rollouts_and_its_batch_file_round_trip
     for rollout, sequence in zip(rollouts, read_batch(path, vocab_size=151936)):
         assert sequence.tokens == rollout.tokens.tolist() and sequence.loss_mask == rollout.loss_mask.tolist()
         assert numpy.array_equal(numpy.float32(sequence.logprobs), numpy.frombuffer(rollout.logprobs, "f"))
-        assert sequence.versions == [NO_VERSION, NO_VERSION, 3, 3, 3]
+        assert sequence.versions == [NO_VERSION, NO_VERSION] + [3] * 900
 
 
 def test_an_answer_the_fast_path_cannot_read_exactly_is_parsed_in_full():
-    spaced = b'{"meta_info": {"output_token_logprobs": [[-0.5, 5, null]]}}'
-    assert parse_generate(spaced)["meta_info"]["output_token_logprobs"] == [[-0.5, 5, None]]
-    texts = b'{"meta_info":{"output_token_logprobs":[[-0.5,5,"]]"]]}}'
-    assert parse_generate(texts)["meta_info"]["output_token_logprobs"] == [[-0.5, 5, "]]"]]
-    broken = b'{"meta_info":{"output_token_logprobs":[[null,5,null]]}}'
-    assert parse_generate(broken)["meta_info"]["output_token_logprobs"] == [[None, 5, None]]
-    quoted = orjson.dumps({"text": '"output_token_logprobs":[[1,2,null]]', "meta_info": {"output_token_logprobs": []}})
-    assert parse_generate(quoted)["text"] == '"output_token_logprobs":[[1,2,null]]'
+    pad = ' "padding": "' + "x" * 20000 + '"}'  # past SMALL_BODY: the fast path is tried
+
+    def entries(raw: str):
+        return parse_generate(('{"meta_info":{"output_token_logprobs":' + raw + "}," + pad).encode())[
+            "meta_info"]["output_token_logprobs"]
+
+    assert entries("[[-0.5, 5, null], [-1, 6, null]]") == Segment(array("i", [5, 6]), array("f", [-0.5, -1]))
+    assert isinstance(entries("[" + ",".join(["[-0.5,5,null]"] * 300) + "]"), Segment)
+    spaced = "[" + ", ".join(["[-0.5, 5, null]"] * 300) + "]"
+    assert entries(spaced) == [[-0.5, 5, None]] * 300
+    assert entries('[[-0.5,5,"]]"]]') == [[-0.5, 5, "]]"]]
+    assert entries("[[null,5,null]]") == [[None, 5, None]]
+    quoted = orjson.dumps({"text": '"output_token_logprobs":[[1,2,null]]' + "x" * 20000,
+                           "meta_info": {"output_token_logprobs": [[-0.5, 5, None]]}})
+    assert parse_generate(quoted)["text"].startswith('"output_token_logprobs":[[1,2,null]]')

@@ -15,9 +15,9 @@ from rlorch.config.schema import Config, InferenceBackend, SimReward
 from rlorch.lifecycle import gather_all
 from rlorch.tasks.base import is_single_turn
 from rlorch.tasks.prompts import chat_suffix, encode_prompt, encode_text
-from rlorch.types import (Engine, Environment, Generation, GroupRequest, Origin, Prompt, Rollout, SamplingParams,
-                          VersionStamps, is_correct, LOGPROBS, TOKEN_IDS, as_array, logprob_array, numpy_view,
-                          mask_array, token_ids)
+from rlorch.types import (LOGPROBS, LONG, TOKEN_IDS, Engine, Environment, Generation, GroupRequest, Origin, Prompt,
+                          Rollout, SamplingParams, VersionStamps, as_array, is_correct, list_of, logprob_array,
+                          mask_array, numpy_view, token_ids)
 
 EVAL_SEED_OFFSET = 1_000_003
 
@@ -144,9 +144,12 @@ def decode(tokenizer: Any, generation: Generation, *, special: bool = False) -> 
     """A generation's text (``special``: with its special tokens, as the chat template sees a turn)."""
     if tokenizer is None:
         return generation.text
-    # A numpy view: transformers checks every element of a list before decoding it, and takes
-    # an array's tolist() at once.
-    return tokenizer.decode(numpy_view(generation.output_ids), skip_special_tokens=not special)
+    # A long turn goes as a numpy view: transformers checks every element of a list before
+    # decoding it and takes a numpy array's tolist() at once, after a fixed cost (tens of
+    # microseconds) a short turn's list does not repay.
+    ids = generation.output_ids
+    ids = numpy_view(ids) if len(ids) >= LONG else list_of(ids)
+    return tokenizer.decode(ids, skip_special_tokens=not special)
 
 
 class EpisodeWork:
