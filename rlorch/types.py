@@ -7,8 +7,46 @@ implementations of the same Protocols.
 from __future__ import annotations
 
 import enum
+from array import array
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence, runtime_checkable
+
+import numpy
+import orjson
+
+TOKEN_IDS, LOGPROBS, MASK = "i", "f", "b"
+"""``array`` type codes of the per-token fields from the HTTP answer to the batch file: token ids
+int32, behaviour logprobs float32 (SGLang's are float32 on the device: exact), loss mask int8.
+Four, four and one bytes a token, no Python object per token. ``array`` rather than numpy: it
+concatenates with ``+``, compares with ``==`` and is empty-false like the lists it replaced."""
+
+
+LONG = 256
+"""Tokens from which numpy's fixed cost per call (microseconds) is repaid by its speed per token:
+shorter arrays are read in Python."""
+
+
+def token_ids(values: Iterable[int] = ()) -> array:
+    """``values`` as a token id array (a copy; an int32 array is copied by memcpy)."""
+    return array(TOKEN_IDS, values)
+
+
+def logprob_array(values: Iterable[float] = ()) -> array:
+    """``values`` as a float32 logprob array (a copy)."""
+    return array(LOGPROBS, values)
+
+
+def mask_array(values: Iterable[int] = ()) -> array:
+    """``values`` as an int8 loss-mask array (a copy)."""
+    return array(MASK, values)
+
+
+def as_array(typecode: str, values: Iterable) -> array:
+    """``values`` itself when it already is an array of ``typecode``, else a copy as one (an
+    engine or a test fake may still hand over lists)."""
+    if isinstance(values, array) and values.typecode == typecode:
+        return values
+    return array(typecode, values)
 
 
 class PolicyVersion:
@@ -127,16 +165,19 @@ class Rollout:
 
     ``tokens`` holds prompt, model turns, tool calls and environment replies; ``loss_mask`` marks
     model tokens (the only ones trained); ``logprobs`` are the behaviour logprobs aligned with
-    ``tokens`` (0 where the mask is 0); ``versions`` covers the masked tokens in order. Its lists
-    and stamps are never changed once it is built (rollouts of one engine call may share them).
+    ``tokens`` (0 where the mask is 0); ``versions`` covers the masked tokens in order. The three
+    per-token fields are compact arrays (int32, int8, float32: see ``TOKEN_IDS``); JSON gets
+    lists (:meth:`to_json`) and the batch file is written from the arrays (:meth:`Batch.to_jsonl`).
+    Its arrays and stamps are never changed once it is built (rollouts of one engine call may
+    share them).
     """
 
     group_id: int
     episode_id: str
     env: str
-    tokens: list[int]
-    loss_mask: list[int]
-    logprobs: list[float]
+    tokens: array
+    loss_mask: array
+    logprobs: array
     versions: VersionStamps
     reward: float = 0.0
     origin: Origin = Origin.live
@@ -149,17 +190,23 @@ class Rollout:
     attempt: int = 0
     """Which generation of its prompt this is (strict mode regenerates too-stale groups)."""
 
+    def __post_init__(self) -> None:
+        # Whoever builds it (an engine, a test, a state file) hands over arrays or lists; it
+        # holds arrays either way (an array of the right type is kept as it is).
+        self.tokens = as_array(TOKEN_IDS, self.tokens)
+        self.loss_mask = as_array(MASK, self.loss_mask)
+        self.logprobs = as_array(LOGPROBS, self.logprobs)
+
     @property
     def generated_tokens(self) -> int:
         return self.versions.count
 
     def to_json(self) -> dict:
-        return {"group_id": self.group_id, "episode_id": self.episode_id, "env": self.env,
-                "tokens": self.tokens, "loss_mask": self.loss_mask, "logprobs": self.logprobs,
-                "versions": self.versions.runs, "reward": self.reward, "origin": self.origin,
-                "finish_reason": self.finish_reason, "is_eval": self.is_eval,
-                "prompt_len": self.prompt_len, "completion": self.completion, "correct": self.correct,
-                "attempt": self.attempt}
+        """Plain JSON values (lists for the arrays), for state files."""
+        line = self._fields()
+        line["tokens"], line["loss_mask"], line["logprobs"] = (
+            list_of(self.tokens), list_of(self.loss_mask), list_of(self.logprobs))
+        return line
 
     @classmethod
     def from_json(cls, data: dict) -> "Rollout":
@@ -167,6 +214,33 @@ class Rollout:
         fields["versions"] = VersionStamps([list(run) for run in fields["versions"]])
         fields["origin"] = Origin(fields.get("origin", "live"))
         return cls(**fields)
+
+    def to_line(self) -> dict:
+        """:meth:`to_json` with the arrays as numpy views (no copy), for orjson's
+        ``OPT_SERIALIZE_NUMPY``: the batch file is written straight from them."""
+        line = self._fields()
+        line["tokens"], line["loss_mask"], line["logprobs"] = (
+            numpy_view(self.tokens), numpy_view(self.loss_mask), numpy_view(self.logprobs))
+        return line
+
+    def _fields(self) -> dict:
+        return {"group_id": self.group_id, "episode_id": self.episode_id, "env": self.env,
+                "tokens": None, "loss_mask": None, "logprobs": None, "versions": self.versions.runs,
+                "reward": self.reward, "origin": self.origin, "finish_reason": self.finish_reason,
+                "is_eval": self.is_eval, "prompt_len": self.prompt_len, "completion": self.completion,
+                "correct": self.correct, "attempt": self.attempt}
+
+
+def list_of(values: Any) -> list:
+    """An array (or any sequence) as a list of Python numbers."""
+    return values.tolist() if isinstance(values, array) else list(values)
+
+
+def numpy_view(values: Any):
+    """An array as a numpy array over the same memory (a list is converted)."""
+    if isinstance(values, array):
+        return numpy.frombuffer(values, dtype=values.typecode)
+    return numpy.asarray(values)
 
 
 def head_ages(rollouts: Iterable[Rollout], train_version: int) -> list[int]:
@@ -192,20 +266,18 @@ class Batch:
         """Whether any rollout carries a learning signal (a nonzero advantage)."""
         return any(abs(a) > 1e-8 for a in self.advantages)
 
-    def to_jsonl(self) -> bytes:
-        """The batch file: one ``Rollout.to_json()`` plus ``"advantage"`` per line.
-
-        Each line goes into one buffer as it is made and is freed at once: a line outgrows the
-        small-object allocator, and holding every line for a join costs several microseconds
-        per rollout instead of about one."""
-        import orjson
-
-        dumps, newline, out = orjson.dumps, orjson.OPT_APPEND_NEWLINE, bytearray()
+    def lines(self) -> Iterator[bytes]:
+        """The batch file line by line: each ``Rollout.to_json()`` plus ``"advantage"``, written
+        by orjson straight from the rollout's arrays."""
+        dumps, options = orjson.dumps, orjson.OPT_APPEND_NEWLINE | orjson.OPT_SERIALIZE_NUMPY
         for rollout, advantage in zip(self.rollouts, self.advantages):
-            line = rollout.to_json()
+            line = rollout.to_line()
             line["advantage"] = advantage
-            out += dumps(line, option=newline)
-        return bytes(out)
+            yield dumps(line, option=options)
+
+    def to_jsonl(self) -> bytes:
+        """The whole batch file (:meth:`lines` joined)."""
+        return b"".join(self.lines())
 
 
 @dataclass(slots=True)
@@ -229,10 +301,11 @@ class SamplingParams:
 
 @dataclass(slots=True)
 class Generation:
-    """An engine's answer to one request: generated ids, behaviour logprobs, per-token versions."""
+    """An engine's answer to one request: generated ids, behaviour logprobs, per-token versions
+    (int32 and float32 arrays, see ``TOKEN_IDS``)."""
 
-    output_ids: list[int]
-    logprobs: list[float]
+    output_ids: array
+    logprobs: array
     versions: VersionStamps
     finish_reason: str
     text: str = ""

@@ -47,9 +47,9 @@ def test_three_turns_keep_the_engine_ids_and_append_only_the_new_messages():
 
     assert asyncio.run(episode()) == "7"
     reply, tool = ids("user:no<eos>assistant:"), ids("<eos>tool:x<eos>assistant:")
-    assert conversation.tokens == prompt_ids + first + reply + second + tool + third
+    assert conversation.tokens.tolist() == prompt_ids + first + reply + second + tool + third
     assert engine.sent == [prompt_ids, prompt_ids + first + reply, prompt_ids + first + reply + second + tool]
-    assert conversation.loss_mask == ([0] * len(prompt_ids) + [1] * len(first) + [0] * len(reply)
+    assert conversation.loss_mask.tolist() == ([0] * len(prompt_ids) + [1] * len(first) + [0] * len(reply)
                                       + [1] * len(second) + [0] * len(tool) + [1] * len(third))
     assert conversation.versions.expand() == [1] * len(first) + [2] * len(second) + [3] * len(third)
     assert [m["role"] for m in conversation.messages] == ["user", "assistant", "user", "assistant", "tool",

@@ -25,16 +25,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import uuid
+import weakref
+from array import array
 from typing import Any, Callable, Optional, Sequence
 
 import aiohttp
 
+from rlorch.inference.answers import parse_generate, segment
 from rlorch.inference.control import KEEPALIVE_SECONDS, ControlHTTP
 from rlorch.jsonlines import dumps, loads
 from rlorch.lifecycle import gather_all
-from rlorch.types import Generation, GroupRequest, SamplingParams, VersionStamps
+from rlorch.types import Generation, GroupRequest, SamplingParams, VersionStamps, logprob_array, token_ids
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +155,8 @@ class SGLangEngine:
         if not body:
             return status, None
         try:  # answers hold no integer past 64 bits: orjson reads them as written
+            if path == "/generate" and status == 200:
+                return status, parse_generate(body)
             return status, loads(body, exact=False)
         except ValueError:
             return status, body.decode(errors="replace")
@@ -163,7 +167,10 @@ class SGLangEngine:
         headers = self._headers if data is None else {**self._headers, "Content-Type": "application/json"}
         async with session.request(method, self.url + path, data=data, headers=headers,
                                    timeout=aiohttp.ClientTimeout(total=timeout)) as response:
-            return response.status, await response.read()
+            if path != "/generate":
+                return response.status, await response.read()
+            async with _body_reads():
+                return response.status, await _read_body(response)
 
     @staticmethod
     def _message(body: Any) -> str:
@@ -186,14 +193,14 @@ class SGLangEngine:
         ``prefix`` continues a generation started elsewhere (its tokens are already part of the
         trajectory and count against ``max_new_tokens``).
         """
-        done = copy_generation(prefix) if prefix is not None else Generation([], [], VersionStamps(), "abort")
+        done = copy_generation(prefix) if prefix is not None else empty_generation()
         self.requests += 1
         for _ in range(MAX_SEGMENTS):
             remaining = params.max_new_tokens - len(done.output_ids)
             if remaining <= 0:
                 done.finish_reason = "length"
                 return done
-            answer = await self._generate_once(input_ids + done.output_ids, params, remaining, rid, done)
+            answer = await self._generate_once(wire_ids(input_ids, done), params, remaining, rid, done)
             await self._append(done, answer)
             if self._ends_here(rid, done):
                 return done
@@ -264,14 +271,14 @@ class SGLangEngine:
                         self.name)
             return answers
         self.requests += len(samples)
-        done = [Generation([], [], VersionStamps(), "abort") for _ in samples]
+        done = [empty_generation() for _ in samples]
         going_on = list(range(len(samples)))
         for attempt in range(MAX_SEGMENTS):
             if attempt:
                 self.resubmits += len(going_on)
                 body = await self._generate_batch_once(
                     [samples[index][1] for index in going_on],
-                    [samples[index][0].input_ids + done[index].output_ids for index in going_on],
+                    [wire_ids(samples[index][0].input_ids, done[index]) for index in going_on],
                     [self._sampling(samples[index][0].params, self._remaining(samples[index][0], done[index]))
                      for index in going_on], refusable=False)
             for index, answer in zip(going_on, body):
@@ -477,26 +484,74 @@ class SGLangEngine:
         self._session = None
 
 
+BODY_READS = 2
+"""/generate answers read at once, per event loop. An answer is ~27 bytes a generated token (a
+batch of 64 samples of 4,096 tokens: 7 MB); when a fleet answers together, reading them all at
+once would hold every body in memory before any is parsed into arrays (~9 bytes a token). The
+others wait in their sockets (aiohttp stops reading a connection whose buffer is full); two,
+so that one slow sender does not hold up the rest."""
+
+_BODY_GATES: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore]" = weakref.WeakKeyDictionary()
+
+
+def _body_reads() -> asyncio.Semaphore:
+    loop = asyncio.get_running_loop()
+    gate = _BODY_GATES.get(loop)
+    if gate is None:
+        gate = _BODY_GATES[loop] = asyncio.Semaphore(BODY_READS)
+    return gate
+
+
+async def _read_body(response: aiohttp.ClientResponse) -> bytes | bytearray:
+    """The whole body, into one buffer of its ``Content-Length`` (``read()`` would hold its
+    chunks and their join: twice the body)."""
+    length = response.content_length
+    if length is None or response.headers.get("Content-Encoding"):
+        return await response.read()
+    body, at = bytearray(length), 0
+    while at < length:
+        chunk = await response.content.readany()
+        if not chunk:
+            break
+        if at + len(chunk) > length:
+            return bytes(body[:at]) + chunk + await response.read()
+        body[at:at + len(chunk)] = chunk
+        at += len(chunk)
+    return body if at == length else body[:at]
+
+
+def empty_generation() -> Generation:
+    return Generation(token_ids(), logprob_array(), VersionStamps(), "abort")
+
+
 def copy_generation(generation: Generation) -> Generation:
-    return Generation(list(generation.output_ids), list(generation.logprobs),
+    return Generation(token_ids(generation.output_ids), logprob_array(generation.logprobs),
                       VersionStamps([list(run) for run in generation.versions.runs]),
                       generation.finish_reason, generation.text)
 
 
-def _segment(answer: dict, *, aborted: bool) -> tuple[list[int], list[float]]:
-    """Token ids and behaviour logprobs of one response (``output_token_logprobs`` entries are
-    ``[logprob, token_id, text]``). A request aborted while still queued (SGLang 0.5.3 answers
-    it without logprobs and with ``completion_tokens`` 0) generated nothing."""
+def wire_ids(input_ids, done: Generation) -> list[int]:
+    """The ids a (re)submission sends: the prompt (a list, or an array in a conversation) and
+    what earlier segments generated, as a JSON list."""
+    prompt = input_ids.tolist() if isinstance(input_ids, array) else input_ids
+    return prompt + done.output_ids.tolist() if done.output_ids else prompt
+
+
+def _segment(answer: dict, *, aborted: bool) -> tuple[array, array]:
+    """Token ids (int32) and behaviour logprobs (float32) of one response: the compact arrays
+    :func:`parse_generate` made of its ``output_token_logprobs`` (entries ``[logprob, token_id,
+    text]``), or its parsed entries read one by one. A request aborted while still queued
+    (SGLang 0.5.3 answers it without logprobs and with ``completion_tokens`` 0) generated nothing."""
     meta = answer["meta_info"]
     entries = meta.get("output_token_logprobs")
     if entries is None and aborted and not meta.get("completion_tokens"):
-        return [], []
+        return token_ids(), logprob_array()
     if entries is None:
         raise EngineError("response has no meta_info.output_token_logprobs (return_logprob ignored?)")
-    logprobs = [e[0] for e in entries]
-    if not all(isinstance(lp, (int, float)) and math.isfinite(lp) for lp in logprobs):
+    try:
+        return segment(entries)
+    except ValueError as err:
         # SGLang writes a non-finite float as null: a sampled token's logprob never is one
         # unless the weights are broken.
-        raise EngineError(f"response {meta.get('id')!r} carries a non-finite behaviour logprob: {logprobs}")
-    return [int(e[1]) for e in entries], [float(lp) for lp in logprobs]
-
+        raise EngineError(f"response {meta.get('id')!r} carries a non-finite behaviour logprob: "
+                          f"{[e[0] for e in entries]}") from err

@@ -14,7 +14,8 @@ from typing import Optional, Sequence
 from rlorch.backends import inference_backend
 from rlorch.config.schema import Config, InferenceBackend, SimEngineConfig
 from rlorch.rundir.layout import RunDir
-from rlorch.types import Generation, GroupRequest, PolicyVersion, SamplingParams, VersionStamps
+from rlorch.types import (Generation, GroupRequest, PolicyVersion, SamplingParams, VersionStamps, logprob_array,
+                          token_ids)
 
 
 class SimEngine:
@@ -30,7 +31,7 @@ class SimEngine:
         self.requests = 0
         self.calls = 0
         """Engine calls answered (a group or batch call counts once)."""
-        self._pattern = [4 + (i * 7) % 60 for i in range(max(config.tokens, 1))]
+        self._pattern = token_ids([4 + (i * 7) % 60 for i in range(max(config.tokens, 1))])
 
     def _finish(self, count: int) -> str:
         """``length`` when the length limit cut the simulated completion short, else ``stop``."""
@@ -45,7 +46,7 @@ class SimEngine:
             await asyncio.sleep(delay)
         count = min(self.tokens, params.max_new_tokens)
         ids = self._pattern[:count]
-        return Generation(output_ids=ids, logprobs=[-1.0] * count,
+        return Generation(output_ids=ids, logprobs=logprob_array([-1.0]) * count,
                           versions=VersionStamps([[version, count]]), finish_reason=self._finish(count))
 
     async def generate_group(self, input_ids: list[int], params: SamplingParams, n: int,
@@ -58,7 +59,7 @@ class SimEngine:
         if delay > 0:
             await asyncio.sleep(delay)
         count = min(self.tokens, params.max_new_tokens)
-        return [Generation(output_ids=self._pattern[:count], logprobs=[-1.0] * count,
+        return [Generation(output_ids=self._pattern[:count], logprobs=logprob_array([-1.0]) * count,
                            versions=VersionStamps([[version, count]]), finish_reason=self._finish(count))
                 for _ in range(n)]
 
@@ -78,7 +79,7 @@ class SimEngine:
             count = min(tokens, request.params.max_new_tokens)
             generation = shared.get(count)
             if generation is None:
-                generation = shared[count] = Generation(self._pattern[:count], [-1.0] * count,
+                generation = shared[count] = Generation(self._pattern[:count], logprob_array([-1.0]) * count,
                                                         VersionStamps([[version, count]]), self._finish(count))
             answers.append([generation] * request.n)
         return answers

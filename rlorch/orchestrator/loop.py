@@ -254,7 +254,7 @@ class Orchestrator:
 
     async def _persist(self, batch: Batch) -> None:
         """The batch file on disk, fsynced off the event loop; parked until shipped (checkpoints list it)."""
-        await asyncio.to_thread(write_atomic, self.run_dir.batch(batch.step), batch.to_jsonl())
+        await asyncio.to_thread(write_atomic, self.run_dir.batch(batch.step), batch.lines())
 
     def _on_shipped(self, batch: Batch, parked_s: float) -> None:
         self.idle.trainer.set("waiting", False)

@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Callable, Optional, Sequence
 
+import numpy
+
 from rlorch.trainer.advantages import advantages as estimate
-from rlorch.types import Batch, Rollout, head_ages
+from rlorch.types import LONG, Batch, Rollout, head_ages
 
 
 class Verdict(str, enum.Enum):
@@ -187,8 +189,12 @@ class TrainSink:
         totals.filtered_by[reason.value] = totals.filtered_by.get(reason.value, 0) + len(rollouts)
         totals.recent[reason] += len(rollouts)
         for rollout in rollouts:
-            sampled = [-p for p, m in zip(rollout.logprobs, rollout.loss_mask) if m]
-            totals.recent_surprisal += sum(sampled)
+            if len(rollout.logprobs) >= LONG:
+                sampled = numpy.asarray(rollout.logprobs)[numpy.asarray(rollout.loss_mask) != 0]
+                totals.recent_surprisal -= float(sampled.sum(dtype=numpy.float64))
+            else:
+                sampled = [p for p, m in zip(rollout.logprobs, rollout.loss_mask) if m]
+                totals.recent_surprisal -= sum(sampled)
             totals.recent_tokens += len(sampled)
 
     def guard(self, max_empty_batches: int, failure_window: int = 0) -> Optional[tuple[Verdict, str]]:

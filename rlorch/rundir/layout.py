@@ -36,7 +36,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 PUBLISHED = "PUBLISHED"
 COMPLETE = "COMPLETE"
@@ -233,11 +233,16 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write, fsync, rename: readers see the old file or the whole new one, never a part."""
+def write_atomic(path: Path, data: bytes | Iterable[bytes]) -> None:
+    """Write, fsync, rename: readers see the old file or the whole new one, never a part.
+    ``data``: the bytes, or pieces of them written as they come (a large file is never whole
+    in memory)."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as handle:
-        handle.write(data)
+        if isinstance(data, (bytes, bytearray)):
+            handle.write(data)
+        else:
+            handle.writelines(data)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)

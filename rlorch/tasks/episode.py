@@ -7,6 +7,7 @@ function built here, so the dispatcher knows neither.
 from __future__ import annotations
 
 import random
+from array import array
 from dataclasses import replace
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -14,8 +15,9 @@ from rlorch.config.schema import Config, InferenceBackend, SimReward
 from rlorch.lifecycle import gather_all
 from rlorch.tasks.base import is_single_turn
 from rlorch.tasks.prompts import chat_suffix, encode_prompt, encode_text
-from rlorch.types import (Engine, Environment, Generation, GroupRequest, Origin, Prompt, Rollout, SamplingParams,
-                          VersionStamps, is_correct)
+from rlorch.types import (LOGPROBS, LONG, TOKEN_IDS, Engine, Environment, Generation, GroupRequest, Origin, Prompt,
+                          Rollout, SamplingParams, VersionStamps, as_array, is_correct, list_of, logprob_array,
+                          mask_array, numpy_view, token_ids)
 
 EVAL_SEED_OFFSET = 1_000_003
 
@@ -92,9 +94,11 @@ class EngineConversation:
         self.params = params
         self.rid = rid
         self.turns = 0
-        self.tokens = list(prompt.input_ids)
-        self.loss_mask = [0] * len(prompt.input_ids)
-        self.logprobs = [0.0] * len(prompt.input_ids)
+        # Arrays, grown in place turn by turn (an array made of bytes takes them as its memory:
+        # zero bytes are zeros).
+        self.tokens = token_ids(prompt.input_ids)
+        self.loss_mask = mask_array(bytes(len(prompt.input_ids)))
+        self.logprobs = logprob_array(bytes(4 * len(prompt.input_ids)))
         self.versions = VersionStamps()
         self.completion = ""
         self.finish_reason = "stop"
@@ -110,9 +114,9 @@ class EngineConversation:
 
     def take(self, generation: Generation) -> str:
         """Append a model turn the engine produced; returns its text."""
-        self.tokens += generation.output_ids
-        self.loss_mask += [1] * len(generation.output_ids)
-        self.logprobs += generation.logprobs
+        self.tokens += as_array(TOKEN_IDS, generation.output_ids)
+        self.loss_mask.frombytes(b"\x01" * len(generation.output_ids))
+        self.logprobs += as_array(LOGPROBS, generation.logprobs)
         self.versions.concat(generation.versions)
         self.completion = decode(self.tokenizer, generation)
         self.finish_reason = generation.finish_reason
@@ -131,16 +135,21 @@ class EngineConversation:
             self.messages.append(message)
             self.last_turn = ""
         ids = encode_text(self.tokenizer, text)
-        self.tokens += ids
-        self.loss_mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
+        self.tokens.extend(ids)
+        self.loss_mask.frombytes(bytes(len(ids)))
+        self.logprobs.frombytes(bytes(4 * len(ids)))
 
 
 def decode(tokenizer: Any, generation: Generation, *, special: bool = False) -> str:
     """A generation's text (``special``: with its special tokens, as the chat template sees a turn)."""
     if tokenizer is None:
         return generation.text
-    return tokenizer.decode(generation.output_ids, skip_special_tokens=not special)
+    # A long turn goes as a numpy view: transformers checks every element of a list before
+    # decoding it and takes a numpy array's tolist() at once, after a fixed cost (tens of
+    # microseconds) a short turn's list does not repay.
+    ids = generation.output_ids
+    ids = numpy_view(ids) if len(ids) >= LONG else list_of(ids)
+    return tokenizer.decode(ids, skip_special_tokens=not special)
 
 
 class EpisodeWork:
@@ -193,19 +202,20 @@ class EpisodeWork:
         logprob 0), then the generated ones with their behaviour logprobs and version stamps
         (each rollout takes over its generation's stamps: the engine made them for this call).
         The fields :meth:`_rollout` sets, built inline: this runs once per sample. Rollouts of
-        the same prompt and generated lengths share one loss mask (a rollout's lists are never
+        the same prompt and generated lengths share one loss mask (a rollout's arrays are never
         changed once built). ``texts`` and ``scores``: each sample's completion and reward where
         the environment scored the groups itself (``score_groups``)."""
         score, override, tokenizer, env, live = self.env.score, self.override, self.tokenizer, self.env, Origin.live
-        untrained: dict[int, list[float]] = {}
-        masks: dict[tuple[int, int], list[int]] = {}
+        untrained: dict[int, array] = {}
+        masks: dict[tuple[int, int], array] = {}
         groups = []
         for number, (prompt, request, generations) in enumerate(zip(prompts, requests, answers)):
-            prompt_ids, answer, env_name, is_eval = prompt.input_ids, prompt.answer, prompt.env, prompt.is_eval
+            answer, env_name, is_eval = prompt.answer, prompt.env, prompt.is_eval
+            prompt_ids = token_ids(prompt.input_ids)
             prompt_len, group_id, attempt, base = len(prompt_ids), prompt.group_id, prompt.attempt, request.rid
             nothing = untrained.get(prompt_len)
             if nothing is None:
-                nothing = untrained[prompt_len] = [0.0] * prompt_len
+                nothing = untrained[prompt_len] = logprob_array(bytes(4 * prompt_len))
             rollouts = []
             for i, generation in enumerate(generations):
                 if scores is not None:
@@ -214,13 +224,14 @@ class EpisodeWork:
                     completion = generation.text if tokenizer is None else decode(tokenizer, generation)
                     reward = float(score(completion, answer)) if override is None else override(completion, answer)
                 correct = is_correct(env, completion, answer, reward) if is_eval else None
-                output_ids = generation.output_ids
+                output_ids = as_array(TOKEN_IDS, generation.output_ids)
                 shape = (prompt_len, len(output_ids))
                 mask = masks.get(shape)
                 if mask is None:
-                    mask = masks[shape] = [0] * prompt_len + [1] * len(output_ids)
+                    mask = masks[shape] = mask_array(bytes(prompt_len) + b"\x01" * len(output_ids))
                 rollouts.append(Rollout(group_id, f"{base}-{i}", env_name, prompt_ids + output_ids, mask,
-                                        nothing + generation.logprobs, generation.versions, reward, live,
+                                        nothing + as_array(LOGPROBS, generation.logprobs), generation.versions,
+                                        reward, live,
                                         finish_reason(generation.finish_reason, len(output_ids), self.answer_tokens),
                                         is_eval, prompt_len, completion, correct,
                                         attempt))
@@ -236,7 +247,7 @@ class EpisodeWork:
                               finish_reason(c.finish_reason, len(c.tokens) - len(prompt.input_ids), self.answer_tokens),
                               c.completion) for c, r in zip(conversations, rewards)]
 
-    def _rollout(self, prompt: Prompt, rid: str, tokens: list[int], loss_mask: list[int], logprobs: list[float],
+    def _rollout(self, prompt: Prompt, rid: str, tokens: array, loss_mask: array, logprobs: array,
                  versions: VersionStamps, reward: float, finish_reason: str, completion: str) -> Rollout:
         if self.override is not None:
             reward = self.override(completion, prompt.answer)

@@ -50,7 +50,7 @@ def test_generate_answers_with_tokens_logprobs_and_version(sglang_app):
             await engine.close()
 
     out, info, version = asyncio.run(scenario())
-    assert len(out.output_ids) == 6 and out.logprobs == [-1.0] * 6 and out.finish_reason == "length"
+    assert len(out.output_ids) == 6 and out.logprobs.tolist() == [-1.0] * 6 and out.finish_reason == "length"
     assert out.versions.runs == [[version, 6]] and info["version"] == "0.5.23"
 
 

@@ -1,0 +1,153 @@
+"""SGLang's /generate answers parsed into compact arrays: no Python object per token.
+
+An answer's ``meta_info.output_token_logprobs`` is ``[[logprob, token_id, null], ...]``, about
+25 bytes a token; a general JSON parser makes four Python objects of every entry. Here the
+entries (and ``output_ids``, which repeats their ids) are cut out of the body before it is
+parsed: each entries span becomes one flat ``[logprob, id, logprob, id, ...]`` text (a single
+``bytes.replace``), which orjson and numpy turn into an int32 id array and a float32 logprob
+array; the rest of the body, small, is parsed as JSON, and the entries' place holds a
+:class:`Segment`. An answer this fast path does not read exactly as written (whitespace inside
+the entries, a token's text in them, a non-finite or missing logprob, an id that is not an
+integer) is parsed in full instead, and :func:`segment` reads its entries one by one (and names
+the fault).
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from typing import Any, NamedTuple
+
+import numpy
+import orjson
+
+from rlorch.jsonlines import loads
+from rlorch.types import LOGPROBS, LONG, TOKEN_IDS
+
+ENTRIES, IDS = b'"output_token_logprobs":[', b'"output_ids":['
+"""Where an answer's entries and ids start. Inside a JSON string the key's quotes are escaped, so
+neither is ever found in a completion's text."""
+
+
+SMALL_BODY = 16384
+"""Bodies shorter than this (some 600 tokens) are parsed in full: the cuts cost more than they save."""
+
+
+class Segment(NamedTuple):
+    """One answer's generated token ids (int32) and behaviour logprobs (float32)."""
+
+    ids: array
+    logprobs: array
+
+
+class NotCompact(ValueError):
+    """The fast path cannot read this body exactly; parse it in full."""
+
+
+def parse_generate(body: bytes) -> Any:
+    """A /generate answer (one object or a batch's list) with each ``output_token_logprobs``
+    a :class:`Segment` and ``output_ids`` dropped (the entries carry the same ids); a small or
+    irregular body parsed in full (:func:`segment` reads its entries)."""
+    if len(body) < SMALL_BODY:  # a few hundred tokens: their lists are few and short-lived
+        return loads(body, exact=False)
+    try:
+        return _parse_compact(body)
+    except NotCompact:
+        return loads(body, exact=False)
+
+
+def _parse_compact(body: bytes) -> Any:
+    """Each key is looked for from where the last cut ended, so the spans are skipped, not
+    scanned (a search for the other key runs over the ids list at most)."""
+    pieces, segments, at = [], [], 0
+    entries_at, ids_at = body.find(ENTRIES), body.find(IDS)
+    while entries_at >= 0 or ids_at >= 0:
+        if entries_at >= 0 and (ids_at < 0 or entries_at < ids_at):
+            opened = entries_at + len(ENTRIES)
+            end = _entries_end(body, opened)
+            segments.append(_entries(body, opened - 1, end))
+            pieces += [body[at:opened - 1], b"%d" % (len(segments) - 1)]
+        else:
+            opened = ids_at + len(IDS)
+            end = body.find(b"]", opened) + 1
+            if not end:
+                raise NotCompact("unterminated output_ids")
+            pieces += [body[at:opened - 1], b"null"]
+        at = end
+        if entries_at < at:
+            entries_at = body.find(ENTRIES, at)
+        if ids_at < at:
+            ids_at = body.find(IDS, at)
+    if not segments:
+        if pieces:
+            raise NotCompact("output_ids without entries")
+        return loads(body, exact=False)
+    pieces.append(body[at:])
+    tree = loads(b"".join(pieces), exact=False)
+    placed = 0
+    for answer in tree if isinstance(tree, list) else [tree]:
+        meta = answer.get("meta_info") if isinstance(answer, dict) else None
+        index = meta.get("output_token_logprobs") if isinstance(meta, dict) else None
+        if type(index) is int:  # else null: an answer aborted before it generated
+            if index != placed:
+                raise NotCompact("entries outside meta_info")
+            meta["output_token_logprobs"] = segments[index]
+            placed += 1
+    if placed != len(segments):
+        raise NotCompact("entries outside meta_info")
+    return tree
+
+
+def _entries_end(body: bytes, opened: int) -> int:
+    """The end of the entries array whose ``[`` is at ``opened - 1``: ``[]`` or the first ``]]``
+    (entries hold numbers and null only, which :func:`_entries` checks)."""
+    if body[opened:opened + 1] == b"]":
+        return opened + 1
+    end = body.find(b"]]", opened)
+    if end < 0:
+        raise NotCompact("unterminated entries")
+    return end + 2
+
+
+def _entries(body: bytes, start: int, end: int) -> Segment:
+    """``[[lp, id, null], ...]`` at ``body[start:end]`` as arrays. Anything else in the span (a
+    string, whitespace, a third value) leaves nested lists or non-numbers after the replace, which
+    the shape and type checks refuse."""
+    if end - start == 2:
+        return Segment(array(TOKEN_IDS), array(LOGPROBS))
+    count = body.count(b"[", start, end) - 1
+    if count < LONG:  # numpy's fixed costs outweigh a few entries read one by one
+        try:
+            return Segment(*segment(orjson.loads(body[start:end])))
+        except (orjson.JSONDecodeError, ValueError, TypeError, IndexError) as err:
+            raise NotCompact(str(err)) from None
+    # [lp,id,null],[lp,id,null] -> [lp,id,lp,id,null]: one flat list, its last value the null
+    flat = body[start + 1:end - 1].replace(b",null],[", b",")
+    try:
+        parsed = orjson.loads(flat)
+        if not isinstance(parsed, list) or parsed.pop() is not None:
+            raise NotCompact("entries other than [logprob, id, null]")
+        values = numpy.array(parsed, dtype=numpy.float64)
+    except (orjson.JSONDecodeError, ValueError, TypeError, IndexError) as err:
+        raise NotCompact(str(err)) from None
+    if values.shape != (2 * count,):
+        raise NotCompact("entries other than [logprob, id, null]")
+    ids, logprobs = values[1::2], values[0::2]
+    if not (numpy.isfinite(logprobs).all() and (ids == numpy.floor(ids)).all()
+            and (0 <= ids).all() and (ids < 2**31).all()):
+        raise NotCompact("a non-finite logprob or an id that is not a token id")
+    out_ids, out_logprobs = array(TOKEN_IDS), array(LOGPROBS)
+    out_ids.frombytes(ids.astype(numpy.int32).tobytes())
+    out_logprobs.frombytes(logprobs.astype(numpy.float32).tobytes())
+    return Segment(out_ids, out_logprobs)
+
+
+def segment(entries: Any) -> tuple[array, array]:
+    """Ids and logprobs of one answer's ``output_token_logprobs``: a :class:`Segment` as it is,
+    a parsed list entry by entry (raises ``ValueError`` naming a non-finite logprob)."""
+    if isinstance(entries, Segment):
+        return entries.ids, entries.logprobs
+    logprobs = [e[0] for e in entries]
+    if not all(isinstance(lp, (int, float)) and math.isfinite(lp) for lp in logprobs):
+        raise ValueError(f"non-finite behaviour logprob: {logprobs}")
+    return array(TOKEN_IDS, [int(e[1]) for e in entries]), array(LOGPROBS, [float(lp) for lp in logprobs])
