@@ -39,13 +39,13 @@ def test_scale_refuses_anything_but_a_server_count_of_a_run(tmp_path):
     assert json.loads((tmp_path / "SCALE").read_text()) == {"num_servers": 3}
 
 
-@pytest.mark.slow
-@pytest.mark.cluster
 def _fleet(run_dir):
     """The server indices ``servers.json`` lists now."""
     return [r["index"] for r in json.loads((run_dir / "servers.json").read_text())]
 
 
+@pytest.mark.slow
+@pytest.mark.cluster
 def test_a_fleet_grows_from_one_to_three_and_shrinks_back_with_nothing_lost(tmp_path):
     run_dir = tmp_path / "run"
     run = faults.Run("train", "inference=cpu", "inference.num_servers=1", "train.steps=2000", f"run.dir={run_dir}",
