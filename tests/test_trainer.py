@@ -1,9 +1,9 @@
-"""The FSDP2 trainer for real: torchrun on CPU (gloo) with the tiny model, batches written by hand."""
+"""The FSDP2 trainer for real: its ranks on CPU (gloo) with the tiny model, started as a run starts
+them, batches written by hand."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -44,17 +44,47 @@ def _write_batch(run: RunDir, step: int, lines: list[dict] | None = None) -> Non
     write_atomic(run.batch(step), "".join(json.dumps(line) + "\n" for line in lines).encode())
 
 
-def _launch(config, run: RunDir, resume: Path | None = None) -> subprocess.Popen:
+class _Trainer:
+    """A trainer started as a run starts it (the local launcher, through the fork server: warm
+    ranks, no torchrun agent for one node), with its log read back as its output."""
+
+    def __init__(self, launched):
+        self.launched = launched
+        self.handle = launched.handle
+
+    def poll(self):
+        return self.handle.poll()
+
+    def kill(self) -> None:
+        import asyncio
+
+        from rlorch.launch.local import LocalLauncher
+
+        asyncio.run(LocalLauncher().stop([self.launched], timeout=0))
+
+    def output(self) -> str:
+        return self.launched.log.read_text(errors="replace") if self.launched.log.exists() else ""
+
+
+def _launch(config, run: RunDir, resume: Path | None = None) -> _Trainer:
+    from rlorch.launch.local import LocalLauncher
     from rlorch.launch.trainer_command import trainer_command
 
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen(trainer_command(config, run.root, resume), env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run.logs.mkdir(parents=True, exist_ok=True)
+    return _Trainer(LocalLauncher().start_trainer(trainer_command(config, run.root, resume), env={},
+                                                  log=run.logs / "trainer.log", workers=run.trainer_workers))
 
 
-def _finish(process: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
-    output, _ = process.communicate(timeout=timeout)
-    return process.returncode, output
+def _finish(process: _Trainer, timeout: float = 120) -> tuple[int, str]:
+    try:
+        code = process.handle.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise AssertionError(f"the trainer did not exit within {timeout:g}s:\n{process.output()[-3000:]}")
+    output = process.output()
+    # A later launch in the same run appends to the log: each launch's output is its own.
+    process.launched.log.unlink(missing_ok=True)
+    return code, output
 
 
 def _metrics(run: RunDir) -> list[dict]:
@@ -76,16 +106,49 @@ def test_trainer_command_standalone_unless_rendezvous(tmp_path):
     assert single == [sys.executable, "-m", "rlorch.trainer.fsdp", "--run-dir", str(tmp_path)]
 
 
-def _wait_for(condition, process: subprocess.Popen, timeout: float = 90) -> None:
+def test_a_one_node_torchrun_of_the_worker_is_started_as_its_ranks_and_nothing_else_is(tmp_path):
+    from rlorch.launch.trainer_command import rank_env, standalone_ranks, trainer_command
+
+    command = trainer_command(compose(["trainer.fsdp.nproc=2"]), tmp_path, tmp_path / "ckpt")
+    assert standalone_ranks(command) == (2, [sys.executable, "-m", "rlorch.trainer.fsdp", "--run-dir", str(tmp_path),
+                                             "--resume", str(tmp_path / "ckpt")])
+    extra = compose(['trainer.fsdp.nproc=2', 'trainer.fsdp.torchrun_args=["--max-restarts=1"]'])
+    assert standalone_ranks(trainer_command(extra, tmp_path, None)) is None
+    assert standalone_ranks(trainer_command(compose(["trainer.fsdp.nnodes=2", "trainer.fsdp.nproc=2",
+                                                     "trainer.fsdp.rdzv_endpoint=h:1"]), tmp_path, None)) is None
+    assert standalone_ranks(trainer_command(compose([]), tmp_path, None)) is None
+    env = rank_env(1, 2, 4321)
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["MASTER_PORT"]) == ("1", "1", "2", "4321")
+
+
+def test_a_rank_group_fails_with_its_first_failed_rank_and_a_stop_ends_the_others():
+    import asyncio
+
+    from rlorch.launch.base import Launched
+    from rlorch.launch.local import LocalLauncher, RankGroup
+
+    def start(*argv):
+        return subprocess.Popen(argv, start_new_session=True)
+
+    clean = RankGroup([start("true"), start("true")])
+    assert clean.wait(timeout=10) == 0
+    survivor = start("sleep", "60")
+    group = RankGroup([survivor, start("sh", "-c", "exit 3")])
+    assert group.wait(timeout=10) == 3 and survivor.poll() is None
+    asyncio.run(LocalLauncher().stop([Launched("trainer", 0, None, None, handle=group)], timeout=5))
+    assert survivor.poll() is not None
+
+
+def _wait_for(condition, process: _Trainer, timeout: float = 90) -> None:
     deadline = time.time() + timeout
     while not condition():
         if process.poll() is not None or time.time() > deadline:
             process.kill()
-            raise AssertionError(process.communicate()[0])
+            raise AssertionError(process.output())
         time.sleep(0.05)
 
 
-def _relaunch_from_step_2(run: RunDir, *, nproc: int, steps: int, checkpoint_every: int) -> subprocess.Popen:
+def _relaunch_from_step_2(run: RunDir, *, nproc: int, steps: int, checkpoint_every: int) -> _Trainer:
     """The trainer again, on ``nproc`` ranks, from the step-2 checkpoint (DCP reshards it)."""
     config = compose(["trainer.fsdp.device=cpu", f"train.steps={steps}", f"trainer.checkpoint_every={checkpoint_every}",
                       "trainer.fsdp.micro_batch_size=2", f"trainer.fsdp.nproc={nproc}"])

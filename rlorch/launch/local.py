@@ -3,9 +3,12 @@ fork server.
 
 A launched server gets a free local port; an SGLang server runs under :mod:`rlorch.launch.guard`,
 which takes it down with the orchestrator (``rlorch serve`` and the trainer's ranks watch the
-orchestrator's pid themselves). A stop signals each process's whole group (SGLang runs scheduler
-subprocesses), and for the trainer also every rank it recorded: torchrun starts each rank in a
-session of its own, so killing torchrun's group misses them, and a dead torchrun cannot stop them.
+orchestrator's pid themselves). A one-node trainer of several ranks is started without torchrun's
+agent: each rank is forked with the environment torchrun would give it (a :class:`RankGroup`),
+so the ranks start warm. A stop signals each process's whole group (SGLang runs scheduler
+subprocesses), and for a torchrun trainer also every rank it recorded: torchrun starts each rank
+in a session of its own, so killing torchrun's group misses them, and a dead torchrun cannot stop
+them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from rlorch.config.schema import InferenceBackend
 from rlorch.launch import forkserver
 from rlorch.launch.base import Launched
 from rlorch.launch.server_command import API_KEY_ENV, server_command
+from rlorch.launch.trainer_command import rank_env, standalone_ranks
 from rlorch.lifecycle import ORCHESTRATOR_PID_ENV, kill_group, process_alive
 
 WORKER_MODULE = b"rlorch.trainer.fsdp"
@@ -68,14 +72,22 @@ class LocalLauncher:
     def start_trainer(self, command: list[str], *, env: dict[str, str], log: Path, workers: Path) -> Launched:
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
                ORCHESTRATOR_PID_ENV: str(os.getpid()), **env}
-        process = forkserver.spawn(command, log_path=str(log), env=env)
+        ranks = standalone_ranks(command)
+        if ranks is None:
+            process = forkserver.spawn(command, log_path=str(log), env=env)
+        else:
+            nproc, worker = ranks
+            port = free_port()
+            process = RankGroup([forkserver.spawn(worker, log_path=str(log), env={**env, **rank_env(rank, nproc, port)})
+                                 for rank in range(nproc)])
         return Launched("trainer", 0, None, log, handle=process, extra={"workers": workers})
 
     def returncode(self, process: Launched) -> Optional[int]:
         return None if process.handle is None else process.handle.poll()
 
     async def stop(self, processes: list[Launched], *, timeout: float) -> None:
-        running = [p.handle for p in processes if p.handle is not None and p.handle.poll() is None]
+        running = [member for p in processes if p.handle is not None for member in _members(p.handle)
+                   if member.poll() is None]
         for handle in running:
             _signal(handle, signal.SIGTERM)
         deadline = time.monotonic() + timeout
@@ -88,6 +100,46 @@ class LocalLauncher:
         for process in processes:
             if "workers" in process.extra:
                 await _kill_workers(process.extra["workers"])
+
+
+class RankGroup:
+    """The ranks of a one-node trainer started without torchrun, as the one process the trainer's
+    owner watches (the part of ``Popen`` it uses). Like torchrun, it has failed as soon as one
+    rank has (that rank's status, while the others may still run: a stop ends them), and
+    succeeded once every rank exited with 0. Rank 0's pid stands for the group."""
+
+    def __init__(self, ranks: list):
+        self.ranks = ranks
+        self.pid = ranks[0].pid
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self.poll()
+
+    def poll(self) -> Optional[int]:
+        codes = [rank.poll() for rank in self.ranks]
+        failed = [code for code in codes if code not in (None, 0)]
+        if failed:
+            return failed[0]
+        return None if None in codes else 0
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.01)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        for rank in self.ranks:
+            if rank.poll() is None:
+                _signal(rank, sig)
+
+
+def _members(handle) -> list:
+    """The processes behind a handle: each rank of a :class:`RankGroup`, else the handle."""
+    return list(handle.ranks) if isinstance(handle, RankGroup) else [handle]
 
 
 def _signal(process: subprocess.Popen, sig: int) -> None:

@@ -1,4 +1,5 @@
-"""The command line of the trainer's torchrun agent (or of its single worker) on one node."""
+"""The command line of the trainer's torchrun agent (or of its single worker) on one node, and
+what a launcher on that node needs to start a one-node torchrun's ranks itself."""
 
 from __future__ import annotations
 
@@ -65,3 +66,32 @@ def trainer_command(config, run_dir: Path, resume: Optional[Path] = None, *,
     if resume is not None:
         command += ["--resume", str(resume)]
     return command
+
+
+TORCHRUN = ("-m", "torch.distributed.run")
+WORKER = ("-m", "rlorch.trainer.fsdp")
+
+
+def standalone_ranks(command: list[str]) -> Optional[tuple[int, list[str]]]:
+    """``(nproc, the worker's own command)`` when ``command`` is exactly a one-node torchrun of
+    the trainer worker (``--standalone --nproc-per-node N``, nothing else: what
+    :func:`trainer_command` builds on one node without ``trainer.fsdp.torchrun_args``), else None.
+    A launcher on that node may then start the ranks itself with :func:`rank_env`: torchrun's
+    agent only sets their environment and watches them, and costs a torch import of its own and
+    a cold start of every rank."""
+    head = [sys.executable, *TORCHRUN, "--standalone", "--nproc-per-node"]
+    if command[:len(head)] != head or len(command) < len(head) + 3 or not command[len(head)].isdigit():
+        return None
+    rest = command[len(head) + 1:]
+    if tuple(rest[:2]) != WORKER:
+        return None
+    return int(command[len(head)]), [sys.executable, *WORKER, *rest[2:]]
+
+
+def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
+    """The environment torchrun gives rank ``rank`` of ``nproc`` on one node, with rank 0 hosting
+    the rendezvous store at ``127.0.0.1:port`` (``init_process_group``'s ``env://``)."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(nproc), "ROLE_NAME": "default",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
