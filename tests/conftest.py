@@ -1,9 +1,16 @@
 """Shared fixtures: one temporary RLORCH_HOME for the session, so the tiny default model is
-created once (a few seconds) and every subprocess a test starts finds it there."""
+created once (a few seconds) and every subprocess a test starts finds it there; and one shared
+fork server for the session (``RLORCH_FORKSERVER``), so the runs the tests start, in this process
+or as ``rlorch`` subprocesses, fork their engines and trainers warm instead of each importing
+torch and transformers again."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import tempfile
+import time
 
 import pytest
 
@@ -18,6 +25,30 @@ def rlorch_home(tmp_path_factory):
         os.environ.pop("RLORCH_HOME", None)
     else:
         os.environ["RLORCH_HOME"] = previous
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_forkserver(rlorch_home):
+    if os.environ.get("RLORCH_FORKSERVER", "1") != "1":
+        yield None  # set by whoever runs the tests: off, or a server of their own
+        return
+    # A short path: a Unix socket's path is limited to about 100 bytes.
+    path = os.path.join(tempfile.mkdtemp(prefix="rlorch-fs-"), "socket")
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+    server = subprocess.Popen([sys.executable, "-m", "rlorch.launch.forkserver", "--listen", path,
+                               "--parent-pid", str(os.getpid())], env=env, start_new_session=True,
+                              stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path):  # bound before its imports: a client may then connect at once
+        assert server.poll() is None and time.monotonic() < deadline, "the shared fork server did not start"
+        time.sleep(0.02)
+    os.environ["RLORCH_FORKSERVER"] = path
+    try:
+        yield path
+    finally:
+        os.environ.pop("RLORCH_FORKSERVER", None)
+        server.terminate()
+        server.wait(30)
 
 
 @pytest.fixture(scope="session")

@@ -173,3 +173,47 @@ def test_rlorch_forkserver_0_launches_the_ordinary_way(monkeypatch, tmp_path):
     process = forkserver.spawn(command, log_path=str(tmp_path / "log"), env=dict(os.environ))
     process.wait(120)
     assert isinstance(process, subprocess.Popen) and process.returncode == 0
+
+
+def test_a_shared_server_forks_for_every_run_and_tells_each_only_of_its_own_exits(tmp_path):
+    """``--listen PATH``: two clients (two runs) fork through one warm server; each hears of the
+    exits of its own processes, and one closing its connection stops nothing."""
+    import tempfile
+
+    path = os.path.join(tempfile.mkdtemp(prefix="rlorch-fs-"), "socket")
+    server = subprocess.Popen([sys.executable, "-m", "rlorch.launch.forkserver", "--listen", path,
+                               "--parent-pid", str(os.getpid())], start_new_session=True, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path):
+            assert server.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        first, second = forkserver.ForkServer(path), forkserver.ForkServer(path)
+        command = [sys.executable, "-m", "rlorch.cli", "validate-config"]
+        failing = first.spawn([*command, "rollout.batch_size=0"], log=str(tmp_path / "a.log"), env=dict(os.environ),
+                              cwd=str(tmp_path))
+        passing = second.spawn(command, log=str(tmp_path / "b.log"), env=dict(os.environ), cwd=str(tmp_path))
+        assert failing.wait(120) == 2 and passing.wait(120) == 0
+        assert failing.pid not in second.exits and passing.pid not in first.exits
+        assert "rollout.batch_size" in (tmp_path / "a.log").read_text()
+        serving = second.spawn([sys.executable, "-m", "rlorch.cli", "serve", "--port", "0",
+                                "--parent-pid", str(os.getpid())], log=str(tmp_path / "s.log"),
+                               env=dict(os.environ), cwd=str(tmp_path))
+        second.close()
+        time.sleep(0.5)
+        assert serving.poll() is None and os.path.exists(f"/proc/{serving.pid}")
+        os.kill(serving.pid, signal.SIGKILL)
+        again = first.spawn(command, log=str(tmp_path / "c.log"), env=dict(os.environ), cwd=str(tmp_path))
+        assert again.wait(120) == 0 and server.poll() is None  # a client gone is not the server's end
+    finally:
+        server.terminate()
+        assert server.wait(30) == 0
+    assert not os.path.exists(path)
+
+
+def test_a_named_shared_server_that_is_not_there_is_a_clear_error(monkeypatch, tmp_path):
+    import pytest
+
+    monkeypatch.setenv("RLORCH_FORKSERVER", str(tmp_path / "absent"))
+    with pytest.raises(RuntimeError, match="RLORCH_FORKSERVER=.*absent: no fork server answers there"):
+        forkserver.ForkServer(forkserver.shared_address())

@@ -18,6 +18,14 @@ that has forked nothing is stopped once the run turns out not to need it, and at
 launcher and the trainer use (``pid``, ``poll``, ``wait``, ``returncode``, ``send_signal``);
 commands that are not an rlorch module of this interpreter get a plain ``Popen``. Set
 ``RLORCH_FORKSERVER=0`` to launch every process the ordinary way.
+
+One fork server can also serve many runs: ``python -m rlorch.launch.forkserver --listen PATH``
+listens on a Unix socket (it answers as soon as it is bound; requests wait for its imports), and
+a run started with ``RLORCH_FORKSERVER=PATH`` forks its processes there instead of warming a
+server of its own, so only the first run pays for the imports. Each connection is told about
+the exits of the processes it asked for, and closing it stops nothing: what was forked watches
+its own orchestrator. The server's imports are those of the code it started with, so one
+started before an upgrade keeps running the old code until it is restarted.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -94,13 +103,31 @@ def _defunct(pid: int) -> bool:
 
 
 class ForkServer:
-    """The client side: one warm process, asked over a pipe to fork."""
+    """The client side: a warm process asked to fork, over a pipe to this process's own
+    (``address`` None) or over a connection to a shared one listening at ``address``."""
 
-    def __init__(self):
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
-        self.process = subprocess.Popen([sys.executable, "-m", "rlorch.launch.forkserver"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, env=env, text=True, bufsize=1,
-                                        start_new_session=True)
+    def __init__(self, address: Optional[str] = None):
+        self.address = address
+        self.process: Optional[subprocess.Popen] = None
+        self._connection: Optional[socket.socket] = None
+        if address is None:
+            env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+            self.process = subprocess.Popen([sys.executable, "-m", "rlorch.launch.forkserver"], stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, env=env, text=True, bufsize=1,
+                                            start_new_session=True)
+            self._input, self._output = self.process.stdout, self.process.stdin
+        else:
+            self._connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                self._connection.connect(address)
+            except OSError as err:
+                self._connection.close()
+                raise RuntimeError(f"RLORCH_FORKSERVER={address}: no fork server answers there ({err}); start one "
+                                   f"with `python -m rlorch.launch.forkserver --listen {address}`, or unset "
+                                   f"RLORCH_FORKSERVER") from None
+            self._input = self._connection.makefile("r", encoding="utf-8")
+            self._output = self._connection.makefile("w", encoding="utf-8", buffering=1)
+        self._closed = False
         self.exits: dict[int, int] = {}
         self.spawned = 0
         """How many processes it was asked to fork."""
@@ -112,30 +139,57 @@ class ForkServer:
         self._lock = threading.Lock()
         threading.Thread(target=self._read, name="rlorch-forkserver", daemon=True).start()
 
+    def alive(self) -> bool:
+        """Whether the server still answers (its process runs, or the connection is open)."""
+        if self.process is not None:
+            return self.process.poll() is None
+        return not self._closed
+
+    def close(self) -> None:
+        """Stop a private server (killed: it may still be importing); leave a shared one."""
+        if self.process is not None:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+            self.process.stdin.close()
+        elif self._connection is not None:
+            try:  # the reading thread's file holds the socket open: shut it down for both sides
+                self._connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._connection.close()
+
     def _read(self) -> None:
-        for line in self.process.stdout:
-            message = json.loads(line)
-            with self._arrived:
-                if "exit" in message:
-                    self.exits[message["exit"]] = message["status"]
-                else:
-                    self._pids[message["id"]] = message["pid"]
-                    self.forked += 1
-                self._arrived.notify_all()
+        try:
+            for line in self._input:
+                message = json.loads(line)
+                with self._arrived:
+                    if "exit" in message:
+                        self.exits[message["exit"]] = message["status"]
+                    else:
+                        self._pids[message["id"]] = message["pid"]
+                        self.forked += 1
+                    self._arrived.notify_all()
+        except (OSError, ValueError):
+            pass
+        with self._arrived:
+            self._closed = True
+            self._arrived.notify_all()
 
     def spawn(self, command: list[str], *, log: str, env: dict, cwd: str) -> Forked:
         with self._lock:
             self._next += 1
             self.spawned += 1
             ident = self._next
-            self.process.stdin.write(json.dumps({"id": ident, "argv": command[2:], "module": command[2],
-                                                 "env": env, "cwd": cwd, "log": log}) + "\n")
-            self.process.stdin.flush()
+            self._output.write(json.dumps({"id": ident, "argv": command[2:], "module": command[2],
+                                           "env": env, "cwd": cwd, "log": log}) + "\n")
+            self._output.flush()
         with self._arrived:
-            if not self._arrived.wait_for(lambda: ident in self._pids or self.process.poll() is not None, 120):
+            if not self._arrived.wait_for(lambda: ident in self._pids or not self.alive(), 120):
                 raise RuntimeError("the fork server did not answer in 120 s")
             if ident not in self._pids:
-                raise RuntimeError(f"the fork server exited with status {self.process.returncode}")
+                status = "closed" if self.process is None else f"exited with status {self.process.returncode}"
+                raise RuntimeError(f"the fork server {status}")
             return Forked(self._pids.pop(ident), self)
 
 
@@ -147,25 +201,32 @@ def enabled() -> bool:
     return os.environ.get("RLORCH_FORKSERVER", "1") != "0"
 
 
+def shared_address() -> Optional[str]:
+    """The socket of a shared fork server to use (``RLORCH_FORKSERVER=PATH``), if one is named."""
+    value = os.environ.get("RLORCH_FORKSERVER", "1")
+    return None if value in ("0", "1", "") else value
+
+
 def warm_up() -> None:
     """Start the fork server now (it takes seconds to import), if it will be used."""
     global _server
     if enabled():
         with _server_lock:
-            if _server is None or _server.process.poll() is not None:
+            if _server is None or not _server.alive():
                 if _server is None:
                     atexit.register(discard)
-                _server = ForkServer()
+                _server = ForkServer(shared_address())
 
 
 def running() -> bool:
     """Whether this process has a fork server started (warm or still importing)."""
     with _server_lock:
-        return _server is not None and _server.process.poll() is None
+        return _server is not None and _server.alive()
 
 
 def discard() -> None:
-    """Stop the fork server if it has forked nothing: when the run turns out to launch nothing
+    """Stop the fork server (a shared one: close this process's connection to it) if it has
+    forked nothing: when the run turns out to launch nothing
     through it, and at exit (requests still unanswered included: a run interrupted while the
     server imports), so that a server still importing does not go on for nobody. One that has
     forked processes is left to exit when this process's end closes its pipe: it reports their
@@ -176,10 +237,7 @@ def discard() -> None:
         if server is None or server.forked:
             return
         _server = None
-    if server.process.poll() is None:
-        server.process.kill()
-        server.process.wait()
-    server.process.stdin.close()
+    server.close()
 
 
 def spawn(command: list[str], *, log_path: str, env: dict) -> "Forked | subprocess.Popen":
@@ -298,6 +356,35 @@ def _build_shared_tables() -> None:
     get_checkpoint_conversion_mapping("qwen2")
 
 
+def _fork(request: dict, inherited: tuple[int, ...] = ()) -> int:
+    """Fork the requested child (it closes ``inherited``: the server's own sockets) and return
+    its pid once it leads its own session."""
+    started, ready = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(started)
+        for fd in inherited:
+            os.close(fd)
+        _child(request, ready)
+    os.close(ready)
+    os.read(started, 1)
+    os.close(started)
+    return pid
+
+
+def _reap() -> list[tuple[int, int]]:
+    """``(pid, status)`` of every child that has exited since the last call."""
+    exits = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return exits
+        if pid == 0:
+            return exits
+        exits.append((pid, os.waitstatus_to_exitcode(status)))
+
+
 def _serve() -> None:
     import select
 
@@ -306,14 +393,8 @@ def _serve() -> None:
     pending = b""
     while True:
         ready, _, _ = select.select([0], [], [], 0.05)
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            out.write(json.dumps({"exit": pid, "status": os.waitstatus_to_exitcode(status)}) + "\n")
+        for pid, status in _reap():
+            out.write(json.dumps({"exit": pid, "status": status}) + "\n")
             out.flush()
         if not ready:
             continue
@@ -324,14 +405,7 @@ def _serve() -> None:
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
             request = json.loads(line)
-            started, ready = os.pipe()
-            pid = os.fork()
-            if pid == 0:
-                os.close(started)
-                _child(request, ready)
-            os.close(ready)
-            os.read(started, 1)
-            os.close(started)
+            pid = _fork(request)
             try:
                 out.write(json.dumps({"id": request["id"], "pid": pid}) + "\n")
                 out.flush()
@@ -339,5 +413,80 @@ def _serve() -> None:
                 return    # the client is gone; what was forked watches its orchestrator
 
 
+def _serve_shared(path: str, parent_pid: Optional[int]) -> None:
+    """Serve every connection to the Unix socket ``path`` until SIGTERM, or until the process
+    ``parent_pid`` is gone. The socket is bound before the imports, so a client may connect and
+    ask at once: its requests wait in the connection until the server is warm."""
+    import select
+    import signal
+
+    from rlorch.lifecycle import process_alive
+
+    if os.path.exists(path):
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    os.chmod(path, 0o600)
+    listener.listen(64)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    preload()
+    clients: dict[socket.socket, bytes] = {}
+    owners: dict[int, socket.socket] = {}
+
+    def send(client: socket.socket, message: dict) -> bool:
+        try:
+            client.sendall((json.dumps(message) + "\n").encode())
+            return True
+        except OSError:
+            return False
+
+    try:
+        while parent_pid is None or process_alive(parent_pid):
+            ready, _, _ = select.select([listener, *clients], [], [], 0.05)
+            for pid, status in _reap():
+                owner = owners.pop(pid, None)
+                if owner in clients:
+                    send(owner, {"exit": pid, "status": status})
+            for sock in ready:
+                if sock is listener:
+                    client, _ = listener.accept()
+                    clients[client] = b""
+                    continue
+                try:
+                    chunk = sock.recv(1 << 16)
+                except OSError:
+                    chunk = b""
+                if not chunk:
+                    del clients[sock]
+                    sock.close()
+                    continue
+                clients[sock] += chunk
+                while b"\n" in clients[sock]:
+                    line, clients[sock] = clients[sock].split(b"\n", 1)
+                    request = json.loads(line)
+                    pid = _fork(request, (listener.fileno(), *(c.fileno() for c in clients)))
+                    owners[pid] = sock
+                    send(sock, {"id": request["id"], "pid": pid})
+    finally:
+        listener.close()
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m rlorch.launch.forkserver",
+                                     description="A warm fork server for rlorch's processes.")
+    parser.add_argument("--listen", metavar="PATH", help="serve every run started with RLORCH_FORKSERVER=PATH "
+                                                         "(a Unix socket); without it, serve the parent over a pipe")
+    parser.add_argument("--parent-pid", type=int, default=None, help="with --listen: exit when this process is gone")
+    args = parser.parse_args(argv)
+    if args.listen is None:
+        _serve()
+    else:
+        _serve_shared(args.listen, args.parent_pid)
+
+
 if __name__ == "__main__":
-    _serve()
+    main()
