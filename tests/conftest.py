@@ -72,3 +72,14 @@ def perturbed_dir(model_dir, tmp_path_factory):
     target = tmp_path_factory.mktemp("perturbed")
     model.save_pretrained(target)
     return target
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist (``--dist loadgroup``) tests spread one by one over the workers, except that a
+    module's tests sharing a module-scoped fixture (a served model, a Ray cluster, an SGLang app)
+    stay on one worker, so it is built once."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        definitions = info.name2fixturedefs.values() if info is not None else ()
+        if any(defs and defs[-1].scope == "module" for defs in definitions):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))

@@ -23,7 +23,7 @@ SMALL = ["rollout.batch_size=16", "rollout.group_size=4", "rollout.max_concurren
          "inference.num_servers=1"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def env() -> dict:
     return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
