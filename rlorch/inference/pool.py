@@ -191,11 +191,13 @@ class EnginePool:
             task.cancel()
         while self._in_flight[name]:
             await asyncio.sleep(0.05)
-        self._end_suspect(name)
-        self.engines.remove(engine)
-        self._retiring.discard(name)
-        self._awaiting_group.discard(name)
-        self._dead.pop(name, None)
+        # A weight update under way may count it in the weight group: it leaves once that is over.
+        async with self._reload_lock:
+            self._end_suspect(name)
+            self.engines.remove(engine)
+            self._retiring.discard(name)
+            self._awaiting_group.discard(name)
+            self._dead.pop(name, None)
         await engine.close()
 
     def _no_live_server(self, waited: str) -> EngineUnavailable:
