@@ -159,7 +159,12 @@ class GroupEngine:
 
     async def pause(self) -> None: ...
     async def resume(self) -> None: ...
-    async def begin_weight_update(self) -> None: ...
+    refuse = False
+
+    async def begin_weight_update(self) -> None:
+        if self.refuse:
+            raise EngineError(f"{self.name}: a weight-update session is already open")
+
     async def end_weight_update(self) -> None: ...
     async def close(self) -> None: ...
 
@@ -177,7 +182,7 @@ def test_the_pool_rebuilds_the_weight_group_whenever_its_servers_change():
 
     async def regroup(version: int, world_size: int) -> dict:
         asked.append((version, world_size))
-        if version == 5:
+        if version == 6:
             raise TimeoutError("the trainer announced no new weight group")
         return {"master_address": "127.0.0.1", "master_port": 1, "group_name": f"g{len(asked)}", "backend": "gloo"}
 
@@ -217,12 +222,17 @@ def test_the_pool_rebuilds_the_weight_group_whenever_its_servers_change():
         assert asked[-1] == (4, 3) and a.groups == {"g3": (1, 3)} and c.groups == {"g3": (2, 3)}
 
         await pool.update_weights_from_distributed({"group_name": "g3"}, 4)   # nothing changed: no rebuild
+        a.refuse = True     # refused before anything was sent: the group is intact
+        with pytest.raises(EngineError, match="session is already open"):
+            await pool.update_weights_from_distributed({"group_name": "g3"}, 5)
+        a.refuse = False
+        await pool.update_weights_from_distributed({"group_name": "g3"}, 5)
         assert len(asked) == 3
         pool.mark_dead("c", "killed")
         with pytest.raises(EngineError, match="did not open a new weight group"):
-            await pool.update_weights_from_distributed({"group_name": "g3"}, 5)
-        await pool.update_weights_from_distributed({"group_name": None}, 6)    # the trainer lost its group
-        assert asked[-1] == (6, 2) and a.groups == {"g5": (1, 2)} and a.version == 6
+            await pool.update_weights_from_distributed({"group_name": "g3"}, 6)
+        await pool.update_weights_from_distributed({"group_name": None}, 7)    # the trainer lost its group
+        assert asked[-1] == (7, 2) and a.groups == {"g5": (1, 2)} and a.version == 7
         assert pool.health()["weight_group_rebuilds"] == 4
         await pool.close()
 

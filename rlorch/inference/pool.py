@@ -439,6 +439,7 @@ class EnginePool:
                                       "and cannot be rebuilt here")
                 group = await self._rebuild(members, version)
             received: set[str] = set()
+            sent = False
 
             async def update(engine: Server) -> None:
                 await engine.update_weights_from_distributed({**offer, "group_name": group}, version)
@@ -450,10 +451,11 @@ class EnginePool:
             try:
                 if not failed:
                     receiving()
+                    sent = True
                     failed += await self._each(opened, update)
             finally:
                 failed += await self._each(opened, lambda e: e.end_weight_update())
-            if len(received) < len(members):
+            if sent and len(received) < len(members):
                 self._group_members = ()    # a member missed tensors: the next version rebuilds the group
             for engine in joining:
                 if not failed and engine.name in received:
