@@ -80,3 +80,22 @@ def test_the_ray_plan_fills_unset_counts_from_run_gpus():
     assert sorted(groups) == ["server-0", "server-1", "server-2", "server-3", "trainer"]
     assert groups["server-3"] == [{"GPU": 1.0}] and groups["trainer"] == [{"GPU": 4.0}]
     assert len([r for r in plan if r["role"].startswith("server-")]) == 4
+
+
+def test_the_weight_group_meets_at_trainer_node_0_s_ip(tmp_path, monkeypatch):
+    """Under run.launcher=ray the trainer's env names node 0's IP, and rank 0's broadcaster
+    announces its group there, not at ``inference.transfer_address`` (127.0.0.1)."""
+    from rlorch.config.compose import compose
+    from rlorch.launch.ray import TRANSFER_ADDRESS_ENV, trainer_env
+    from rlorch.rundir.layout import RunDir
+    from rlorch.trainer import broadcast
+
+    nodes = [{"ip": "127.0.0.3", "port": 29500}, {"ip": "10.0.0.9", "port": 29501}]
+    env = trainer_env({"CUDA_VISIBLE_DEVICES": "0,1", "PATH": "/bin"}, nodes)
+    assert env == {"PATH": "/bin", TRANSFER_ADDRESS_ENV: "127.0.0.3"}
+    assert TRANSFER_ADDRESS_ENV == broadcast.TRANSFER_ADDRESS_ENV
+    monkeypatch.setenv(TRANSFER_ADDRESS_ENV, env[TRANSFER_ADDRESS_ENV])
+    config = compose(["inference=cpu", "trainer=fsdp", "inference.weight_transfer=distributed"])
+    run = RunDir(tmp_path / "run").make()
+    broadcast.plan(config, run, "cpu", log=print)
+    assert json.loads(run.weight_group.read_text())["master_address"] == "127.0.0.3"

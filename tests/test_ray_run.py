@@ -1,5 +1,6 @@
 """``rlorch train run.launcher=ray`` end to end on CPU engines: a server actor killed mid-run is
-restarted and rejoins with nothing lost; a kill -9 of the orchestrator leaves nothing of the run.
+restarted and rejoins with nothing lost; neither a normal exit nor a kill -9 of the orchestrator leaves
+anything of the run.
 
 Each run starts a private local Ray cluster (seconds on a small machine): slow.
 """
@@ -74,4 +75,20 @@ def test_kill_9_of_the_orchestrator_leaves_nothing_of_the_run(tmp_path):
         alive = [Path(f"/proc/{p}/cmdline").read_bytes()[:120] for p in faults.tagged(run.tag)]
     finally:
         run.kill_all()
+    assert leftovers == 0, alive
+
+
+def test_a_normal_exit_leaves_nothing_of_the_run(tmp_path):
+    """A run that completes: its actors, servers, trainer ranks and private Ray cluster (all
+    tagged processes of the run) are gone within 30 s of its exit."""
+    run_dir = tmp_path / "run"
+    run = faults.Run("train", *RAY, f"run.dir={run_dir}", "train.steps=3")
+    try:
+        code = run.wait(600)
+        leftovers = faults.leftovers_after(run.tag, 30.0)
+        alive = [Path(f"/proc/{p}/cmdline").read_bytes()[:120] for p in faults.tagged(run.tag)]
+    finally:
+        run.kill_all()
+    assert code == 0, run.output[-3000:]
+    assert faults.summary(run_dir)["status"] == "completed"
     assert leftovers == 0, alive

@@ -4,6 +4,7 @@ join at the current version and leave with nothing lost; the step records show t
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -80,3 +81,53 @@ def test_a_fleet_grows_from_one_to_three_and_shrinks_back_with_nothing_lost(tmp_
     assert "rlorch scale: 1 -> 3 servers" in run.output and "rlorch scale: 3 -> 1 servers" in run.output
     assert leftovers == 0
     assert fleet == [0, 1, 2] and shrunk_fleet == [0], (fleet, shrunk_fleet)
+
+
+def _received(log: Path) -> list[tuple[str, int]]:
+    """(group, version) of every version a server's log says it received over a weight group."""
+    import re
+
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return [(group, int(version)) for group, version
+            in re.findall(r"received \d+ tensors over (\S+) \(weight_version (\d+)\)", text)]
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_under_distributed_transfer_the_weight_group_follows_the_fleet_from_2_to_3_and_back(tmp_path):
+    """inference.weight_transfer=distributed: grown from 2 servers to 3, every server receives
+    the later versions over a group rebuilt for them (a new name); shrunk back to 2, the two
+    left receive over another. Nothing is lost, and after each rebuild no version goes by disk."""
+    run_dir = tmp_path / "run"
+    run = faults.Run("train", "inference=cpu", "trainer=fsdp", "inference.weight_transfer=distributed",
+                     "inference.num_servers=2", "train.steps=5000", "rollout.batch_size=32", "rollout.group_size=4",
+                     "rollout.max_concurrent=32", "eval.enabled=false", f"run.dir={run_dir}", "run.progress=false",
+                     "run.report=false")
+    logs = run_dir / "logs"
+
+    def generation(server: int) -> int:
+        """The newest rebuilt group (its generation) a server received a version over; 0: none."""
+        return max((int(g.rsplit("-g", 1)[1]) for g, _ in _received(logs / f"server-{server}.log") if "-g" in g),
+                   default=0)
+
+    try:
+        faults.wait_for(lambda: faults.trainer_steps(run_dir) >= 3, 300, "three trainer steps")
+        _scale(run_dir, 3)
+        faults.wait_for(lambda: all(generation(i) >= 1 for i in range(3)), 300,
+                        "three servers receiving over a group rebuilt for them")
+        grown = generation(2)
+        _scale(run_dir, 2)
+        faults.wait_for(lambda: all(generation(i) > grown for i in range(2)), 300,
+                        "two servers receiving over a group rebuilt for them")
+        settled = faults.trainer_steps(run_dir)
+        faults.wait_for(lambda: faults.trainer_steps(run_dir) >= settled + 3, 300, "three more steps")
+        run.process.send_signal(signal.SIGTERM)
+        code = run.wait(300)
+    finally:
+        run.kill_all()
+    assert code == 143, run.output[-3000:]
+    summary = faults.summary(run_dir)
+    assert summary["lost"] == 0 and summary["transfer_fallbacks"] == 0, summary
+    newest = [max(v for _, v in _received(logs / f"server-{i}.log")) for i in range(2)]
+    assert min(newest) >= settled, (newest, settled)
+    assert "rlorch scale: 2 -> 3 servers" in run.output and "rlorch scale: 3 -> 2 servers" in run.output

@@ -22,26 +22,37 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 4]]
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
 
 
-@pytest.fixture()
-def served(model_dir):
-    """``rlorch serve`` in a process of its own; its address once it answers."""
+def _serve(model_dir, port: int = 0):
+    """``rlorch serve`` started in a process of its own (not yet answering) and its address."""
     import subprocess
     import sys
+
+    port = port or _free_port("127.0.0.1")
+    process = subprocess.Popen([sys.executable, "-m", "rlorch.cli", "serve", f"model.path={model_dir}",
+                                "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return process, f"127.0.0.1:{port}"
+
+
+def _answering(process, address: str) -> None:
     import time
     import urllib.request
 
-    port = _free_port("127.0.0.1")
-    process = subprocess.Popen([sys.executable, "-m", "rlorch.cli", "serve", f"model.path={model_dir}",
-                                "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while True:
         assert process.poll() is None and time.monotonic() < deadline, "rlorch serve did not start"
         try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
-            break
+            urllib.request.urlopen(f"http://{address}/health", timeout=2).read()
+            return
         except OSError:
             time.sleep(0.1)
-    yield f"127.0.0.1:{port}"
+
+
+@pytest.fixture()
+def served(model_dir):
+    """``rlorch serve`` in a process of its own; its address once it answers."""
+    process, address = _serve(model_dir)
+    _answering(process, address)
+    yield address
     process.terminate()
     process.wait(30)
 
@@ -116,6 +127,183 @@ def test_engine_generates_the_same_after_gloo_as_after_disk(served, model_dir, p
     assert [versions for _, _, versions in over_group] == [[1] * len(ids) for ids, _, _ in over_group]
     assert [lps for _, lps, _ in before] != [lps for _, lps, _ in over_group]
     assert [(ids, lps) for ids, lps, _ in before] == [(ids, lps) for ids, lps, _ in base_again]
+
+
+class GroupEngine:
+    """A server's weight-group endpoints as the pool sees them: the groups it is in (name ->
+    rank, world size) and the version it holds; ``restart()`` is a fresh process on its address."""
+
+    def __init__(self, name: str, tp_size: int = 1):
+        self.name, self.tp_size = name, tp_size
+        self.groups: dict[str, tuple[int, int]] = {}
+        self.version, self.destroyed = 0, []
+
+    def restart(self) -> None:
+        self.groups, self.version = {}, 0
+
+    async def init_weights_update_group(self, spec: dict) -> None:
+        self.groups[spec["group_name"]] = (spec["rank_offset"], spec["world_size"])
+
+    async def destroy_weights_update_group(self, name: str) -> None:
+        if self.groups.pop(name, None) is None:
+            raise EngineError(f"{self.name}: The group to be destroyed does not exist.")
+        self.destroyed.append(name)
+
+    async def update_weights_from_distributed(self, offer: dict, version: int) -> None:
+        if offer["group_name"] not in self.groups:
+            raise EngineError(f"{self.name}: no weight group {offer['group_name']!r}")
+        self.version = version
+
+    async def weight_version(self) -> int:
+        return self.version
+
+    async def pause(self) -> None: ...
+    async def resume(self) -> None: ...
+    refuse = False
+
+    async def begin_weight_update(self) -> None:
+        if self.refuse:
+            raise EngineError(f"{self.name}: a weight-update session is already open")
+
+    async def end_weight_update(self) -> None: ...
+    async def close(self) -> None: ...
+
+    async def healthy(self, timeout=None) -> bool:
+        return True
+
+
+def test_the_pool_rebuilds_the_weight_group_whenever_its_servers_change():
+    """Per version: receivers == the group's members, ranked in server order after the trainer
+    (a TP 2 server takes two ranks); a restarted or added server joins (and takes work) only
+    with the next version; the survivors leave the old group; a rebuild that fails sends that
+    version by disk and the next one rebuilds again."""
+    a, b, c = GroupEngine("a"), GroupEngine("b", tp_size=2), GroupEngine("c")
+    asked: list[tuple[int, int]] = []
+
+    async def regroup(version: int, world_size: int) -> dict:
+        asked.append((version, world_size))
+        if version == 6:
+            raise TimeoutError("the trainer announced no new weight group")
+        return {"master_address": "127.0.0.1", "master_port": 1, "group_name": f"g{len(asked)}", "backend": "gloo"}
+
+    async def scenario():
+        pool = EnginePool([a, b], probe_interval=0.01)
+        pool.regroup = regroup
+        await pool.init_weights_update_group({"master_address": "127.0.0.1", "master_port": 1, "group_name": "g0",
+                                              "backend": "gloo", "world_size": 4})
+        assert a.groups == {"g0": (1, 4)} and b.groups == {"g0": (2, 4)}
+        await pool.update_weights_from_distributed({"group_name": "g0"}, 1)
+        assert asked == [] and (a.version, b.version) == (1, 1)
+
+        async def settle(name):
+            for _ in range(500):
+                if name in pool._awaiting_group:
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError(f"{name} never waited for the group")
+
+        pool.mark_dead("b", "killed")
+        b.restart()
+        pool.restarted("b")
+        await settle("b")
+        assert pool.health()["servers_up"] == 1        # not at version 1: no work yet
+        await pool.update_weights_from_distributed({"group_name": "g0"}, 2)
+        assert asked == [(2, 4)] and a.destroyed == ["g0"]
+        assert a.groups == {"g1": (1, 4)} and b.groups == {"g1": (2, 4)} and (a.version, b.version) == (2, 2)
+        assert pool.health()["servers_up"] == 2
+
+        pool.add(c)
+        await settle("c")
+        await pool.update_weights_from_distributed({"group_name": "g1"}, 3)
+        assert asked[-1] == (3, 5) and c.groups == {"g2": (4, 5)} and c.version == 3
+
+        await pool.remove("b", timeout=1.0)
+        await pool.update_weights_from_distributed({"group_name": "g2"}, 4)
+        assert asked[-1] == (4, 3) and a.groups == {"g3": (1, 3)} and c.groups == {"g3": (2, 3)}
+
+        await pool.update_weights_from_distributed({"group_name": "g3"}, 4)   # nothing changed: no rebuild
+        a.refuse = True     # refused before anything was sent: the group is intact
+        with pytest.raises(EngineError, match="session is already open"):
+            await pool.update_weights_from_distributed({"group_name": "g3"}, 5)
+        a.refuse = False
+        await pool.update_weights_from_distributed({"group_name": "g3"}, 5)
+        assert len(asked) == 3
+        pool.mark_dead("c", "killed")
+        with pytest.raises(EngineError, match="did not open a new weight group"):
+            await pool.update_weights_from_distributed({"group_name": "g3"}, 6)
+        await pool.update_weights_from_distributed({"group_name": None}, 7)    # the trainer lost its group
+        assert asked[-1] == (7, 2) and a.groups == {"g5": (1, 2)} and a.version == 7
+        assert pool.health()["weight_group_rebuilds"] == 4
+        await pool.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_the_weight_group_is_rebuilt_when_a_server_restarts_and_when_one_leaves(model_dir, perturbed_dir, tmp_path):
+    """Two engines in the group; one is killed and started again (version 0, in no group): the
+    next version rebuilds the group (new name, the survivor leaves the old one) and reaches both
+    over it, and the restarted one takes work again only then. Then one leaves the fleet: the
+    next version rebuilds the group for the one left. No version goes by disk."""
+    import signal
+
+    from rlorch.inference.weight_transfer import regroup
+
+    processes = dict(a=_serve(model_dir), b=_serve(model_dir))
+    for process, address in processes.values():
+        _answering(process, address)
+    run = RunDir(tmp_path / "run").make()
+    broadcaster = _broadcaster(run, engines=2)
+    tuned, base = _state(perturbed_dir), _state(model_dir)
+
+    async def scenario():
+        a, b = SGLangEngine(processes["a"][1]), SGLangEngine(processes["b"][1])
+        pool = EnginePool([a, b], probe_interval=0.1)
+        pool.regroup = lambda version, world_size: regroup(run, version, world_size, 30.0)
+        watcher = WeightWatcher(WatcherConfig(), policy=PolicyVersion(0), engines=pool,
+                                published=run.published_weights, offers=run.broadcast_offers,
+                                offer_mark=run.offer_mark, distributed=True)
+        try:
+            await asyncio.gather(asyncio.to_thread(broadcaster.join),
+                                 pool.init_weights_update_group(broadcaster.spec.to_json()))
+            assert await _send(broadcaster, pool, watcher, 1, base)
+            first_group = broadcaster.spec.group_name
+
+            old, address = processes["b"]
+            old.send_signal(signal.SIGKILL)
+            old.wait(30)
+            pool.mark_dead(b.name, "killed")
+            processes["b"] = (await asyncio.to_thread(_serve, model_dir, int(address.rsplit(":", 1)[1])))
+            await asyncio.to_thread(_answering, *processes["b"])
+            pool.restarted(b.name)
+            for _ in range(300):
+                if b.name in pool._awaiting_group:
+                    break
+                await asyncio.sleep(0.1)
+            assert pool.health()["servers_up"] == 1, "the restarted engine took work before it held version 1"
+
+            assert await _send(broadcaster, pool, watcher, 2, tuned)
+            assert broadcaster.spec.group_name != first_group and broadcaster.spec.world_size == 3
+            versions = [await a.weight_version(), await b.weight_version()]
+            assert pool.health()["servers_up"] == 2
+            outputs = [await _outputs(a), await _outputs(b)]
+
+            await pool.remove(b.name, timeout=5.0)
+            assert await _send(broadcaster, pool, watcher, 3, base)
+            assert broadcaster.spec.world_size == 2
+            versions.append(await a.weight_version())
+            return versions, outputs, watcher, pool.group_rebuilds
+        finally:
+            await pool.close()
+            for process, _ in processes.values():
+                process.terminate()
+                process.wait(30)
+
+    versions, (on_a, on_b), watcher, rebuilds = asyncio.run(scenario())
+    assert versions == [2, 2, 3] and watcher.policy.value == 3
+    assert watcher.transfer_fallbacks == 0 and not watcher.failed_offers and rebuilds == 2
+    assert [(ids, lps) for ids, lps, _ in on_a] == [(ids, lps) for ids, lps, _ in on_b]
 
 
 def test_refused_transfer_leaves_weights_and_watcher_waits_for_disk(server, perturbed_dir, tmp_path):
@@ -204,7 +392,7 @@ def test_a_version_nobody_receives_goes_by_disk_within_the_timeout(tmp_path):
     run = RunDir(tmp_path / "run").make()
     broadcaster = _broadcaster(run)
     broadcaster.timeout = 0.5
-    broadcaster.group = object()
+    broadcaster.group, broadcaster.joined = object(), True
     started = time.monotonic()
     assert not broadcaster.send(1, {"w": torch.zeros(2)})
     assert time.monotonic() - started < 5 and broadcaster.group is None
@@ -221,11 +409,41 @@ def test_a_refused_version_goes_by_disk_at_once_and_the_group_stays(tmp_path):
     run = RunDir(tmp_path / "run").make()
     broadcaster = _broadcaster(run)
     broadcaster.group = group = object()
+    broadcaster.joined = True
     run.offer_mark(3, "refused").touch()
     started = time.monotonic()
     assert not broadcaster.send(3, {"w": torch.zeros(2)})
     assert time.monotonic() - started < broadcaster.timeout / 2 and broadcaster.group is group
     assert not run.offer_for(3).exists()
+
+
+def test_asked_to_regroup_the_trainer_announces_a_new_group_joins_it_and_broadcasts(tmp_path):
+    """The orchestrator's ``regroup`` answer: rank 0 leaves its group, announces a new name and
+    port in ``weight_group.json`` (what :func:`regroup` returns to the pool), forms it with the
+    size asked for (1 here: only itself) and broadcasts the version over it."""
+    import torch
+
+    from rlorch.inference.weight_transfer import regroup
+
+    run = RunDir(tmp_path / "run").make()
+    broadcaster = _broadcaster(run)
+    broadcaster.group, broadcaster.joined = object(), True
+    first = broadcaster.spec
+
+    async def scenario():
+        sending = asyncio.create_task(asyncio.to_thread(broadcaster.send, 4, {"w": torch.ones(2)}))
+        while not run.offer_for(4).exists():
+            await asyncio.sleep(0.01)
+        offer = json.loads(run.offer_for(4).read_text())
+        spec = await regroup(run, 4, 1, timeout=30.0)
+        run.offer_mark(4, "receiving").touch()
+        return offer, spec, await sending
+
+    offer, spec, sent = asyncio.run(scenario())
+    assert offer["group_name"] == first.group_name and sent
+    assert spec["group_name"] == f"{first.group_name}-g1" and spec["master_port"] != first.master_port
+    assert broadcaster.spec.world_size == 1 and broadcaster.group is not None
+    assert json.loads(run.weight_group.read_text())["generation"] == 1
 
 
 def test_a_group_the_orchestrator_never_sizes_leaves_every_version_to_the_disk(tmp_path):

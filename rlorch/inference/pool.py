@@ -13,6 +13,11 @@ Invariants:
 - :meth:`EnginePool.reload` returns only once every live server runs the new version; a server
   that was down during a reload is brought to the current checkpoint before it rejoins. Every
   response is stamped with the version of the weights that produced it, whatever happens.
+- With weights over a process group (:meth:`EnginePool.update_weights_from_distributed`), the
+  group's members are exactly the servers that receive: when that set changed (a server
+  restarted, joined, left or went down) the group is rebuilt before the next version. A server
+  that cannot catch up from disk (the current version never went there) waits out of rotation
+  and joins the group, and rotation, with the next version.
 """
 
 from __future__ import annotations
@@ -75,6 +80,18 @@ class EnginePool:
         self._changed = asyncio.Event()
         self._reload_lock = asyncio.Lock()
         self._weight_group: Optional[str] = None
+        self._group_members: tuple[str, ...] = ()
+        """The servers in the weight group, in rank order (empty: it must be rebuilt)."""
+        self._awaiting_group: set[str] = set()
+        """Servers that answer but can only catch up over the weight group: out of rotation, they
+        join it (and rotation) with the next version."""
+        self._version: Optional[int] = None
+        """The version every live server holds (None: the weights they started with)."""
+        self.regroup: Optional[Callable[[int, int], Awaitable[dict]]] = None
+        """``regroup(version, world_size)``: have the trainer open a new weight group of that size
+        for ``version`` and return its spec (master_address, master_port, group_name, backend);
+        without it the group is never rebuilt."""
+        self.group_rebuilds = 0
         self._retiring: set[str] = set()
         """Servers being taken out: no new work, never probed back."""
         self._checkpoint: Optional[tuple[str, int]] = None
@@ -100,6 +117,10 @@ class EnginePool:
         gone = self._diagnose(engine.name) if self._diagnose is not None else None
         if gone is not None:
             self._dead.setdefault(engine.name, gone)
+        if not self._live():
+            # Nobody is left to take the next version over the group: those waiting for it
+            # rejoin from the probe as they are (their responses carry their own version).
+            self._awaiting_group.clear()
         self._changed.set()
         self._ensure_probe()
 
@@ -107,6 +128,8 @@ class EnginePool:
         """Server ``name`` is gone for good (its process exited): out of rotation now, and once
         every server is dead a request fails at once with ``reason`` instead of waiting."""
         self._dead[name] = reason
+        self._awaiting_group.discard(name)
+        self._forget_member(name)
         self._end_suspect(name)
         for engine in self.engines:
             if engine.name == name:
@@ -117,6 +140,12 @@ class EnginePool:
         if since is not None:
             self._suspect_s += time.monotonic() - since
 
+    def _forget_member(self, name: str) -> None:
+        """Server ``name``'s process is gone: a new one on its address holds no group, so the
+        group must be rebuilt even if the names of its members come out the same."""
+        if name in self._group_members:
+            self._group_members = ()
+
     def down_for(self, name: str) -> Optional[float]:
         """Seconds server ``name`` has been suspect (down, not dead), or None."""
         if self._up[name] or name in self._dead:
@@ -126,6 +155,8 @@ class EnginePool:
     def restarted(self, name: str) -> None:
         """Server ``name`` was started anew (same address): suspect until it rejoins."""
         self._dead.pop(name, None)
+        self._awaiting_group.discard(name)
+        self._forget_member(name)
         self._down_reason[name] = "restarted; rejoins once it answers and loads the current weights"
         self._end_suspect(name)
         self._down_since[name] = time.monotonic()
@@ -160,10 +191,13 @@ class EnginePool:
             task.cancel()
         while self._in_flight[name]:
             await asyncio.sleep(0.05)
-        self._end_suspect(name)
-        self.engines.remove(engine)
-        self._retiring.discard(name)
-        self._dead.pop(name, None)
+        # A weight update under way may count it in the weight group: it leaves once that is over.
+        async with self._reload_lock:
+            self._end_suspect(name)
+            self.engines.remove(engine)
+            self._retiring.discard(name)
+            self._awaiting_group.discard(name)
+            self._dead.pop(name, None)
         await engine.close()
 
     def _no_live_server(self, waited: str) -> EngineUnavailable:
@@ -319,6 +353,9 @@ class EnginePool:
         """
         await self._update(version, lambda engines: self._each(engines, lambda e: e.reload(path, version), settle=True))
         self._checkpoint = (str(path), version)
+        if self._awaiting_group:    # they can catch up from this checkpoint now
+            self._awaiting_group.clear()
+            self._ensure_probe()
 
     def weight_group_ranks(self) -> tuple[list[int], int]:
         """Each server's ``rank_offset`` in the weight group and the group's world size: rank 0
@@ -328,13 +365,47 @@ class EnginePool:
     async def init_weights_update_group(self, spec: dict) -> None:
         """Every server joins the trainer's weight group at its rank offset (``spec`` carries the
         world size); the group's name is remembered so :meth:`close` can destroy it."""
-        offsets, _ = self.weight_group_ranks()
-        failed = await self._each(self.engines, lambda e: e.init_weights_update_group(
-            {**spec, "rank_offset": offsets[self.engines.index(e)]}))
+        await self._join_group(list(self.engines), spec)
+
+    async def _join_group(self, members: list[Server], spec: dict) -> None:
+        """``members`` join the group ``spec`` names, in order (ranks 1.. after the trainer)."""
+        offsets, _ = rank_offsets([getattr(e, "tp_size", 1) for e in members])
+        rank = {e.name: offset for e, offset in zip(members, offsets)}
+        self._group_members = ()
+        joined: set[str] = set()
+
+        async def join(engine: Server) -> None:
+            await engine.init_weights_update_group({**spec, "rank_offset": rank[engine.name]})
+            joined.add(engine.name)
+
+        failed = await self._each(members, join)
         self._weight_group = spec["group_name"]
-        if failed or not all(self._up.values()):
+        if len(joined) < len(members):
             raise EngineError(f"{self.name}: not every server joined the weight group: "
                               + "; ".join(str(err) for _, err in failed))
+        self._group_members = tuple(e.name for e in members)
+
+    async def _rebuild(self, members: list[Server], version: int) -> str:
+        """A new weight group of exactly ``members``: the survivors of the old one leave it
+        (SGLang's ``/destroy_weights_update_group``, best effort), the trainer opens a new one
+        (``regroup``) and every member joins; its name. Raises :class:`EngineError` when it did
+        not form (that version then goes by disk)."""
+        old = self._weight_group
+        self._group_members = ()
+        if old is not None:    # a restarted or new server holds no such group: its refusal is no matter
+            self._weight_group = None
+            for engine, err in await self._each(members, lambda e: e.destroy_weights_update_group(old)):
+                log.info("%s did not leave weight group %s: %s", engine.name, old, err)
+        _, world_size = rank_offsets([getattr(e, "tp_size", 1) for e in members])
+        log.warning("%s: rebuilding the weight group for version %d: %d server(s), world size %d", self.name,
+                    version, len(members), world_size)
+        try:
+            spec = await self.regroup(version, world_size)
+        except (OSError, ValueError, KeyError, asyncio.TimeoutError) as err:
+            raise EngineError(f"{self.name}: the trainer did not open a new weight group: {err}") from err
+        await self._join_group(members, {**spec, "world_size": world_size})
+        self.group_rebuilds += 1
+        return spec["group_name"]
 
     async def destroy_weights_update_group(self) -> None:
         """Best effort: every live server leaves the group (long-lived servers can then join a
@@ -351,18 +422,45 @@ class EnginePool:
 
         Each server opens a weight-update session first; ``receiving`` (which lets the trainer
         broadcast) is called only once every one has, so the trainer never sends to a group in
-        which a member will not take part; every session opened is closed whatever happens. A
-        server down meanwhile loads the last version from disk before it rejoins."""
+        which a member will not take part; every session opened is closed whatever happens.
+
+        The group's members are the live servers plus those waiting for it (restarted or added
+        while the current version went over the group only: they join rotation once they hold
+        this one). When they are not the group's members, or ``offer`` names no group or another
+        one (the trainer lost it), the group is rebuilt first (:meth:`_rebuild`)."""
         async def receive(engines: list[Server]) -> list:
-            failed = await self._each(engines, lambda e: e.begin_weight_update())
+            joining = [e for e in self.engines if e.name in self._awaiting_group
+                       and e.name not in self._dead and e.name not in self._retiring]
+            members = engines + joining
+            group = offer.get("group_name")
+            if group is None or group != self._weight_group or tuple(e.name for e in members) != self._group_members:
+                if self.regroup is None:
+                    raise EngineError(f"{self.name}: the weight group no longer matches the servers "
+                                      "and cannot be rebuilt here")
+                group = await self._rebuild(members, version)
+            received: set[str] = set()
+            sent = False
+
+            async def update(engine: Server) -> None:
+                await engine.update_weights_from_distributed({**offer, "group_name": group}, version)
+                received.add(engine.name)
+
+            failed = await self._each(members, lambda e: e.begin_weight_update())
             refused = {e.name for e, _ in failed}
-            opened = [e for e in engines if e.name not in refused]
+            opened = [e for e in members if e.name not in refused]
             try:
                 if not failed:
                     receiving()
-                    failed += await self._each(opened, lambda e: e.update_weights_from_distributed(offer, version))
+                    sent = True
+                    failed += await self._each(opened, update)
             finally:
                 failed += await self._each(opened, lambda e: e.end_weight_update())
+            if sent and len(received) < len(members):
+                self._group_members = ()    # a member missed tensors: the next version rebuilds the group
+            for engine in joining:
+                if not failed and engine.name in received:
+                    self._awaiting_group.discard(engine.name)
+                    self._rejoined(engine)
             return failed
 
         await self._update(version, receive)
@@ -392,6 +490,7 @@ class EnginePool:
                     raise EngineError(f"{self.name}: version {version} not loaded everywhere: "
                                       + "; ".join(str(err) for _, err in failed))
                 if self._live():
+                    self._version = version
                     return
 
     async def healthy(self, timeout: Optional[float] = None) -> bool:
@@ -413,6 +512,7 @@ class EnginePool:
                                                                  in self._down_since.items() if name not in self._dead), 1),
                 "server_tokens_per_s_p10": pick(0.1), "server_tokens_per_s_p50": pick(0.5),
                 "server_tokens_per_s_p90": pick(0.9), "servers_slow": sum(r < median / 2 for r in rates),
+                "weight_group_rebuilds": self.group_rebuilds,
                 "server_slowest": min(self.engines, key=lambda e: self._tokens[e.name]).name}
 
     def gauges(self) -> dict:
@@ -448,7 +548,8 @@ class EnginePool:
         """Bring down servers back once they continue, ``/health_generate`` answers and they
         hold the current checkpoint; exits when every server is up."""
         def waiting(e: Server) -> bool:
-            return not self._up[e.name] and e.name not in self._dead and e.name not in self._retiring
+            return (not self._up[e.name] and e.name not in self._dead and e.name not in self._retiring
+                    and e.name not in self._awaiting_group)
 
         while any(waiting(e) for e in self.engines):
             await asyncio.sleep(self.probe_interval)
@@ -469,17 +570,33 @@ class EnginePool:
     async def _rejoin(self, engine: Server) -> None:
         async with self._reload_lock:
             try:
-                if self._checkpoint is not None and await engine.weight_version() != self._checkpoint[1]:
-                    await engine.reload(*self._checkpoint)
+                current = self._version if self._version is not None else (self._checkpoint or (None, None))[1]
+                held = await engine.weight_version() if current is not None else None
+                if held != current:
+                    if self._checkpoint is not None and self._checkpoint[1] == current:
+                        await engine.reload(*self._checkpoint)
+                    elif self._live():
+                        # The current version went over the weight group only: it arrives with the next.
+                        self._awaiting_group.add(engine.name)
+                        log.info("%s: server %s answers; it joins the weight group with the next version",
+                                 self.name, engine.name)
+                        return
+                    else:
+                        log.warning("%s: server %s rejoins at version %s: version %s went over the weight group "
+                                    "only and no live server is left to receive the next", self.name, engine.name,
+                                    held, current)
                 await engine.resume()
             except EngineError as err:
                 log.warning("%s: server %s answers but cannot rejoin: %s", self.name, engine.name, err)
                 return
-            self._up[engine.name] = True
-            self._misses[engine.name] = 0
-            self._end_suspect(engine.name)
-            self._changed.set()
-            log.info("%s: server %s is back", self.name, engine.name)
+            self._rejoined(engine)
+
+    def _rejoined(self, engine: Server) -> None:
+        self._up[engine.name] = True
+        self._misses[engine.name] = 0
+        self._end_suspect(engine.name)
+        self._changed.set()
+        log.info("%s: server %s is back", self.name, engine.name)
 
     async def start(self) -> None:
         """Nothing runs until a server goes down: the rejoin probe starts then."""

@@ -128,8 +128,7 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
         write_records(servers_file, records)
 
     if scale_file is not None and not inference.addresses and not inference.router:
-        monitor.append(asyncio.create_task(follow_scale(scale_file, by_name, add=add_server, remove=remove_server,
-                                                        weight_transfer=inference.weight_transfer.value),
+        monitor.append(asyncio.create_task(follow_scale(scale_file, by_name, add=add_server, remove=remove_server),
                                            name="server-scaler"))
     monitor.append(asyncio.create_task(supervise(launcher, by_name, pool, restart=restart,
                                                  hang_timeout=inference.hang_timeout,
@@ -196,11 +195,13 @@ async def supervise(launcher: Launcher, servers: dict[str, Launched], pool: Engi
 
 
 async def follow_scale(scale_file: Path, servers: dict[str, Launched], *, add: Callable[[], Awaitable[None]],
-                       remove: Callable[[str], Awaitable[None]], weight_transfer: str, interval: float = 0.5) -> None:
+                       remove: Callable[[str], Awaitable[None]], interval: float = 0.5) -> None:
     """Keep as many launched servers as ``scale_file`` asks for (``{"num_servers": N}``, written
     by ``rlorch scale``), looking every ``interval`` seconds: new ones start, load the current
     weights and join; the newest ones go first when shrinking (their requests in flight finish
-    or continue elsewhere, then they stop). A request is read once (its file's mtime)."""
+    or continue elsewhere, then they stop). A request is read once (its file's mtime). With
+    ``inference.weight_transfer=distributed`` the pool rebuilds the weight group for the next
+    version (new servers join it then)."""
     seen: Optional[float] = None
     while True:
         await asyncio.sleep(interval)
@@ -214,10 +215,6 @@ async def follow_scale(scale_file: Path, servers: dict[str, Launched], *, add: C
             continue
         except (OSError, ValueError, KeyError, TypeError) as err:
             log.warning("%s: not a scale request (%s); ignored", scale_file, err)
-            continue
-        if weight_transfer != "disk":
-            log.warning("rlorch scale: not with inference.weight_transfer=%s (its weight group is fixed); ignored",
-                        weight_transfer)
             continue
         have = len(servers)
         log.warning("rlorch scale: %d -> %d servers", have, want)

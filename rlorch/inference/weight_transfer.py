@@ -4,7 +4,9 @@ size the weight group from the servers (``1 + Σ tp_size``), tell the trainer
 at the same time). A trainer that exits meanwhile fails the run at once, naming it.
 
 Versions then arrive as offers the weight watcher has the engines receive; the trainer side and
-the whole hand-shake are :mod:`rlorch.trainer.broadcast`.
+the whole hand-shake are :mod:`rlorch.trainer.broadcast`. When the servers change, the pool
+rebuilds the group through :func:`regroup`: it asks the trainer for a new group in its answer to
+the offer, and reads the new rendezvous from ``weight_group.json``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Callable, Optional
 
 from rlorch.config.schema import Config, WeightTransfer
@@ -20,6 +23,7 @@ from rlorch.rundir.layout import RunDir, write_json_atomic
 
 log = logging.getLogger("rlorch.weight_transfer")
 TRAINER_POLL_S = 0.2
+REGROUP_POLL_S = 0.05
 
 
 class TrainerExited(RuntimeError):
@@ -33,6 +37,8 @@ async def join_weight_group(config: Config, run_dir: RunDir, engines,
     Raises :class:`TrainerExited` when ``trainer_error`` reports the trainer gone meanwhile."""
     if config.inference.weight_transfer != WeightTransfer.distributed:
         return False
+    engines.regroup = lambda version, world_size: regroup(run_dir, version, world_size,
+                                                          config.inference.transfer_timeout)
     announced = json.loads(run_dir.weight_group.read_text())
     _, world_size = engines.weight_group_ranks()
     spec = {key: announced[key] for key in ("master_address", "master_port", "group_name", "backend")}
@@ -54,3 +60,23 @@ async def join_weight_group(config: Config, run_dir: RunDir, engines,
     finally:
         await cancel_and_wait(joining)
     return True
+
+
+async def regroup(run_dir: RunDir, version: int, world_size: int, timeout: float) -> dict:
+    """Ask the trainer, in the answer to the offer of ``version``, for a new group of
+    ``world_size`` members; its rendezvous once it announces it (a new ``group_name`` in
+    ``weight_group.json``). Raises :class:`TimeoutError` after ``timeout`` seconds."""
+    def announced() -> dict:
+        try:
+            return json.loads(run_dir.weight_group.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    before = announced().get("group_name")
+    write_json_atomic(run_dir.offer_mark(version, "regroup"), {"world_size": world_size})
+    deadline = time.monotonic() + timeout
+    while (spec := announced()).get("group_name") in (None, before):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the trainer announced no new weight group within {timeout:g}s")
+        await asyncio.sleep(REGROUP_POLL_S)
+    return {key: spec[key] for key in ("master_address", "master_port", "group_name", "backend")}

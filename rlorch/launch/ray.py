@@ -292,8 +292,7 @@ class RayLauncher:
             raise LaunchError(f"trainer node {rank} ({nodes[rank]['ip']}) cannot write the run directory {run_dir}: "
                               f"{error or 'its probe file is not visible here'}; the run directory must be on storage "
                               "every node sees")
-        # The weight group's store is on global rank 0, on node 0: engines reach it at its IP.
-        env = {**{k: v for k, v in env.items() if k != "CUDA_VISIBLE_DEVICES"}, TRANSFER_ADDRESS_ENV: nodes[0]["ip"]}
+        env = trainer_env(env, nodes)
         handles = []
         for rank, actor in enumerate(actors):
             node_command = node_trainer_command(command, rank, nodes[0]["ip"], nodes[0]["port"]) \
@@ -383,6 +382,14 @@ def _kill(actor) -> None:
         ray.kill(actor)
     except Exception:  # already dead, or its cluster is
         pass
+
+
+def trainer_env(env: dict[str, str], nodes: list[dict]) -> dict[str, str]:
+    """What every trainer node's torchrun runs under: Ray sets ``CUDA_VISIBLE_DEVICES`` (the
+    orchestrator's own is dropped), and the weight group's address is node 0's IP (``nodes`` in
+    rank order, as the actors report them): its store is on global rank 0, there, and the
+    engines on other nodes reach it at that IP, not at ``inference.transfer_address``."""
+    return {**{k: v for k, v in env.items() if k != "CUDA_VISIBLE_DEVICES"}, TRANSFER_ADDRESS_ENV: nodes[0]["ip"]}
 
 
 def node_trainer_command(command: list[str], rank: int, master: str, port: int) -> list[str]:

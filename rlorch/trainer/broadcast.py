@@ -14,9 +14,18 @@ The hand-shake, through the run directory, never lets either side wait longer th
    ``broadcast/step_N.receiving`` once every engine has opened a weight-update session (only
    then does it broadcast), or ``step_N.refused`` (that version goes by disk at once).
 
+   The answer can also be ``broadcast/step_N.regroup`` (``{"world_size": N}``): the set of
+   servers changed (one restarted, joined or left). Rank 0 then destroys its group, announces a
+   new one in ``weight_group.json`` (the name suffixed with a generation, a fresh port), joins
+   it with that many members while the orchestrator has every server join too (the survivors
+   destroyed the old group first: SGLang's ``/destroy_weights_update_group``), and waits for
+   ``receiving``/``refused`` again.
+
 Invariant: a version that was not broadcast is published to disk instead (and the log says so):
 the watcher loads it from there and counts it in ``transfer_fallbacks``. After a failed or
-unanswered offer the group is abandoned and later versions go by disk as well.
+unanswered offer, or a rebuild that did not form, rank 0 holds no group; it keeps offering
+later versions (with ``group_name`` null), so the orchestrator rebuilds the group for the next.
+Only a group that never formed at start leaves every version to the disk.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 from rlorch.config.schema import WeightTransfer
-from rlorch.launch.weight_group import GroupSpec, broadcast, dtype_name, open_group
+from rlorch.launch.weight_group import GroupSpec, broadcast, close_group, dtype_name, open_group
 from rlorch.rundir.layout import RunDir, parse_step, write_json_atomic
 
 POLL_S = 0.05
@@ -49,6 +58,11 @@ class Broadcaster:
     device: str
     log: Callable[[str], None]
     group: Any = None
+    joined: bool = False
+    """The group formed at start: only then are versions offered (and the group rebuilt)."""
+    generation: int = 0
+    """How many times the group was rebuilt; the suffix of its name."""
+    base_name: str = ""
 
     def join(self) -> None:
         """Block until every engine has joined (the orchestrator asks them once the trainer is
@@ -64,26 +78,35 @@ class Broadcaster:
         except Exception as err:  # torch raises RuntimeError, DistStoreError, DistNetworkError
             self.log(f"weight group {self.spec.group_name} did not form ({err}); every version goes by disk")
             return
+        self.joined = True
         self.log(f"weight group {self.spec.group_name} ready: {self.spec.world_size - 1} engine(s) over "
                  f"{self.spec.backend}")
 
     def send(self, step: int, state: dict) -> bool:
-        """Offer version ``step`` and broadcast it; False (said in the log) when it did not go
-        through, so the caller publishes it to disk instead."""
-        if self.group is None:
+        """Offer version ``step`` and broadcast it (rebuilding the group first when the
+        orchestrator asks); False (said in the log) when it did not go through, so the caller
+        publishes it to disk instead."""
+        if not self.joined:
             return False
         names = list(state)
         offer = {"names": names, "dtypes": [dtype_name(state[n].dtype) for n in names],
-                 "shapes": [list(state[n].shape) for n in names], "group_name": self.spec.group_name}
+                 "shapes": [list(state[n].shape) for n in names],
+                 "group_name": self.spec.group_name if self.group is not None else None}
         write_json_atomic(self.run.offer_for(step), offer)
-        answer = _wait_any([self.run.offer_mark(step, "receiving"), self.run.offer_mark(step, "refused")],
-                           self.timeout)
-        if answer is None or answer.suffix == ".refused":
+        marks = [self.run.offer_mark(step, "receiving"), self.run.offer_mark(step, "refused")]
+        answer = _wait_any([*marks, self.run.offer_mark(step, "regroup")], self.timeout)
+        if answer is not None and answer.suffix == ".regroup":
+            if not self.regroup(int(json.loads(answer.read_text())["world_size"])):
+                self.run.offer_for(step).unlink(missing_ok=True)
+                self.log(f"version {step} goes by disk (the weight group was not rebuilt)")
+                return False
+            answer = _wait_any(marks, self.timeout)
+        if answer is None or answer.suffix == ".refused" or self.group is None:
             self.run.offer_for(step).unlink(missing_ok=True)
             if answer is None:
                 self.group = None
                 self.log(f"no answer to the offer of version {step} within {self.timeout:g}s; "
-                         f"version {step} and later ones go by disk")
+                         f"version {step} goes by disk, the next one rebuilds the group")
             else:
                 self.log(f"the engines refused version {step} over the group; it goes by disk")
             return False
@@ -92,10 +115,35 @@ class Broadcaster:
         except Exception as err:  # a transport error or the group's timeout
             self.run.offer_for(step).unlink(missing_ok=True)
             self.group = None
-            self.log(f"broadcast of version {step} failed ({err}); version {step} and later ones go by disk")
+            self.log(f"broadcast of version {step} failed ({err}); version {step} goes by disk, "
+                     "the next one rebuilds the group")
             return False
         finally:
             self._forget_before(step)
+        return True
+
+    def regroup(self, world_size: int) -> bool:
+        """Leave the group and form a new one of ``world_size`` members under a new name and
+        port (announced in ``weight_group.json``); False (said in the log) when it did not form
+        within the timeout."""
+        if self.group is not None:
+            try:
+                close_group(self.group)
+            except Exception as err:  # a group whose peers died may not close cleanly; it is dropped anyway
+                self.log(f"weight group {self.spec.group_name} did not close cleanly ({err})")
+            self.group = None
+        self.generation += 1
+        self.base_name = self.base_name or self.spec.group_name
+        self.spec = replace(self.spec, world_size=world_size, master_port=_free_port(self.spec.master_address),
+                            group_name=f"{self.base_name}-g{self.generation}")
+        write_json_atomic(self.run.weight_group, {**self.spec.to_json(), "pid": os.getpid(),
+                                                  "generation": self.generation})
+        try:
+            self.group = open_group(self.spec, rank=0, timeout=self.timeout)
+        except Exception as err:  # torch raises RuntimeError, DistStoreError, DistNetworkError
+            self.log(f"weight group {self.spec.group_name} did not form ({err})")
+            return False
+        self.log(f"weight group rebuilt as {self.spec.group_name}: {world_size - 1} engine rank(s)")
         return True
 
     def _forget_before(self, step: int) -> None:
