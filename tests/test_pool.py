@@ -182,6 +182,8 @@ def test_server_commands(tmp_path):
     cpu = server_command(config, model_path=tmp_path, port=1234)
     assert cpu[1:4] == ["-m", "rlorch.cli", "serve"] and "--port" in cpu and f"model.path={tmp_path}" in cpu
     assert "inference.cpu.threads=1" in cpu and cpu[-1] == "inference.cpu.max_batch=8"
+    # The engine's weight group waits no longer than the run waits for a transfer.
+    assert f"inference.transfer_timeout={config.inference.transfer_timeout:g}" in cpu
     config.inference.backend = InferenceBackend.sglang
     config.inference.launch_args = ["--mem-fraction-static", "0.8"]
     sglang = server_command(config, model_path=tmp_path, port=1234)

@@ -21,7 +21,8 @@ def _cpu_command(config, *, model_path: Path, port: int, host: str) -> list[str]
             "--parent-pid", str(os.getpid()),
             f"model.path={model_path}", f"model.dtype={config.model.dtype}",
             f"inference.cpu.threads={inference.cpu.threads}", f"inference.cpu.max_batch={inference.cpu.max_batch}",
-            f"run.seed={config.run.seed}", *inference.launch_args]
+            f"run.seed={config.run.seed}", f"inference.transfer_timeout={inference.transfer_timeout:g}",
+            *inference.launch_args]
 
 
 def _sglang_command(config, *, model_path: Path, port: int, host: str) -> list[str]:

@@ -77,11 +77,13 @@ class CpuServer:
     def __init__(self, model_path: Path, *, dtype: str = "float32", max_batch: int = 64, seed: int = 0,
                  weight_version: str = "0", min_step_time: float = 0.0, threads: Optional[int] = None,
                  api_key: Optional[str] = None, body_timeout: float = BODY_TIMEOUT_S,
-                 idle_timeout: float = IDLE_TIMEOUT_S):
+                 idle_timeout: float = IDLE_TIMEOUT_S, group_timeout: Optional[float] = None):
         """``threads`` sets torch's (process-wide) intra-op threads; ``min_step_time`` throttles
         each decode step (seconds) to emulate a slower engine; ``api_key`` guards every endpoint
         but the health checks; ``body_timeout`` and ``idle_timeout`` bound slow and idle
-        connections (seconds)."""
+        connections (seconds); ``group_timeout`` bounds joining a weight group and each transfer
+        over it (seconds; default ``rlorch.serve.weight_sync.GROUP_TIMEOUT_S``): a member that
+        died mid-broadcast holds the others up at most that long."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -113,7 +115,7 @@ class CpuServer:
         self._runner: Optional[web.AppRunner] = None
         from rlorch.serve.weight_sync import WeightSync
 
-        self.weight_sync = WeightSync(self)
+        self.weight_sync = WeightSync(self, timeout=group_timeout)
 
     def _eos_ids(self) -> list[int]:
         eos = getattr(self.model.generation_config, "eos_token_id", None)
@@ -560,7 +562,8 @@ def serve_command(config, *, host: str, port: int, weight_version: str = "0",
         return 2
     server = CpuServer(path, dtype=config.model.dtype, max_batch=config.inference.cpu.max_batch,
                        seed=config.run.seed, weight_version=weight_version, threads=config.inference.cpu.threads,
-                       api_key=api_key or None, min_step_time=min_step_time)
+                       api_key=api_key or None, min_step_time=min_step_time,
+                       group_timeout=config.inference.transfer_timeout)
     try:
         asyncio.run(_serve_until_signal(server, host, port, parent))
     except OSError as err:

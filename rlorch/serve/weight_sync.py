@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Optional
 
 from aiohttp import web
 
@@ -84,8 +84,11 @@ def parse_manifest(body: dict, model) -> list[tuple[str, Any, tuple[int, ...]]]:
 class WeightSync:
     """The weight-transfer endpoints of one :class:`~rlorch.serve.server.CpuServer`."""
 
-    def __init__(self, server):
+    def __init__(self, server, timeout: Optional[float] = None):
         self.server = server
+        self.timeout = GROUP_TIMEOUT_S if timeout is None else timeout
+        """Seconds joining a group, or one transfer over it, may wait (``inference.transfer_timeout``
+        when launched by a run)."""
         self.groups: dict[str, Any] = {}
         self.session_open = False
         """SGLang's weight-update session: ``/update_weights_from_distributed`` is refused outside
@@ -122,7 +125,7 @@ class WeightSync:
             return _failed(f"Failed to initialize custom process group: the group name {spec.group_name!r} "
                            "has already been created")
         try:
-            group = await asyncio.to_thread(open_group, spec, rank=spec.rank_offset, timeout=GROUP_TIMEOUT_S)
+            group = await asyncio.to_thread(open_group, spec, rank=spec.rank_offset, timeout=self.timeout)
         except Exception as err:  # torch raises RuntimeError/DistStoreError and friends
             return _failed(f"cannot join group {spec.group_name!r} at {spec.master_address}:"
                            f"{spec.master_port}: {err}")
