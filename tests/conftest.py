@@ -75,10 +75,14 @@ def perturbed_dir(model_dir, tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under xdist (``--dist loadgroup``) tests spread one by one over the workers, except that a
-    module's tests sharing a module-scoped fixture (a served model, a Ray cluster, an SGLang app)
-    stay on one worker, so it is built once."""
+    """Under xdist (``--dist loadgroup``) tests spread one by one over the workers, except that
+    the cluster tests (each a Ray cluster or a fleet of its own, minutes on 2 cores) run one after
+    another on one worker, and a module's tests sharing a module-scoped fixture (a served model,
+    a Ray cluster, an SGLang app) stay on one worker, so it is built once."""
     for item in items:
+        if item.get_closest_marker("cluster") is not None:
+            item.add_marker(pytest.mark.xdist_group("cluster"))
+            continue
         info = getattr(item, "_fixtureinfo", None)
         definitions = info.name2fixturedefs.values() if info is not None else ()
         if any(defs and defs[-1].scope == "module" for defs in definitions):

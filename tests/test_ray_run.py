@@ -1,6 +1,6 @@
 """``rlorch train run.launcher=ray`` end to end on CPU engines: a server actor killed mid-run is
 restarted and rejoins with nothing lost; neither a normal exit nor a kill -9 of the orchestrator leaves
-anything of the run.
+anything of the run, on a private cluster or on one that outlives the run.
 
 Each run starts a private local Ray cluster (seconds on a small machine): slow.
 """
@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -92,3 +95,63 @@ def test_a_normal_exit_leaves_nothing_of_the_run(tmp_path):
     assert code == 0, run.output[-3000:]
     assert faults.summary(run_dir)["status"] == "completed"
     assert leftovers == 0, alive
+
+
+_CLUSTER_STATE = """
+import json, sys, ray
+ray.init(address=sys.argv[1], log_to_driver=False)
+actors = [a for a in ray._private.state.actors().values() if a.get("State") not in ("DEAD", 4)]
+groups = [g for g in ray.util.placement_group_table().values() if g.get("state") != "REMOVED"]
+print(json.dumps({"actors": [a.get("ActorClassName") for a in actors], "groups": len(groups)}))
+"""
+
+
+def _cluster_state(address: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", _CLUSTER_STATE, address], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_kill_9_of_the_orchestrator_on_a_running_cluster_leaves_no_actor_or_placement_group(tmp_path):
+    """``run.ray_address`` names a cluster that outlives the run (as ``auto`` does on a real
+    one): after a kill -9 of the orchestrator, the cluster holds none of the run's actors or
+    placement groups 30 s later, as Ray itself reports."""
+    from helpers import free_port
+
+    port = free_port()
+    temp = tempfile.mkdtemp(prefix="rlorch-ray-")
+    head = ["ray", "start", "--head", f"--port={port}", "--num-cpus=4", f"--temp-dir={temp}",
+            "--include-dashboard=false", "--disable-usage-stats"]
+    subprocess.run(head, check=True, capture_output=True, timeout=180)
+    address = f"127.0.0.1:{port}"
+    run_dir = tmp_path / "run"
+    try:
+        run = faults.Run("train", *RAY, f"run.ray_address={address}", f"run.dir={run_dir}", "train.steps=400")
+        try:
+            faults.wait_for(lambda: faults.trainer_steps(run_dir) >= 1, 400, "a trainer step")
+            during = _cluster_state(address)
+            os.kill(run.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while (after := _cluster_state(address))["actors"] or after["groups"]:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(1)
+        finally:
+            run.kill_all()
+    finally:
+        _stop_cluster(temp)
+    assert during["actors"] and during["groups"], during  # the run did place its actors on that cluster
+    assert not after["actors"] and not after["groups"], after
+
+
+def _stop_cluster(temp: str) -> None:
+    """End the cluster started at ``temp`` (only its processes: ``ray stop`` would end every
+    cluster on the machine)."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if temp.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
