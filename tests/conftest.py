@@ -74,6 +74,7 @@ def perturbed_dir(model_dir, tmp_path_factory):
     return target
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups off the marks
 def pytest_collection_modifyitems(config, items):
     """Under xdist (``--dist loadgroup``) tests spread one by one over the workers, except that
     the cluster tests (each a Ray cluster or a fleet of its own, minutes on 2 cores) run one after

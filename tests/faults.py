@@ -68,6 +68,11 @@ class Run:
     def __init__(self, *args: str, env: Optional[dict] = None, preexec: Optional[Callable] = None):
         self.tag = uuid.uuid4().hex
         self.env = {**(env or os.environ), TAG: self.tag, "PYTHONUNBUFFERED": "1", "COLUMNS": "400"}
+        # A fault run forks through a fork server of its own, as a run does by default: what a
+        # shared one forks does not carry the run's tag in its environment (a fork inherits the
+        # server's), so leftovers of the run would go unseen.
+        if self.env.get("RLORCH_FORKSERVER", "1") != "0":
+            self.env["RLORCH_FORKSERVER"] = "1"
         self._log = tempfile.TemporaryFile()
         self.process = subprocess.Popen([sys.executable, "-m", "rlorch.cli", *args], env=self.env,
                                          stdout=self._log, stderr=subprocess.STDOUT,

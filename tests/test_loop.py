@@ -329,12 +329,13 @@ def test_ctrl_c_in_the_first_second_says_so(tmp_path):
     the command with a word, status 130."""
     for delay in (0.8, 1.5):
         process = subprocess.Popen([sys.executable, "-m", "rlorch.cli", "train", "conf=sim",
-                                    f"run.dir={tmp_path / str(delay)}"], stderr=subprocess.PIPE, text=True,
+                                    f"run.dir={tmp_path / str(delay)}"], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         time.sleep(delay)
         process.send_signal(signal.SIGINT)
-        _, err = process.communicate(timeout=30)
-        assert process.returncode == 130 and "interrupted" in err, (delay, err)
+        out, err = process.communicate(timeout=30)
+        assert process.returncode == 130 and "interrupted" in err, (delay, err, out)
 
 
 def test_a_ctrl_c_that_omegaconf_rewrapped_still_ends_with_the_interrupted_word(capsys):
