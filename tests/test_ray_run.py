@@ -106,8 +106,9 @@ print(json.dumps({"actors": [a.get("ActorClassName") for a in actors], "groups":
 """
 
 
-def _cluster_state(address: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", _CLUSTER_STATE, address], capture_output=True, text=True, timeout=120)
+def _cluster_state(address: str, env: dict) -> dict:
+    done = subprocess.run([sys.executable, "-c", _CLUSTER_STATE, address], capture_output=True, text=True, timeout=120,
+                          env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -122,17 +123,20 @@ def test_kill_9_of_the_orchestrator_on_a_running_cluster_leaves_no_actor_or_plac
     temp = tempfile.mkdtemp(prefix="rlorch-ray-")
     head = ["ray", "start", "--head", f"--port={port}", "--num-cpus=4", f"--temp-dir={temp}",
             "--include-dashboard=false", "--disable-usage-stats"]
-    subprocess.run(head, check=True, capture_output=True, timeout=180)
+    # A test cluster of this machine only: no token to hand around (the Slurm script's comment says
+    # how a real cluster's token reaches its nodes).
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    subprocess.run(head, check=True, capture_output=True, timeout=180, env=env)
     address = f"127.0.0.1:{port}"
     run_dir = tmp_path / "run"
     try:
-        run = faults.Run("train", *RAY, f"run.ray_address={address}", f"run.dir={run_dir}", "train.steps=400")
+        run = faults.Run("train", *RAY, f"run.ray_address={address}", f"run.dir={run_dir}", "train.steps=400", env=env)
         try:
             faults.wait_for(lambda: faults.trainer_steps(run_dir) >= 1, 400, "a trainer step")
-            during = _cluster_state(address)
+            during = _cluster_state(address, env)
             os.kill(run.pid, signal.SIGKILL)
             deadline = time.monotonic() + 30
-            while (after := _cluster_state(address))["actors"] or after["groups"]:
+            while (after := _cluster_state(address, env))["actors"] or after["groups"]:
                 if time.monotonic() > deadline:
                     break
                 time.sleep(1)
