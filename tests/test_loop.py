@@ -42,11 +42,15 @@ def test_jittered_latency_strict_drops_what_admission_would_train_over_the_bound
     jitter = ["rollout.max_staleness=1", "inference.sim.latency=[0.001,0.25]", "trainer.sim.step_time=0.02",
               "rollout.max_concurrent=64", "train.steps=30"]
     _, loose, loose_steps = train(tmp_path, "admission", *jitter, "rollout.enforce=admission")
-    _, strict, strict_steps = train(tmp_path, "strict", *jitter, "rollout.enforce=strict")
-    assert loose["dropped_stale"] == 0
-    assert max(r["age_max"] for r in strict_steps) <= 1
+    assert loose["dropped_stale"] == 0 and loose["lost"] == 0
+    # Whether a run's jitter makes a rollout stale at all is up to timing (a loaded machine
+    # slows every part alike): up to three strict runs, each within the bound, one must drop.
+    for attempt in range(3):
+        _, strict, strict_steps = train(tmp_path, f"strict-{attempt}", *jitter, "rollout.enforce=strict")
+        assert max(r["age_max"] for r in strict_steps) <= 1 and strict["lost"] == 0
+        if strict["dropped_stale"] > 0:
+            break
     assert strict["dropped_stale"] > 0 and strict["stale_tokens"] > 0
-    assert loose["lost"] == 0 and strict["lost"] == 0
 
 
 def test_ship_mode_parks_batches_until_the_trainer_catches_up(tmp_path):
