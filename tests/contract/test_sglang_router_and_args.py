@@ -39,7 +39,7 @@ def routed(model_dir):
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang-router-{port}.log"
     with open(log, "wb") as handle:
         router = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                                   "--port", str(port), "--worker-urls",
+                                   "--port", str(port), "--prometheus-port", str(free_port()), "--worker-urls",
                                    *(f"http://{w.address}" for w in workers)],
                                   stdout=handle, stderr=subprocess.STDOUT)
     try:
