@@ -24,6 +24,8 @@ from rlorch.rundir.layout import RunDir, write_json_atomic
 log = logging.getLogger("rlorch.weight_transfer")
 TRAINER_POLL_S = 0.2
 REGROUP_POLL_S = 0.05
+RENDEZVOUS_KEYS = ("master_address", "master_port", "group_name", "backend")
+"""What an engine needs of the trainer's announcement in ``weight_group.json`` to join its group."""
 
 
 class TrainerExited(RuntimeError):
@@ -41,8 +43,7 @@ async def join_weight_group(config: Config, run_dir: RunDir, engines,
                                                           config.inference.transfer_timeout)
     announced = json.loads(run_dir.weight_group.read_text())
     _, world_size = engines.weight_group_ranks()
-    spec = {key: announced[key] for key in ("master_address", "master_port", "group_name", "backend")}
-    spec.update(rank_offset=1, world_size=world_size)
+    spec = {**{key: announced[key] for key in RENDEZVOUS_KEYS}, "rank_offset": 1, "world_size": world_size}
     write_json_atomic(run_dir.weight_group_members, {"world_size": world_size})
     joining = asyncio.create_task(engines.init_weights_update_group(spec))
     try:
@@ -79,4 +80,4 @@ async def regroup(run_dir: RunDir, version: int, world_size: int, timeout: float
         if time.monotonic() > deadline:
             raise TimeoutError(f"the trainer announced no new weight group within {timeout:g}s")
         await asyncio.sleep(REGROUP_POLL_S)
-    return {key: spec[key] for key in ("master_address", "master_port", "group_name", "backend")}
+    return {key: spec[key] for key in RENDEZVOUS_KEYS}

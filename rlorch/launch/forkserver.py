@@ -107,7 +107,6 @@ class ForkServer:
     (``address`` None) or over a connection to a shared one listening at ``address``."""
 
     def __init__(self, address: Optional[str] = None):
-        self.address = address
         self.process: Optional[subprocess.Popen] = None
         self._connection: Optional[socket.socket] = None
         if address is None:
