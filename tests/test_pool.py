@@ -282,3 +282,60 @@ def test_a_launched_server_that_exits_is_started_again_and_rejoins_at_the_curren
     assert health["servers_dead"] == 0 and health["server_restarts"] == 1
     # servers.json names the restarted process, not the killed one.
     assert [r["index"] for r in recorded] == [0] and recorded[0]["pid"] not in (None, killed)
+
+
+class Restartable:
+    """A server as the pool sees it that is down (connection refused) until ``alive`` is set."""
+
+    name, tp_size = "a", 1
+
+    def __init__(self) -> None:
+        self.alive = False
+
+    async def generate(self, input_ids, params, rid, prefix=None):
+        from types import SimpleNamespace
+
+        from rlorch.inference.client import EngineUnavailable
+
+        if not self.alive:
+            raise EngineUnavailable(f"{self.name}: connection refused")
+        return SimpleNamespace(output_ids=[1, 2])
+
+    async def healthy(self, timeout=None) -> bool:
+        return self.alive
+
+    async def resume(self) -> None:
+        if not self.alive:
+            raise EngineError(f"{self.name}: connection refused")
+
+    async def weight_version(self):
+        return None
+
+    async def close(self) -> None: ...
+
+
+def test_a_request_waits_for_a_dead_server_that_will_be_restarted_and_fails_at_once_otherwise():
+    """The sole server's process exited: while the supervisor has a restart left, a request waits
+    for it (and completes on the new process) instead of failing at once, which would end a run
+    whose only server crashed; with no restart left it fails at once, naming the exit."""
+    server = Restartable()
+
+    async def scenario():
+        pool = EnginePool([server], probe_interval=0.01,
+                          diagnose=lambda name: None if server.alive else "a exited with status -9")
+        pool.restartable = lambda name: True
+        waiting = asyncio.create_task(pool.generate(PROMPT, SamplingParams(max_new_tokens=2), "r0"))
+        await asyncio.sleep(0.3)
+        assert not waiting.done() and pool.health()["servers_dead"] == 1
+        server.alive = True
+        pool.restarted("a")
+        assert (await asyncio.wait_for(waiting, 10)).output_ids == [1, 2]
+        server.alive = False
+        pool.restartable = lambda name: False
+        started = time.monotonic()
+        with pytest.raises(EngineError, match="no live server: a exited with status -9"):
+            await pool.generate(PROMPT, SamplingParams(max_new_tokens=2), "r1")
+        assert time.monotonic() - started < 1.0
+        await pool.close()
+
+    asyncio.run(scenario())

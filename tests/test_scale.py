@@ -131,3 +131,46 @@ def test_under_distributed_transfer_the_weight_group_follows_the_fleet_from_2_to
     newest = [max(v for _, v in _received(logs / f"server-{i}.log")) for i in range(2)]
     assert min(newest) >= settled, (newest, settled)
     assert "rlorch scale: 2 -> 3 servers" in run.output and "rlorch scale: 3 -> 2 servers" in run.output
+
+
+def _loaded_from_disk(log: Path) -> list[int]:
+    """Versions a server's log says it loaded from a checkpoint directory."""
+    import re
+
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return [int(v) for v in re.findall(r"loaded weights from \S+ \(weight_version (\d+)\)", text)]
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_a_sole_server_restarted_under_distributed_transfer_catches_up_from_disk_and_the_run_goes_on(tmp_path):
+    """inference.weight_transfer=distributed with one server: it is killed once versions reach it
+    over the group only, so no checkpoint and no other server holds the current one. Restarted, it
+    does not rejoin on its start-up weights (all it would generate is stale): the trainer writes its
+    weights to disk when the pool asks, the server loads them, later versions reach it over a
+    rebuilt group, and training goes on with nothing lost."""
+    run_dir = tmp_path / "run"
+    run = faults.Run("train", "inference=cpu", "trainer=fsdp", "inference.weight_transfer=distributed",
+                     "inference.num_servers=1", "train.steps=5000", "rollout.batch_size=32", "rollout.group_size=4",
+                     "rollout.max_concurrent=32", "eval.enabled=false", "trainer.checkpoint_every=1000",
+                     f"run.dir={run_dir}", "run.progress=false", "run.report=false")
+    log = run_dir / "logs" / "server-0.log"
+    try:
+        faults.wait_for(lambda: max((v for _, v in _received(log)), default=0) >= 3, 300,
+                        "version 3 over the weight group")
+        killed = json.loads((run_dir / "servers.json").read_text())[0]["pid"]
+        current = max(v for _, v in _received(log))
+        os.kill(killed, signal.SIGKILL)
+        faults.wait_for(lambda: any(v >= current for v in _loaded_from_disk(log)), 180,
+                        f"the restarted server loading version >= {current} from disk")
+        caught_up = faults.trainer_steps(run_dir)
+        faults.wait_for(lambda: max(v for _, v in _received(log)) >= caught_up + 2, 180,
+                        "two more versions over the rebuilt group")
+        run.process.send_signal(signal.SIGTERM)
+        code = run.wait(300)
+    finally:
+        run.kill_all()
+    assert code == 143, run.output[-3000:]
+    summary = faults.summary(run_dir)
+    assert summary["lost"] == 0 and summary["server_restarts"] >= 1, summary
+    assert json.loads((run_dir / "servers.json").read_text())[0]["pid"] != killed

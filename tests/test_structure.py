@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -202,15 +203,18 @@ def test_a_wheel_installed_elsewhere_finds_its_presets_and_runs(tmp_path):
     assert installed.returncode == 0, installed.stderr
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
+    # Only the wheel: a source tree on PYTHONPATH (a test run of a checkout) would be found first.
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     where = subprocess.run([str(python), "-c", "import rlorch, rlorch.config.compose as c; print(rlorch.__file__); "
-                            "print(c.conf_dir())"], capture_output=True, text=True, cwd=elsewhere)
+                            "print(c.conf_dir())"], capture_output=True, text=True, cwd=elsewhere, env=env)
     package, presets = where.stdout.split()
     assert package.startswith(str(venv)) and presets.startswith(str(venv)), where.stdout
     checked = subprocess.run([str(rlorch), "validate-config", "conf=sync"], capture_output=True, text=True,
-                             cwd=elsewhere)
+                             cwd=elsewhere, env=env)
     assert checked.returncode == 0 and "rlorch config" in checked.stdout, checked.stderr
     run_dir = elsewhere / "run"
     trained = subprocess.run([str(rlorch), "train", "conf=sim", f"run.dir={run_dir}", "train.steps=3",
-                              "run.progress=false"], capture_output=True, text=True, cwd=elsewhere, timeout=120)
+                              "run.progress=false"], capture_output=True, text=True, cwd=elsewhere, timeout=120,
+                             env=env)
     assert trained.returncode == 0, trained.stderr
     assert json.loads((run_dir / "summary.json").read_text())["lost"] == 0

@@ -204,6 +204,34 @@ def test_trains_publishes_checkpoints_resumes_and_stops(tmp_path):
     assert not run.weights_for(4).exists()
 
 
+def test_asked_while_waiting_the_trainer_writes_its_current_weights_to_disk(tmp_path):
+    """``broadcast/publish.request`` (a restarted server's only way to a version that went over the
+    weight group): two ranks waiting for batch 2 write version 1, which ``publish_every=2`` kept
+    off the disk, and clear the request; asked again with it there, they write nothing more."""
+    from transformers import AutoModelForCausalLM
+
+    from rlorch.rundir.layout import write_json_atomic
+
+    run, config = _make_run(tmp_path / "run", "trainer.fsdp.nproc=2", "trainer.publish_every=2", "train.steps=2",
+                            "trainer.checkpoint_every=10")
+    run.offers.mkdir(parents=True, exist_ok=True)
+    _write_batch(run, 1)
+    process = _launch(config, run)
+    _wait_for(lambda: len(_metrics(run)) == 1, process)
+    assert not run.weights_for(1).exists()
+    write_json_atomic(run.publish_request, {"version": 1})
+    _wait_for(lambda: (run.weights_for(1) / PUBLISHED).exists() and not run.publish_request.exists(), process)
+    written = (run.weights_for(1) / PUBLISHED).stat().st_mtime_ns
+    write_json_atomic(run.publish_request, {"version": 1})
+    _wait_for(lambda: not run.publish_request.exists(), process)
+    assert (run.weights_for(1) / PUBLISHED).stat().st_mtime_ns == written
+    assert AutoModelForCausalLM.from_pretrained(run.weights_for(1)).config.vocab_size > 0
+    _write_batch(run, 2)
+    code, output = _finish(process)
+    assert code == 0, output
+    assert output.count("version 1 published to disk on the orchestrator's request") == 1, output
+
+
 def test_malformed_batch_names_file_and_line(tmp_path):
     run, config = _make_run(tmp_path / "run", "train.steps=1")
     good = json.dumps(_rollout("12=", "21", 1.0))

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
-from rlorch.inference.client import EngineError, SGLangEngine
+from rlorch.inference.client import EngineError, EngineUnavailable, SGLangEngine
 from rlorch.inference.pool import EnginePool
 from rlorch.orchestrator.watcher import WeightWatcher
 from rlorch.config.schema import WatcherConfig
@@ -34,7 +35,6 @@ def _serve(model_dir, port: int = 0):
 
 
 def _answering(process, address: str) -> None:
-    import time
     import urllib.request
 
     deadline = time.monotonic() + 120
@@ -157,9 +157,16 @@ class GroupEngine:
     async def weight_version(self) -> int:
         return self.version
 
-    async def pause(self) -> None: ...
+    async def reload(self, path: str, version: int) -> None:
+        self.version, self.loaded_from = version, path
+
+    async def pause(self) -> None:
+        if self.unreachable:
+            raise EngineUnavailable(f"{self.name}: POST /pause_generation failed: connection reset")
+
     async def resume(self) -> None: ...
     refuse = False
+    unreachable = False
 
     async def begin_weight_update(self) -> None:
         if self.refuse:
@@ -237,6 +244,71 @@ def test_the_pool_rebuilds_the_weight_group_whenever_its_servers_change():
         await pool.close()
 
     asyncio.run(scenario())
+
+
+def test_a_regroup_ends_at_once_when_the_trainer_has_withdrawn_its_offer(tmp_path):
+    """The trainer gave up on version 5 (no answer in time) and sent it by disk: asking it to
+    regroup for that version fails at once instead of waiting out the timeout."""
+    from rlorch.inference.weight_transfer import regroup
+
+    run = RunDir(tmp_path / "run").make()
+    run.offers.mkdir(parents=True)
+    write_json_atomic(run.weight_group, {"group_name": "g0"})
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="withdrew its offer of version 5"):
+        asyncio.run(regroup(run, 5, 2, timeout=30.0))
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_sole_server_restarted_after_a_version_over_the_group_catches_up_from_disk():
+    """Version 2 reached the only server over the group, then it died: restarted, it holds its
+    start-up weights and no one is left to receive version 3, so it must not take work as it is.
+    The pool asks the trainer for its weights on disk, waits out of rotation until they are
+    there, loads the newest (at least 2), and the next version rebuilds the group for it."""
+    a = GroupEngine("a")
+    published: list[tuple[int, str]] = []
+    requests: list[int] = []
+
+    async def regroup(version: int, world_size: int) -> dict:
+        asked.append(version)
+        return {"master_address": "127.0.0.1", "master_port": 1, "group_name": f"g{version}", "backend": "gloo"}
+
+    asked: list[int] = []
+
+    async def scenario():
+        pool = EnginePool([a], probe_interval=0.01)
+        pool.regroup, pool.published, pool.request_publish = regroup, lambda: iter(published), requests.append
+        await pool.init_weights_update_group({"master_address": "127.0.0.1", "master_port": 1, "group_name": "g0",
+                                              "backend": "gloo", "world_size": 2})
+        await pool.update_weights_from_distributed({"group_name": "g0"}, 2)
+        a.unreachable = True    # killed as version 3 comes: its pause fails, no group is rebuilt for nobody
+        with pytest.raises(EngineError, match="no live server to receive version 3"):
+            await pool.update_weights_from_distributed({"group_name": "g0"}, 3)
+        assert asked == []
+        a.unreachable = False
+        pool.mark_dead("a", "killed")
+        a.restart()
+        pool.restarted("a")
+        for _ in range(500):
+            if len(requests) >= 3:
+                break
+            await asyncio.sleep(0.01)
+        assert set(requests) == {2} and pool.health()["servers_up"] == 0 and a.version == 0
+        started = time.monotonic()    # an offer now is refused at once: the trainer puts it on disk
+        with pytest.raises(EngineError, match="no live server to receive version 3"):
+            await pool.update_weights_from_distributed({"group_name": "g0"}, 3)
+        assert time.monotonic() - started < 1.0 and asked == []
+        published.extend([(1, "weights/step_000001"), (3, "weights/step_000003")])
+        for _ in range(500):
+            if pool.health()["servers_up"]:
+                break
+            await asyncio.sleep(0.01)
+        assert pool.health()["servers_up"] == 1 and (a.version, a.loaded_from) == (3, "weights/step_000003")
+        await pool.update_weights_from_distributed({"group_name": "g0"}, 4)
+        assert a.groups == {"g4": (1, 2)} and a.version == 4 and asked == [4]
+        await pool.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
 
 
 @pytest.mark.slow
@@ -385,8 +457,6 @@ def test_summary_says_where_the_start_went(tmp_path):
 def test_a_version_nobody_receives_goes_by_disk_within_the_timeout(tmp_path):
     """No engine asked to receive (no ``receiving`` mark): the trainer gives the version to the
     disk after ``transfer_timeout`` rather than waiting in its broadcast, and abandons the group."""
-    import time
-
     import torch
 
     run = RunDir(tmp_path / "run").make()
@@ -402,8 +472,6 @@ def test_a_version_nobody_receives_goes_by_disk_within_the_timeout(tmp_path):
 def test_a_refused_version_goes_by_disk_at_once_and_the_group_stays(tmp_path):
     """The engines could not open their sessions: the orchestrator answers ``refused`` and the
     trainer publishes that version to disk without waiting, keeping the group for the next."""
-    import time
-
     import torch
 
     run = RunDir(tmp_path / "run").make()
@@ -447,8 +515,6 @@ def test_asked_to_regroup_the_trainer_announces_a_new_group_joins_it_and_broadca
 
 
 def test_a_group_the_orchestrator_never_sizes_leaves_every_version_to_the_disk(tmp_path):
-    import time
-
     run = RunDir(tmp_path / "run").make()
     broadcaster = _broadcaster(run)
     run.weight_group_members.unlink()
@@ -461,8 +527,6 @@ def test_a_group_the_orchestrator_never_sizes_leaves_every_version_to_the_disk(t
 def test_a_trainer_that_dies_while_the_engines_join_fails_the_join_at_once(server, tmp_path, monkeypatch):
     """The engine waits for a trainer that never comes; the trainer's exit ends the wait, naming
     it, instead of the engine's join timeout."""
-    import time
-
     from rlorch.config.compose import compose
     from rlorch.inference.weight_transfer import TrainerExited, join_weight_group
     from rlorch.serve import weight_sync

@@ -17,7 +17,8 @@ Invariants:
   group's members are exactly the servers that receive: when that set changed (a server
   restarted, joined, left or went down) the group is rebuilt before the next version. A server
   that cannot catch up from disk (the current version never went there) waits out of rotation
-  and joins the group, and rotation, with the next version.
+  and joins the group, and rotation, with the next version; when no live server is left to
+  receive one, the trainer is asked to write its weights to disk and it catches up from there.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable, Optional, Sequence
+from pathlib import Path
+from typing import Awaitable, Callable, Iterable, Optional, Sequence
 
 from rlorch.inference.client import EngineError, EngineUnavailable
 from rlorch.launch.weight_group import rank_offsets
@@ -92,6 +94,14 @@ class EnginePool:
         for ``version`` and return its spec (master_address, master_port, group_name, backend);
         without it the group is never rebuilt."""
         self.group_rebuilds = 0
+        self.published: Callable[[], Iterable[tuple[int, Path]]] = lambda: ()
+        """The versions the trainer published to disk, (version, HF directory)."""
+        self.request_publish: Callable[[int], None] = lambda version: None
+        """Ask the trainer to write its current weights (at least ``version``) to disk."""
+        self._publish_requested: set[int] = set()
+        self.restartable: Callable[[str], bool] = lambda name: False
+        """Whether dead server ``name`` will be started again (the supervisor's restarts left):
+        while one will, a request waits for it rather than failing at once."""
         self._retiring: set[str] = set()
         """Servers being taken out: no new work, never probed back."""
         self._checkpoint: Optional[tuple[str, int]] = None
@@ -119,14 +129,15 @@ class EnginePool:
             self._dead.setdefault(engine.name, gone)
         if not self._live():
             # Nobody is left to take the next version over the group: those waiting for it
-            # rejoin from the probe as they are (their responses carry their own version).
+            # catch up from disk through the probe instead (:meth:`_catch_up_from_disk`).
             self._awaiting_group.clear()
         self._changed.set()
         self._ensure_probe()
 
     def mark_dead(self, name: str, reason: str) -> None:
         """Server ``name`` is gone for good (its process exited): out of rotation now, and once
-        every server is dead a request fails at once with ``reason`` instead of waiting."""
+        every server is dead (and none will be restarted: :attr:`restartable`) a request fails at
+        once with ``reason`` instead of waiting."""
         self._dead[name] = reason
         self._awaiting_group.discard(name)
         self._forget_member(name)
@@ -219,13 +230,13 @@ class EnginePool:
         return min(order, key=lambda e: self._in_flight[e.name])
 
     async def _wait_live(self, deadline: float) -> list[Server]:
-        """The live servers, once there is one; raises at once when every server is dead, or at
+        """The live servers, once there is one; raises at once when every server is dead and none will be restarted, or at
         ``deadline`` (naming every server and why it is out)."""
         while True:
             live = self._live()
             if live:
                 return live
-            if len(self._dead) == len(self.engines):
+            if all(e.name in self._dead and not self.restartable(e.name) for e in self.engines):
                 raise self._no_live_server("")
             self._changed.clear()
             left = deadline - time.monotonic()
@@ -427,11 +438,20 @@ class EnginePool:
         The group's members are the live servers plus those waiting for it (restarted or added
         while the current version went over the group only: they join rotation once they hold
         this one). When they are not the group's members, or ``offer`` names no group or another
-        one (the trainer lost it), the group is rebuilt first (:meth:`_rebuild`)."""
+        one (the trainer lost it), the group is rebuilt first (:meth:`_rebuild`).
+
+        With no live server it raises at once rather than wait for one: the trainer then puts
+        this version on disk, which is where a restarted server must catch up from (nobody in
+        the group holds it), and the next version rebuilds the group."""
+        if not self._live():
+            raise EngineError(f"{self.name}: no live server to receive version {version} over the weight group")
+
         async def receive(engines: list[Server]) -> list:
             joining = [e for e in self.engines if e.name in self._awaiting_group
                        and e.name not in self._dead and e.name not in self._retiring]
             members = engines + joining
+            if not engines:    # every live server failed to pause: nobody to rebuild the group for
+                raise EngineError(f"{self.name}: no live server to receive version {version} over the weight group")
             group = offer.get("group_name")
             if group is None or group != self._weight_group or tuple(e.name for e in members) != self._group_members:
                 if self.regroup is None:
@@ -471,7 +491,7 @@ class EnginePool:
         The version goes live on the servers that loaded it; one that did not answer in time is
         suspect and catches up before it rejoins. When none is left live, this waits (without the
         reload lock, so a server can rejoin) for one to come back and loads again, at most
-        ``request_timeout``; it raises at once when every server is dead."""
+        ``request_timeout``; it raises at once when every server is dead and none will be restarted."""
         deadline = time.monotonic() + self.request_timeout
         while True:
             await self._wait_live(deadline)
@@ -581,15 +601,34 @@ class EnginePool:
                         log.info("%s: server %s answers; it joins the weight group with the next version",
                                  self.name, engine.name)
                         return
-                    else:
-                        log.warning("%s: server %s rejoins at version %s: version %s went over the weight group "
-                                    "only and no live server is left to receive the next", self.name, engine.name,
-                                    held, current)
+                    elif not await self._catch_up_from_disk(engine, current):
+                        return
                 await engine.resume()
             except EngineError as err:
                 log.warning("%s: server %s answers but cannot rejoin: %s", self.name, engine.name, err)
                 return
             self._rejoined(engine)
+
+    async def _catch_up_from_disk(self, engine: Server, current: int) -> bool:
+        """Bring ``engine`` to the newest version at least ``current`` on disk; False while there
+        is none. The current version went over the weight group only and no live server is left
+        to receive the next (with none in rotation no batch fills, so no next version comes): the
+        trainer is asked (``request_publish``) to write its weights to disk, and the probe
+        retries until they are there. A newer version than ``current`` serves as well: its
+        responses carry the version it holds, and the watcher brings the pool to it."""
+        newest = max((entry for entry in self.published() if entry[0] >= current), default=None)
+        if newest is None:
+            if current not in self._publish_requested:
+                self._publish_requested.add(current)
+                log.warning("%s: server %s answers, but version %s went over the weight group only and no live "
+                            "server is left to receive the next; asking the trainer to write it to disk",
+                            self.name, engine.name, current)
+            self.request_publish(current)
+            return False
+        version, path = newest
+        await engine.reload(str(path), version)
+        self._checkpoint, self._version = (str(path), version), version
+        return True
 
     def _rejoined(self, engine: Server) -> None:
         self._up[engine.name] = True

@@ -159,6 +159,8 @@ async def supervise(launcher: Launcher, servers: dict[str, Launched], pool: Engi
     """
     restarts: dict[str, int] = {}
     gone: set[str] = set()
+    pool.restartable = lambda name: (name in servers and servers[name].handle is not None and name not in gone
+                                     and restarts.get(name, 0) < max_restarts)
     while True:
         for name, server in list(servers.items()):
             if name in gone or server.handle is None:

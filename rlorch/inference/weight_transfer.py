@@ -6,7 +6,9 @@ at the same time). A trainer that exits meanwhile fails the run at once, naming 
 Versions then arrive as offers the weight watcher has the engines receive; the trainer side and
 the whole hand-shake are :mod:`rlorch.trainer.broadcast`. When the servers change, the pool
 rebuilds the group through :func:`regroup`: it asks the trainer for a new group in its answer to
-the offer, and reads the new rendezvous from ``weight_group.json``.
+the offer, and reads the new rendezvous from ``weight_group.json``. When a restarted server
+cannot catch up over the group (no live server is left to receive the next version), the pool
+asks the trainer to write its weights to disk (``broadcast/publish.request``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ async def join_weight_group(config: Config, run_dir: RunDir, engines,
         return False
     engines.regroup = lambda version, world_size: regroup(run_dir, version, world_size,
                                                           config.inference.transfer_timeout)
+    engines.published = run_dir.published_weights
+    engines.request_publish = lambda version: write_json_atomic(run_dir.publish_request, {"version": version})
     announced = json.loads(run_dir.weight_group.read_text())
     _, world_size = engines.weight_group_ranks()
     spec = {**{key: announced[key] for key in RENDEZVOUS_KEYS}, "rank_offset": 1, "world_size": world_size}
@@ -66,7 +70,8 @@ async def join_weight_group(config: Config, run_dir: RunDir, engines,
 async def regroup(run_dir: RunDir, version: int, world_size: int, timeout: float) -> dict:
     """Ask the trainer, in the answer to the offer of ``version``, for a new group of
     ``world_size`` members; its rendezvous once it announces it (a new ``group_name`` in
-    ``weight_group.json``). Raises :class:`TimeoutError` after ``timeout`` seconds."""
+    ``weight_group.json``). Raises :class:`TimeoutError` after ``timeout`` seconds, or at once
+    once the trainer has withdrawn the offer (it gave up waiting and sent that version by disk)."""
     def announced() -> dict:
         try:
             return json.loads(run_dir.weight_group.read_text())
@@ -77,6 +82,8 @@ async def regroup(run_dir: RunDir, version: int, world_size: int, timeout: float
     write_json_atomic(run_dir.offer_mark(version, "regroup"), {"world_size": world_size})
     deadline = time.monotonic() + timeout
     while (spec := announced()).get("group_name") in (None, before):
+        if not run_dir.offer_for(version).exists():
+            raise TimeoutError(f"the trainer withdrew its offer of version {version} (it went by disk)")
         if time.monotonic() > deadline:
             raise TimeoutError(f"the trainer announced no new weight group within {timeout:g}s")
         await asyncio.sleep(REGROUP_POLL_S)

@@ -142,6 +142,13 @@ class RunDir:
         """Versions offered over the weight-transfer group: ``broadcast/step_N.json``."""
         return self.root / "broadcast"
 
+    @property
+    def publish_request(self) -> Path:
+        """The orchestrator asks the trainer to write its current weights to disk
+        (``{"version": N}``, N the version the engines must reach): no server holds the version
+        that went over the weight group, so a restarted one can only catch up from there."""
+        return self.offers / "publish.request"
+
     def offer_for(self, step: int) -> Path:
         return self.offers / f"{step_name(step)}.json"
 

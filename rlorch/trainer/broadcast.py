@@ -21,6 +21,10 @@ The hand-shake, through the run directory, never lets either side wait longer th
    destroyed the old group first: SGLang's ``/destroy_weights_update_group``), and waits for
    ``receiving``/``refused`` again.
 
+4. ``broadcast/publish.request``: a restarted server cannot catch up over the group when no
+   live server is left to receive the next version; the trainer, waiting for a batch, then
+   writes its current weights to disk (:func:`rlorch.trainer.fsdp.publish_on_request`).
+
 Invariant: a version that was not broadcast is published to disk instead (and the log says so):
 the watcher loads it from there and counts it in ``transfer_fallbacks``. After a failed or
 unanswered offer, or a rebuild that did not form, rank 0 holds no group; it keeps offering
@@ -191,5 +195,6 @@ def plan(config, run: RunDir, device, log: Callable[[str], None]) -> Optional[Br
     for entry in run.offers.glob("step_*"):
         entry.unlink(missing_ok=True)
     run.weight_group_members.unlink(missing_ok=True)
+    run.publish_request.unlink(missing_ok=True)
     write_json_atomic(run.weight_group, {**spec.to_json(), "pid": os.getpid()})
     return Broadcaster(run, spec, inference.transfer_timeout, str(device), log)

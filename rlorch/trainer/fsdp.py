@@ -19,7 +19,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -229,8 +229,10 @@ def _all_reduce(values: list[float], device, op: str = "sum") -> list[float]:
     return tensor.tolist()
 
 
-def wait_for_batch(run, step: int, device) -> bool:
-    """Block until batch ``step`` exists (True) or STOP appears first (False).
+def wait_for_batch(run, step: int, device, asked: Callable[[], bool] = lambda: False,
+                   answer: Callable[[], None] = lambda: None) -> bool:
+    """Block until batch ``step`` exists (True) or STOP appears first (False); meanwhile, each
+    time ``asked()`` holds on any rank, every rank calls ``answer()`` (a collective).
 
     A batch already on disk is trained before STOP is honoured: the orchestrator persisted it as
     trained data when it shipped it.
@@ -239,13 +241,16 @@ def wait_for_batch(run, step: int, device) -> bool:
     pause = POLL_SECONDS_ALONE if dist.get_world_size() == 1 else POLL_SECONDS
     while True:
         # Every rank must take the same branch: any rank seeing a file decides for all.
-        has_batch, stop = _all_reduce([float(batch.exists()), float(run.stop_file.exists())], device, "max")
+        has_batch, stop, request = _all_reduce([float(batch.exists()), float(run.stop_file.exists()),
+                                                float(asked())], device, "max")
         if has_batch:
             while not batch.exists():
                 time.sleep(pause)
             return True
         if stop:
             return False
+        if request:
+            answer()
         time.sleep(pause)
 
 
@@ -491,6 +496,32 @@ def _hand_off(worker: Worker, step: int, state: dict, last: bool) -> None:
         prune(worker.run, worker.config.trainer.keep_weight_versions)
 
 
+def publish_asked(worker: Worker) -> bool:
+    """Rank 0: the orchestrator asks for the current weights on disk (``publish_request``) and
+    no hand-off is under way (one that is may yet put them there)."""
+    return (worker.rank == 0 and worker.run.publish_request.exists()
+            and (worker.handing_off is None or worker.handing_off.done()))
+
+
+def publish_on_request(worker: Worker) -> None:
+    """Collective: publish the current weights (version ``worker.step``) to disk unless a
+    version at least that new is there already; rank 0 then clears the request. This is how a
+    server restarted while the current version went over the weight group only catches up
+    when no other server is left to receive the next one (the request says which version it
+    needs; a newer one serves as well: its responses are stamped with what it loaded)."""
+    state = served_state(worker)
+    if worker.rank == 0:
+        wait_handed_off(worker)
+        newest = max((version for version, _ in worker.run.published_weights()), default=-1)
+        if worker.step > 0 and newest < worker.step:
+            publish(worker.run, worker.step, worker.writer, state)
+            prune(worker.run, worker.config.trainer.keep_weight_versions)
+            _log(worker, f"version {worker.step} published to disk on the orchestrator's request")
+        worker.run.publish_request.unlink(missing_ok=True)
+    if worker.world > 1:
+        dist.barrier()
+
+
 def wait_handed_off(worker: Worker) -> None:
     if worker.handing_off is not None:
         pending, worker.handing_off = worker.handing_off, None
@@ -517,7 +548,8 @@ def run_loop(worker: Worker) -> None:
     config, run = worker.config, worker.run
     last = config.train.steps
     for step in range(worker.step + 1, last + 1):
-        if not wait_for_batch(run, step, worker.device):
+        if not wait_for_batch(run, step, worker.device, asked=lambda: publish_asked(worker),
+                              answer=lambda: publish_on_request(worker)):
             if worker.step > 0:  # step 0 is the base model: nothing to save
                 save_checkpoint(worker, worker.step)
             _log(worker, f"STOP after step {worker.step}")
