@@ -1,0 +1,223 @@
+"""Race ``rlorch train`` (the default preset, nothing switched off) against TRL's GRPOTrainer on
+the figure a user feels: seconds from pressing enter to a model that solves the task.
+
+Both sides train the tiny default model (created locally) on the default task (3-digit reversal,
+partial-credit reward with format weight 0.2) with rlorch's default hyperparameters: 16 prompts x
+8 samples per step, 3 new tokens, temperature 1.2, learning rate 1e-3, entropy bonus 0.05, no KL
+term. Held-out accuracy is greedy, on the task's 97 held-out prompts, every 25 steps (and before
+the first), as rlorch's default evaluation does it.
+
+What is measured, per run: seconds from the command's launch to the first evaluation at >= 80%
+held-out accuracy and to the first at 100%, and the step that evaluation was of. Evaluation time
+is *counted on both sides*: rlorch evaluates on its engines beside training, TRL inside its
+training loop (its seconds spent evaluating are printed too, so they can be subtracted by
+hand). A run is stopped once it has evaluated at 100% (rlorch by SIGINT, TRL from its callback),
+or after ``--max-steps``.
+
+Contenders run alternately, seed by seed (the order rotates each seed): this checkout's rlorch,
+optionally an earlier revision of it (``--baseline REF``, checked out into a temporary worktree
+and run from there), and TRL when ``--trl-python`` names an interpreter that has it.
+
+TRL is an optional extra, never installed in CI:
+    python3 -m venv --system-site-packages .venv-trl && .venv-trl/bin/pip install -e ".[trl]"
+
+Usage: python scripts/bench_to_accuracy.py [--trl-python PYTHON] [--baseline REF] [--seeds 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS_PER_STEP, GROUP, NEW_TOKENS, TEMPERATURE, LR, ENTROPY = 16, 8, 3, 1.2, 1e-3, 0.05
+EVAL_EVERY, TARGETS = 25, (0.8, 1.0)
+POLL_S = 0.05
+
+
+def first_at(evals: list[dict], target: float) -> Optional[dict]:
+    return next((e for e in evals if e["accuracy"] >= target - 1e-9), None)
+
+
+def run_rlorch(source: Path, root: Path, seed: int, max_steps: int) -> dict:
+    """``rlorch train`` from ``source`` (a checkout); each eval is timed as its record appears."""
+    run_dir = root / f"rlorch-{time.monotonic_ns()}"
+    command = [sys.executable, "-m", "rlorch.cli", "train", f"run.dir={run_dir}", f"run.seed={seed}",
+               "run.progress=false", f"train.steps={max_steps}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source), os.environ.get("PYTHONPATH", "")])}
+    started = time.time()
+    process = subprocess.Popen(command, cwd=source, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    evals: list[dict] = []
+    metrics, offset = run_dir / "metrics.jsonl", 0
+    while process.poll() is None:
+        time.sleep(POLL_S)
+        if not metrics.exists():
+            continue
+        with open(metrics, "rb") as handle:
+            handle.seek(offset)
+            chunk = handle.read()
+        complete = chunk[:chunk.rfind(b"\n") + 1]
+        offset += len(complete)
+        for line in complete.decode().splitlines():
+            record = json.loads(line)
+            if record.get("kind") == "eval":
+                evals.append({"step": record["step"], "accuracy": record["accuracy"], "at_s": time.time() - started})
+        if first_at(evals, 1.0) is not None:
+            process.send_signal(signal.SIGINT)
+            process.wait(120)
+    return {"evals": evals, "wall_s": time.time() - started, "eval_s": None}
+
+
+def run_trl(python: str, seed: int, max_steps: int) -> dict:
+    started = time.time()
+    result = subprocess.run([python, __file__, "--trl-worker", "--seed", str(seed), "--max-steps", str(max_steps)],
+                            check=True, capture_output=True, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"})
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    for record in figures["evals"]:
+        record["at_s"] = record.pop("epoch") - started
+    return {**figures, "wall_s": time.time() - started}
+
+
+def trl_worker(seed: int, max_steps: int) -> None:
+    """Runs inside TRL's environment: GRPOTrainer on the same model, prompts, reward and eval."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlorch.config.compose import compose
+    from rlorch.model import ensure_default_model
+    from rlorch.tasks.registry import make_environment
+
+    env = make_environment(compose([f"run.seed={seed}"]))
+    path = ensure_default_model()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    rows = [dict(zip(("prompt", "answer"), env.make_prompt(i, seed))) for i in range(max_steps * PROMPTS_PER_STEP)]
+    held_out = env.eval_prompts(100)
+
+    def reward(completions, answer, **_):
+        return [float(env.score(c, a)) for c, a in zip(completions, answer)]
+
+    evals: list[dict] = []
+    spent = [0.0]
+
+    def evaluate(model, step: int) -> float:
+        began = time.monotonic()
+        was_training = model.training
+        model.eval()
+        tokenizer.padding_side = "left"
+        batch = tokenizer([p for p, _ in held_out], return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+        texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        accuracy = sum(env.is_correct(t, a) for t, (_, a) in zip(texts, held_out)) / len(held_out)
+        model.train(was_training)
+        spent[0] += time.monotonic() - began
+        evals.append({"step": step, "accuracy": round(accuracy, 6), "epoch": time.time()})
+        return accuracy
+
+    class Evaluate(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            evaluate(model, 0)
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step % EVAL_EVERY == 0 and evaluate(model, state.global_step) >= 1.0:
+                control.should_training_stop = True
+
+    args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="trl-"), per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
+                      num_generations=GROUP, max_completion_length=NEW_TOKENS, temperature=TEMPERATURE,
+                      learning_rate=LR, lr_scheduler_type="constant", gradient_checkpointing=False,
+                      beta=0.0, entropy_coef=ENTROPY, max_steps=max_steps, logging_steps=10 ** 6,
+                      save_strategy="no", report_to=[], use_cpu=True, bf16=False, seed=seed,
+                      shuffle_dataset=False, disable_tqdm=True)
+    trainer = GRPOTrainer(model=str(path), reward_funcs=[reward], args=args,
+                          train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[Evaluate()])
+    trainer.train()
+    print(json.dumps({"evals": evals, "eval_s": spent[0]}))
+
+
+def summarise(run: dict) -> dict:
+    row = {"wall_s": run["wall_s"], "eval_s": run.get("eval_s")}
+    for target in TARGETS:
+        hit = first_at(run["evals"], target)
+        row[f"s_{target:.0%}"] = hit["at_s"] if hit else None
+        row[f"step_{target:.0%}"] = hit["step"] if hit else None
+    return row
+
+
+def _median(values: list) -> Optional[float]:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if len(present) == len(values) and present else None
+
+
+def _fmt(value, width: int = 7, digits: int = 1) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trl-python", help="an interpreter with trl installed (TRL is left out without it)")
+    parser.add_argument("--baseline", help="a git revision of rlorch to race as well (e.g. the last release)")
+    parser.add_argument("--seeds", type=int, default=8)
+    parser.add_argument("--max-steps", type=int, default=500)
+    parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.trl_worker:
+        trl_worker(args.seed, args.max_steps)
+        return
+    with tempfile.TemporaryDirectory(prefix="bench-to-accuracy-") as tmp:
+        root = Path(tmp)
+        contenders = {"rlorch (this checkout)": lambda seed: run_rlorch(REPO, root, seed, args.max_steps)}
+        if args.baseline:
+            tree = root / "baseline"
+            subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), args.baseline],
+                           check=True, capture_output=True)
+            label = f"rlorch {args.baseline}"
+            contenders = {label: lambda seed: run_rlorch(tree, root, seed, args.max_steps), **contenders}
+        if args.trl_python:
+            contenders["TRL GRPO"] = lambda seed: run_trl(args.trl_python, seed, args.max_steps)
+        rows: dict[str, list[dict]] = {name: [] for name in contenders}
+        names = list(contenders)
+        try:
+            for seed in range(args.seeds):
+                order = names[seed % len(names):] + names[:seed % len(names)]
+                for name in order:
+                    row = summarise(contenders[name](seed))
+                    rows[name].append(row)
+                    print(f"seed {seed} {name:<24} to 80% {_fmt(row['s_80%'])} s (step {row['step_80%']}), "
+                          f"to 100% {_fmt(row['s_100%'])} s (step {row['step_100%']}), wall {row['wall_s']:.1f} s"
+                          + (f", of which eval {row['eval_s']:.1f} s" if row["eval_s"] is not None else ""),
+                          flush=True)
+        finally:
+            if args.baseline:
+                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(root / "baseline")],
+                               capture_output=True)
+    print(f"\nmachine: {platform.machine()} {os.cpu_count()} CPUs, python {platform.python_version()}, "
+          f"load average {os.getloadavg()[0]:.2f}; evaluation time counted on both sides")
+    print(f"{'system':<26}{'seeds':>6}{'median s to 80%':>17}{'median s to 100%':>18}{'median steps to 80%':>21}")
+    medians = {}
+    for name, runs in rows.items():
+        medians[name] = _median([r["s_80%"] for r in runs])
+        print(f"{name:<26}{len(runs):>6}{_fmt(medians[name], 17)}{_fmt(_median([r['s_100%'] for r in runs]), 18)}"
+              f"{_fmt(_median([r['step_80%'] for r in runs]), 21, 0)}")
+    if "TRL GRPO" in medians and medians["TRL GRPO"]:
+        for name in names[:-1]:
+            if medians[name] is not None:
+                print(f"{name} / TRL, median seconds to 80%: {medians[name] / medians['TRL GRPO']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
