@@ -75,7 +75,9 @@ def run_rlorch(source: Path, root: Path, seed: int, max_steps: int) -> dict:
         if first_at(evals, 1.0) is not None:
             process.send_signal(signal.SIGINT)
             process.wait(120)
-    return {"evals": evals, "wall_s": time.time() - started, "eval_s": None}
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    return {"evals": evals, "wall_s": time.time() - started, "eval_s": None,
+            "ended": f"{summary.get('status', 'no summary')} (exit {process.returncode}, {summary.get('steps')} steps)"}
 
 
 def run_trl(python: str, seed: int, max_steps: int) -> dict:
@@ -149,7 +151,8 @@ def trl_worker(seed: int, max_steps: int) -> None:
 
 
 def summarise(run: dict) -> dict:
-    row = {"wall_s": run["wall_s"], "eval_s": run.get("eval_s")}
+    row = {"wall_s": run["wall_s"], "eval_s": run.get("eval_s"), "ended": run.get("ended"),
+           "last_evals": [(e["step"], e["accuracy"]) for e in run["evals"][-3:]]}
     for target in TARGETS:
         hit = first_at(run["evals"], target)
         row[f"s_{target:.0%}"] = hit["at_s"] if hit else None
@@ -158,8 +161,10 @@ def summarise(run: dict) -> dict:
 
 
 def _median(values: list) -> Optional[float]:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if len(present) == len(values) and present else None
+    """The median, a run that never got there counting as slower than any that did (None when
+    that is the median)."""
+    middle = statistics.median([float("inf") if v is None else v for v in values]) if values else None
+    return None if middle is None or middle == float("inf") else middle
 
 
 def _fmt(value, width: int = 7, digits: int = 1) -> str:
@@ -199,7 +204,8 @@ def main() -> None:
                     rows[name].append(row)
                     print(f"seed {seed} {name:<24} to 80% {_fmt(row['s_80%'])} s (step {row['step_80%']}), "
                           f"to 100% {_fmt(row['s_100%'])} s (step {row['step_100%']}), wall {row['wall_s']:.1f} s"
-                          + (f", of which eval {row['eval_s']:.1f} s" if row["eval_s"] is not None else ""),
+                          + (f", of which eval {row['eval_s']:.1f} s" if row["eval_s"] is not None else "")
+                          + ("" if row["s_100%"] is not None else f"; ended {row['ended']}, last evals {row['last_evals']}"),
                           flush=True)
         finally:
             if args.baseline:

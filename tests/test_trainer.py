@@ -543,3 +543,45 @@ def test_bf16_publishes_bf16_weights(tmp_path):
     assert {tensor.dtype for tensor in weights.values()} == {torch.bfloat16}
     assert json.loads((tmp_path / "weights" / "step_000001" / "config.json").read_text())["dtype"] == "bfloat16"
     assert record["skipped_updates"] == 0 and record["grad_norm"] > 0
+
+
+def test_a_single_rank_checkpoint_written_beside_training_holds_the_state_of_its_step(tmp_path):
+    """The write of a single rank's checkpoint runs while the next step trains: what it writes
+    is the state when it was begun (the optimizer step in between changes nothing in it), and
+    until it ends the checkpoint is not complete, so nothing resumes from it."""
+    import torch
+
+    from rlorch.rundir.layout import mark
+    from rlorch.trainer import checkpoint
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def train_a_step():
+        model(torch.randn(2, 4)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    train_a_step()
+    run = RunDir(tmp_path / "run").make()
+    run.weights_for(1).mkdir(parents=True)
+    (run.weights_for(1) / "model.safetensors").write_bytes(b"weights")
+    mark(run.weights_for(1), PUBLISHED)
+    at_step_1 = {name: p.detach().clone() for name, p in model.named_parameters()}
+    moments = optimizer.state[model.weight]["exp_avg"].clone()
+    write = checkpoint.begin_single_rank_save(run, 1, model, optimizer, optimizer_steps=1)
+    assert not checkpoint.is_complete(run.checkpoint(1))
+    train_a_step()   # the next step, before the write
+    assert checkpoint.is_complete(write())
+    assert (run.checkpoint(1) / "weights" / "model.safetensors").read_bytes() == b"weights"
+
+    fresh = torch.nn.Linear(4, 3)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    fresh(torch.randn(2, 4)).sum().backward()
+    fresh_optimizer.step()   # the optimizer's state exists to load into
+    assert checkpoint.load(run.checkpoint(1), fresh, fresh_optimizer) == (1, 1)
+    for name, parameter in fresh.named_parameters():
+        assert torch.equal(parameter, at_step_1[name]), name
+    assert torch.equal(fresh_optimizer.state[fresh.weight]["exp_avg"], moments)
+    assert not torch.equal(model.weight, at_step_1["weight"])

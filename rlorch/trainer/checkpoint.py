@@ -82,34 +82,84 @@ def save(run: RunDir, step: int, model: torch.nn.Module, optimizer: torch.optim.
     the published files. ``optimizer_steps`` (the learning-rate schedule's position) goes into
     the state file. ``trainable_only`` leaves frozen parameters (LoRA's base) out."""
     checkpoint = run.checkpoint(step)
-    parts = CheckpointDir(checkpoint)
-    trainer_dir = parts.trainer
+    trainer_dir = CheckpointDir(checkpoint).trainer
     if rank == 0:
-        (trainer_dir / COMPLETE).unlink(missing_ok=True)
-        shutil.rmtree(trainer_dir, ignore_errors=True)
-        shutil.rmtree(parts.weights, ignore_errors=True)
-        trainer_dir.mkdir(parents=True, exist_ok=True)
+        _clear(checkpoint)
     dist.barrier()
     model_state, optim_state = _state(model, optimizer, trainable_only)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(trainer_dir / "dcp"))
     published = run.weights_for(step)
     if (published / PUBLISHED).exists():
         if rank == 0:
-            link_or_copy_tree(published, parts.weights)
+            link_or_copy_tree(published, CheckpointDir(checkpoint).weights)
     else:
-        write_weights(parts.weights)
+        write_weights(CheckpointDir(checkpoint).weights)
     if rank == 0:
         write_json_atomic(trainer_dir / STATE_FILE, {"step": step, "rng": rng_state(),
                                                      "world_size": dist.get_world_size(),
                                                      "optimizer_steps": optimizer_steps})
     dist.barrier()
     if rank == 0:
-        from rlorch.trainer.publish import fsync_tree
-
-        fsync_tree(checkpoint)
-        mark(trainer_dir, COMPLETE)
+        _complete(checkpoint)
     dist.barrier()
     return checkpoint
+
+
+def _clear(checkpoint: Path) -> None:
+    """Rank 0: an empty ``step_N`` to write into (COMPLETE goes first)."""
+    parts = CheckpointDir(checkpoint)
+    (parts.trainer / COMPLETE).unlink(missing_ok=True)
+    shutil.rmtree(parts.trainer, ignore_errors=True)
+    shutil.rmtree(parts.weights, ignore_errors=True)
+    parts.trainer.mkdir(parents=True, exist_ok=True)
+
+
+def _complete(checkpoint: Path) -> None:
+    """Rank 0, once every file is written: everything on disk, then COMPLETE."""
+    from rlorch.trainer.publish import fsync_tree
+
+    fsync_tree(checkpoint)
+    mark(CheckpointDir(checkpoint).trainer, COMPLETE)
+
+
+def begin_single_rank_save(run: RunDir, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                           optimizer_steps: int = 0, trainable_only: bool = False) -> Callable[[], Path]:
+    """A single rank's checkpoint of step ``step`` in two halves: this call (on the training
+    thread, milliseconds) clears ``step_N``, links the published weights of version ``step``
+    (they must be published by now) and copies the model's, optimizer's and RNG's state; the
+    returned function (on any thread, while training goes on) writes that copy with DCP, the
+    state file and, last, COMPLETE. Same layout and invariant as :func:`save`; no collective
+    runs, so the write may overlap the next steps."""
+    checkpoint = run.checkpoint(step)
+    published = run.weights_for(step)
+    if not (published / PUBLISHED).exists():
+        raise CheckpointError(f"{published}: version {step} is not published, so it cannot be linked "
+                              f"into {checkpoint}")
+    _clear(checkpoint)
+    link_or_copy_tree(published, CheckpointDir(checkpoint).weights)
+    model_state, optim_state = _state(model, optimizer, trainable_only)
+    state = _cloned({"model": model_state, "optim": optim_state})
+    trainer_state = {"step": step, "rng": rng_state(), "world_size": 1, "optimizer_steps": optimizer_steps}
+
+    def write() -> Path:
+        trainer_dir = CheckpointDir(checkpoint).trainer
+        dcp.save(state, checkpoint_id=str(trainer_dir / "dcp"), no_dist=True)
+        write_json_atomic(trainer_dir / STATE_FILE, trainer_state)
+        _complete(checkpoint)
+        return checkpoint
+
+    return write
+
+
+def _cloned(value: Any) -> Any:
+    """``value`` with every tensor copied: the live ones change with the next optimizer step."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {key: _cloned(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cloned(item) for item in value)
+    return value
 
 
 def _options(trainable_only: bool) -> StateDictOptions:

@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlorch.lifecycle import orchestrator_pid, watch_parents
 from rlorch.model import resolve_model_path
-from rlorch.rundir.layout import RunDir, load_config, write_json_atomic
+from rlorch.rundir.layout import PUBLISHED, RunDir, load_config, write_json_atomic
 from rlorch.trainer import checkpoint, lora
 from rlorch.trainer.broadcast import Broadcaster, plan
 from rlorch.trainer.batch import BatchError, micro_batches, minibatch_slices, read_batch
@@ -81,6 +81,10 @@ class Worker:
     """Rank 0: the hand-off of the last version (broadcast or disk), running beside the next step."""
     hand_off_thread: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlorch-publish"))
+    checkpointing: Optional[Future] = None
+    """A single rank's checkpoint being written beside the next steps (:func:`save_checkpoint`)."""
+    checkpoint_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlorch-checkpoint"))
     nonfinite: int = 0
     """Consecutive steps that skipped every update for a non-finite gradient."""
     optimizer_steps: int = 0
@@ -528,14 +532,38 @@ def wait_handed_off(worker: Worker) -> None:
         pending.result()
 
 
-def save_checkpoint(worker: Worker, step: int) -> None:
+def save_checkpoint(worker: Worker, step: int, *, wait: bool = False) -> None:
+    """Checkpoint step ``step`` (once per life), one checkpoint at a time and in order.
+
+    On a single CPU rank whose version ``step`` is on disk, only a copy of the state is taken
+    here; the checkpoint thread writes it while the next steps train (its COMPLETE marker comes
+    last, so nothing reads it before). ``wait`` (STOP, the last step) returns once it is
+    complete. Otherwise every rank saves collectively, on this thread: on a GPU the copy would
+    double the model's and optimizer's memory on the device."""
     wait_handed_off(worker)
+    wait_checkpointed(worker)
     if step in worker.saved:
         return
     worker.saved.add(step)
+    trainable_only = bool(worker.config.model.lora.rank)
+    if (worker.world == 1 and str(worker.device).startswith("cpu")
+            and (worker.run.weights_for(step) / PUBLISHED).exists()):
+        write = checkpoint.begin_single_rank_save(worker.run, step, worker.model, worker.optimizer,
+                                                  optimizer_steps=worker.optimizer_steps, trainable_only=trainable_only)
+        worker.checkpointing = worker.checkpoint_thread.submit(write)
+        if wait:
+            wait_checkpointed(worker)
+        return
     checkpoint.save(worker.run, step, worker.model, worker.optimizer, rank=worker.rank,
                     write_weights=lambda target: write_weights(worker, target),
-                    optimizer_steps=worker.optimizer_steps, trainable_only=bool(worker.config.model.lora.rank))
+                    optimizer_steps=worker.optimizer_steps, trainable_only=trainable_only)
+
+
+def wait_checkpointed(worker: Worker) -> None:
+    """The checkpoint being written beside training is complete (its error, if any, raised)."""
+    if worker.checkpointing is not None:
+        pending, worker.checkpointing = worker.checkpointing, None
+        pending.result()
 
 
 def _append_metrics(run, record: dict) -> None:
@@ -551,7 +579,7 @@ def run_loop(worker: Worker) -> None:
         if not wait_for_batch(run, step, worker.device, asked=lambda: publish_asked(worker),
                               answer=lambda: publish_on_request(worker)):
             if worker.step > 0:  # step 0 is the base model: nothing to save
-                save_checkpoint(worker, worker.step)
+                save_checkpoint(worker, worker.step, wait=True)
             _log(worker, f"STOP after step {worker.step}")
             return
         record = train_step(worker, step)
@@ -567,7 +595,7 @@ def run_loop(worker: Worker) -> None:
             record["publish_s"] = time.perf_counter() - started
         _log(worker, " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
         if step % config.trainer.checkpoint_every == 0 or step == last:
-            save_checkpoint(worker, step)
+            save_checkpoint(worker, step, wait=step == last)
 
 
 def _check_finite(worker: Worker, step: int, record: dict) -> None:
