@@ -205,7 +205,8 @@ def main() -> None:
                     print(f"seed {seed} {name:<24} to 80% {_fmt(row['s_80%'])} s (step {row['step_80%']}), "
                           f"to 100% {_fmt(row['s_100%'])} s (step {row['step_100%']}), wall {row['wall_s']:.1f} s"
                           + (f", of which eval {row['eval_s']:.1f} s" if row["eval_s"] is not None else "")
-                          + ("" if row["s_100%"] is not None else f"; ended {row['ended']}, last evals {row['last_evals']}"),
+                          + ("" if row["s_100%"] is not None
+                             else f"; ended {row['ended']}, last evals {row['last_evals']}"),
                           flush=True)
         finally:
             if args.baseline:

@@ -230,8 +230,8 @@ class EnginePool:
         return min(order, key=lambda e: self._in_flight[e.name])
 
     async def _wait_live(self, deadline: float) -> list[Server]:
-        """The live servers, once there is one; raises at once when every server is dead and none will be restarted, or at
-        ``deadline`` (naming every server and why it is out)."""
+        """The live servers, once there is one; raises at once when every server is dead and none
+        will be restarted, or at ``deadline`` (naming every server and why it is out)."""
         while True:
             live = self._live()
             if live:
@@ -491,7 +491,8 @@ class EnginePool:
         The version goes live on the servers that loaded it; one that did not answer in time is
         suspect and catches up before it rejoins. When none is left live, this waits (without the
         reload lock, so a server can rejoin) for one to come back and loads again, at most
-        ``request_timeout``; it raises at once when every server is dead and none will be restarted."""
+        ``request_timeout``; it raises at once when every server is dead and none will be
+        restarted."""
         deadline = time.monotonic() + self.request_timeout
         while True:
             await self._wait_live(deadline)
