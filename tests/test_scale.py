@@ -83,6 +83,22 @@ def test_a_fleet_grows_from_one_to_three_and_shrinks_back_with_nothing_lost(tmp_
     assert fleet == [0, 1, 2] and shrunk_fleet == [0], (fleet, shrunk_fleet)
 
 
+def _distributed_run(run_dir: Path, *, servers: int, extra: tuple[str, ...] = ()) -> faults.Run:
+    """A CPU run with weights over a process group and no end of its own (SIGTERM ends it)."""
+    return faults.Run("train", "inference=cpu", "trainer=fsdp", "inference.weight_transfer=distributed",
+                      f"inference.num_servers={servers}", "train.steps=5000", "rollout.batch_size=32",
+                      "rollout.group_size=4", "rollout.max_concurrent=32", "eval.enabled=false", *extra,
+                      f"run.dir={run_dir}", "run.progress=false", "run.report=false")
+
+
+def _terminated(run: faults.Run, run_dir: Path) -> dict:
+    """SIGTERM the run; its summary once it has exited as a stopped run does (143)."""
+    run.process.send_signal(signal.SIGTERM)
+    code = run.wait(300)
+    assert code == 143, run.output[-3000:]
+    return faults.summary(run_dir)
+
+
 def _received(log: Path) -> list[tuple[str, int]]:
     """(group, version) of every version a server's log says it received over a weight group."""
     import re
@@ -99,10 +115,7 @@ def test_under_distributed_transfer_the_weight_group_follows_the_fleet_from_2_to
     the later versions over a group rebuilt for them (a new name); shrunk back to 2, the two
     left receive over another. Nothing is lost, and after each rebuild no version goes by disk."""
     run_dir = tmp_path / "run"
-    run = faults.Run("train", "inference=cpu", "trainer=fsdp", "inference.weight_transfer=distributed",
-                     "inference.num_servers=2", "train.steps=5000", "rollout.batch_size=32", "rollout.group_size=4",
-                     "rollout.max_concurrent=32", "eval.enabled=false", f"run.dir={run_dir}", "run.progress=false",
-                     "run.report=false")
+    run = _distributed_run(run_dir, servers=2)
     logs = run_dir / "logs"
 
     def generation(server: int) -> int:
@@ -121,12 +134,9 @@ def test_under_distributed_transfer_the_weight_group_follows_the_fleet_from_2_to
                         "two servers receiving over a group rebuilt for them")
         settled = faults.trainer_steps(run_dir)
         faults.wait_for(lambda: faults.trainer_steps(run_dir) >= settled + 3, 300, "three more steps")
-        run.process.send_signal(signal.SIGTERM)
-        code = run.wait(300)
+        summary = _terminated(run, run_dir)
     finally:
         run.kill_all()
-    assert code == 143, run.output[-3000:]
-    summary = faults.summary(run_dir)
     assert summary["lost"] == 0 and summary["transfer_fallbacks"] == 0, summary
     newest = [max(v for _, v in _received(logs / f"server-{i}.log")) for i in range(2)]
     assert min(newest) >= settled, (newest, settled)
@@ -150,10 +160,7 @@ def test_a_sole_server_restarted_under_distributed_transfer_catches_up_from_disk
     weights to disk when the pool asks, the server loads them, later versions reach it over a
     rebuilt group, and training goes on with nothing lost."""
     run_dir = tmp_path / "run"
-    run = faults.Run("train", "inference=cpu", "trainer=fsdp", "inference.weight_transfer=distributed",
-                     "inference.num_servers=1", "train.steps=5000", "rollout.batch_size=32", "rollout.group_size=4",
-                     "rollout.max_concurrent=32", "eval.enabled=false", "trainer.checkpoint_every=1000",
-                     f"run.dir={run_dir}", "run.progress=false", "run.report=false")
+    run = _distributed_run(run_dir, servers=1, extra=("trainer.checkpoint_every=1000",))
     log = run_dir / "logs" / "server-0.log"
     try:
         faults.wait_for(lambda: max((v for _, v in _received(log)), default=0) >= 3, 300,
@@ -166,11 +173,8 @@ def test_a_sole_server_restarted_under_distributed_transfer_catches_up_from_disk
         caught_up = faults.trainer_steps(run_dir)
         faults.wait_for(lambda: max(v for _, v in _received(log)) >= caught_up + 2, 180,
                         "two more versions over the rebuilt group")
-        run.process.send_signal(signal.SIGTERM)
-        code = run.wait(300)
+        summary = _terminated(run, run_dir)
     finally:
         run.kill_all()
-    assert code == 143, run.output[-3000:]
-    summary = faults.summary(run_dir)
     assert summary["lost"] == 0 and summary["server_restarts"] >= 1, summary
     assert json.loads((run_dir / "servers.json").read_text())[0]["pid"] != killed
