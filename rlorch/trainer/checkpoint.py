@@ -95,14 +95,18 @@ def save(run: RunDir, step: int, model: torch.nn.Module, optimizer: torch.optim.
     else:
         write_weights(CheckpointDir(checkpoint).weights)
     if rank == 0:
-        write_json_atomic(trainer_dir / STATE_FILE, {"step": step, "rng": rng_state(),
-                                                     "world_size": dist.get_world_size(),
-                                                     "optimizer_steps": optimizer_steps})
+        write_json_atomic(trainer_dir / STATE_FILE, _trainer_state(step, dist.get_world_size(), optimizer_steps))
     dist.barrier()
     if rank == 0:
         _complete(checkpoint)
     dist.barrier()
     return checkpoint
+
+
+def _trainer_state(step: int, world_size: int, optimizer_steps: int) -> dict:
+    """``trainer_state.json``: the step, the RNG's state now, the ranks it was saved from and the
+    optimizer steps taken."""
+    return {"step": step, "rng": rng_state(), "world_size": world_size, "optimizer_steps": optimizer_steps}
 
 
 def _clear(checkpoint: Path) -> None:
@@ -139,7 +143,7 @@ def begin_single_rank_save(run: RunDir, step: int, model: torch.nn.Module, optim
     link_or_copy_tree(published, CheckpointDir(checkpoint).weights)
     model_state, optim_state = _state(model, optimizer, trainable_only)
     state = _cloned({"model": model_state, "optim": optim_state})
-    trainer_state = {"step": step, "rng": rng_state(), "world_size": 1, "optimizer_steps": optimizer_steps}
+    trainer_state = _trainer_state(step, 1, optimizer_steps)
 
     def write() -> Path:
         trainer_dir = CheckpointDir(checkpoint).trainer

@@ -496,8 +496,13 @@ def publish_version(worker: Worker, step: int, *, last: bool = False) -> None:
 def _hand_off(worker: Worker, step: int, state: dict, last: bool) -> None:
     sent = worker.broadcaster is not None and worker.broadcaster.send(step, state)
     if not sent or last:
-        publish(worker.run, step, worker.writer, state)
-        prune(worker.run, worker.config.trainer.keep_weight_versions)
+        _to_disk(worker, step, state)
+
+
+def _to_disk(worker: Worker, step: int, state: dict) -> None:
+    """Rank 0: version ``step`` published to ``weights/``, the oldest beyond the kept ones pruned."""
+    publish(worker.run, step, worker.writer, state)
+    prune(worker.run, worker.config.trainer.keep_weight_versions)
 
 
 def publish_asked(worker: Worker) -> bool:
@@ -518,8 +523,7 @@ def publish_on_request(worker: Worker) -> None:
         wait_handed_off(worker)
         newest = max((version for version, _ in worker.run.published_weights()), default=-1)
         if worker.step > 0 and newest < worker.step:
-            publish(worker.run, worker.step, worker.writer, state)
-            prune(worker.run, worker.config.trainer.keep_weight_versions)
+            _to_disk(worker, worker.step, state)
             _log(worker, f"version {worker.step} published to disk on the orchestrator's request")
         worker.run.publish_request.unlink(missing_ok=True)
     if worker.world > 1:
