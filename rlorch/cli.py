@@ -3,15 +3,20 @@ so ``rlorch --help`` answers fast."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import os
 import signal
 import sys
 from typing import List, Optional
 
 
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
+
+
 def _interrupted_at_start(signum, frame) -> None:
     sys.stderr.write("interrupted while rlorch was starting: nothing was done\n")
-    raise SystemExit(130)
+    raise SystemExit(EXIT_INTERRUPTED)
 
 
 # Ctrl-C during the CLI's own imports says so (Python would exit without a word); the commands
@@ -60,7 +65,7 @@ def _interruptible():
         if not interrupted_within(err):
             raise
         typer.echo("interrupted before the run started: no run directory was made", err=True)
-        raise typer.Exit(130)
+        raise typer.Exit(EXIT_INTERRUPTED)
 
 
 def interrupted_within(err: BaseException) -> bool:
@@ -288,7 +293,29 @@ def fleet(
 
 
 def main() -> None:
-    app()
+    # Registered before anything a command registers, so it runs after all of their exit handlers.
+    atexit.register(_exit_with_the_status_chosen)
+    try:
+        app()
+    except SystemExit as done:
+        if isinstance(done.code, int) and (done.code == EXIT_INTERRUPTED or interrupted_within(done)):
+            _status_after_an_interrupt.append(done.code)
+        raise
+
+
+_status_after_an_interrupt: list[int] = []
+
+
+def _exit_with_the_status_chosen() -> None:
+    """Keep the status a command chose after a Ctrl-C (130, or any it chose handling one). CPython marks a
+    KeyboardInterrupt that passed through ``exec`` of source text as unhandled for the whole
+    process, even once caught, and then ends the process by SIGINT instead (status -2 to a
+    parent). Dataclasses build their methods that way at import, so a Ctrl-C early in start-up
+    often lands there. The last exit handler, this leaves by ``os._exit`` with the chosen status."""
+    if _status_after_an_interrupt:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_status_after_an_interrupt[0])
 
 
 if __name__ == "__main__":

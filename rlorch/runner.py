@@ -17,7 +17,7 @@ from rich.console import Console
 
 from rlorch.config.schema import Config, ConfigError
 from rlorch.launch.placement import resolve_layout
-from rlorch.launch.runlock import RunLock, set_aside_failed_start
+from rlorch.launch.runlock import LOCK_NAME, RunLock, set_aside_failed_start
 from rlorch.launch.signals import SignalRelay, startup_summary
 from rlorch.launch.startup import StartupClock
 from rlorch.reporting.progress import Phases, print_report, progress_logger
@@ -34,10 +34,10 @@ def new_run_dir(config: Config) -> RunDir:
         holder = RunLock(root).holder() if root.is_dir() else None
         if holder is not None:
             raise ConfigError("run.dir", f"{root} is in use by process {holder}; one process per run directory")
-        if root.exists() and any(root.iterdir()) and not RunDir(root).is_run:
+        if root.exists() and not _holds_nothing(RunDir(root)) and not RunDir(root).is_run:
             raise ConfigError("run.dir", f"{root} is not empty and is not an rlorch run (no config.yaml); "
                                          "pick an empty or a new run.dir")
-        if root.exists() and any(root.iterdir()) and not set_aside_failed_start(root):
+        if root.exists() and not _holds_nothing(RunDir(root)) and not set_aside_failed_start(root):
             raise ConfigError("run.dir", f"{root} already holds a run; continue it with "
                                          f"`rlorch resume checkpoint={root}` or pick another run.dir")
     else:
@@ -49,34 +49,64 @@ def new_run_dir(config: Config) -> RunDir:
     return RunDir(root).make()
 
 
+def _holds_nothing(run_dir: RunDir) -> bool:
+    """Nothing in it but what a start stopped before config.yaml leaves (Ctrl-C or a kill in
+    that moment): the empty subdirectories of :meth:`RunDir.make` and an unheld lock file."""
+    skeleton = set(run_dir.skeleton)
+    for entry in run_dir.root.iterdir():
+        if entry.name == LOCK_NAME and entry.is_file():
+            continue
+        if entry not in skeleton or not entry.is_dir() or any(entry.iterdir()):
+            return False
+    return True
+
+
 def run_training(config: Config, overrides: list[str]) -> int:
     from rlorch.config.preflight import preflight
 
+    run_dir: Optional[RunDir] = None
     try:
-        preflight(config)
-        config = resolve_layout(config)
-        run_dir = new_run_dir(config)
-        lock = RunLock(run_dir.root).acquire()
-    except ConfigError as err:
-        console.print(f"[bold red]invalid config[/] {err}", highlight=False)
-        return 2
-    except OSError as err:
-        console.print(f"[bold red]invalid config[/] run.dir: cannot create {config.run.dir or 'outputs/'}: "
-                      f"{err.strerror or err}", highlight=False)
-        return 2
-    with lock:
-        config.run.dir = str(run_dir.root)
-        save_config(config, run_dir.config)
-        _warm_up(config)
-        console.print(f"run directory: [bold]{run_dir.root}[/]", highlight=False)
-        from rlorch.config.preflight import run_warnings
+        try:
+            preflight(config)
+            config = resolve_layout(config)
+            run_dir = new_run_dir(config)
+            lock = RunLock(run_dir.root).acquire()
+        except ConfigError as err:
+            console.print(f"[bold red]invalid config[/] {err}", highlight=False)
+            return 2
+        except OSError as err:
+            console.print(f"[bold red]invalid config[/] run.dir: cannot create {config.run.dir or 'outputs/'}: "
+                          f"{err.strerror or err}", highlight=False)
+            return 2
+        with lock:
+            config.run.dir = str(run_dir.root)
+            save_config(config, run_dir.config)
+            _warm_up(config)
+            console.print(f"run directory: [bold]{run_dir.root}[/]", highlight=False)
+            from rlorch.config.preflight import run_warnings
 
-        for warning in run_warnings(config):
-            console.print(f"[yellow]warning[/] {warning}", highlight=False)
-        return asyncio.run(_run(config, run_dir, checkpoint=None))
+            for warning in run_warnings(config):
+                console.print(f"[yellow]warning[/] {warning}", highlight=False)
+            return asyncio.run(_run(config, run_dir, checkpoint=None))
+    except KeyboardInterrupt:
+        # Only before _run's signal handlers are in: from there a Ctrl-C stops the run in order.
+        where = (f"{run_dir.root} holds no step, and a new start can use the same run.dir"
+                 if run_dir is not None else "no run directory was made")
+        console.print(f"interrupted before the run started: {where}", highlight=False)
+        return EXIT_INTERRUPTED["SIGINT"]
 
 
 def resume_training(checkpoint: str, overrides: list[str]) -> int:
+    try:
+        return _resume(checkpoint, overrides)
+    except KeyboardInterrupt:
+        # Only before _run's signal handlers are in: from there a Ctrl-C stops the run in order.
+        console.print(f"interrupted before the resume started: nothing was trained; `rlorch resume {checkpoint}` "
+                      "starts it again", highlight=False)
+        return EXIT_INTERRUPTED["SIGINT"]
+
+
+def _resume(checkpoint: str, overrides: list[str]) -> int:
     from rlorch.rundir import resume
     from rlorch.config.keys import check_overrides
     from rlorch.rundir.targets import continues_converged, finished_run, locate_checkpoint, run_root

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -328,18 +329,109 @@ def test_the_failure_window_is_one_pass_over_the_data_between_the_setting_and_it
     assert failure_window(3, 10**6, 16) == 3 * FAILURE_WINDOW_CAP
 
 
-def test_ctrl_c_in_the_first_second_says_so(tmp_path):
-    """Before the run's own handlers are in (imports, composing the config) a Ctrl-C still ends
-    the command with a word, status 130."""
-    for delay in (0.8, 1.5):
-        process = subprocess.Popen([sys.executable, "-m", "rlorch.cli", "train", "conf=sim",
-                                    f"run.dir={tmp_path / str(delay)}"], stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        time.sleep(delay)
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("moment", ["fork_server_started", "run_dir_made"])
+def test_ctrl_c_before_the_run_started_says_so_and_leaves_nothing_running(tmp_path, moment):
+    """The default ``rlorch train`` starts its fork server first, then composes the config, makes
+    the run directory and only then installs the run's own handlers. A Ctrl-C at either moment
+    (seen from outside, not guessed by a sleep) ends the command with a word and status 130, and
+    the fork server goes with it."""
+    run_dir = tmp_path / "run"
+    own_fork_server = {**os.environ, "RLORCH_FORKSERVER": "1"}  # not the tests' shared one: its own child
+    process = subprocess.Popen([sys.executable, "-m", "rlorch.cli", "train", f"run.dir={run_dir}",
+                                "run.progress=false"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               stdin=subprocess.DEVNULL, text=True, env=own_fork_server,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        fork_server = wait_until(lambda: _children(process.pid), 60, "the fork server", interval=0.01)
+        if moment == "run_dir_made":
+            wait_until(run_dir.exists, 60, "the run directory", interval=0.01)
         process.send_signal(signal.SIGINT)
-        out, err = process.communicate(timeout=30)
-        assert process.returncode == 130 and "interrupted" in err, (delay, err, out)
+        out, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130 and "interrupted" in err, (moment, process.returncode, err, out)
+    wait_until(lambda: all(_gone(pid) for pid in fork_server), 10, "the fork server to exit")
+
+
+@pytest.mark.parametrize("command", ["caught_by_the_command", "caught_and_ended_with_130"])
+def test_a_ctrl_c_that_passed_through_exec_still_ends_the_command_with_its_status(command, tmp_path):
+    """CPython marks a KeyboardInterrupt that passed through exec() of source text (dataclasses
+    build their methods that way at import) as unhandled for the whole process, and ends it by
+    SIGINT (-2) even after the command caught it: the command's own status must still come out.
+    Run as a module (``python -m``, as the tests run rlorch) since that is where CPython checks."""
+    (tmp_path / "interrupted_in_exec.py").write_text(f"""
+import sys
+import typer
+from rlorch import cli
+
+@cli.app.command()
+def caught_by_the_command():
+    with cli._interruptible():
+        exec("raise KeyboardInterrupt")
+
+@cli.app.command()
+def caught_and_ended_with_130():
+    try:
+        exec("raise KeyboardInterrupt")
+    except KeyboardInterrupt:
+        print("handled", file=sys.stderr)
+    raise typer.Exit(130)
+
+sys.argv = ["rlorch", "{command.replace('_', '-')}"]
+cli.main()
+""")
+    source_root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source_root, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "interrupted_in_exec"], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path, env=env)
+    assert done.returncode == 130, (done.returncode, done.stderr)
+    assert ("interrupted before the run started" if command == "caught_by_the_command" else "handled") in done.stderr
+
+
+def test_a_ctrl_c_after_the_run_dir_is_made_says_so_and_the_same_run_dir_starts_again(tmp_path, monkeypatch, capsys):
+    """Between making the run directory and the run's own signal handlers a Ctrl-C ends the
+    command with a word and 130, and leaves nothing that blocks a retry in the same run.dir."""
+    import rlorch.runner
+
+    def interrupted(config):
+        raise KeyboardInterrupt
+
+    run_dir = tmp_path / "run"
+    monkeypatch.setattr(rlorch.runner, "_warm_up", interrupted)
+    assert run_training(compose(["conf=sim", f"run.dir={run_dir}", "train.steps=2"]), []) == 130
+    assert f"interrupted before the run started: {run_dir} holds no step" in " ".join(capsys.readouterr().err.split())
+    monkeypatch.undo()
+    code, summary, _ = helpers.train(run_dir, "train.steps=2")
+    assert code == 0 and summary["status"] == "completed"
+
+
+def test_a_run_dir_left_with_only_the_empty_layout_is_taken_as_empty_and_one_with_a_file_is_refused(tmp_path):
+    """A start stopped (killed) after making the layout but before config.yaml leaves only empty
+    subdirectories and maybe its lock file: that is nothing to keep. A file anywhere is something."""
+    from rlorch.rundir.layout import RunDir
+
+    bare = RunDir(tmp_path / "bare").make()
+    (bare.root / "LOCK").write_text("999999999\n")
+    code, summary, _ = helpers.train(bare.root, "train.steps=2")
+    assert code == 0 and summary["status"] == "completed"
+    kept = RunDir(tmp_path / "kept").make()
+    (kept.logs / "notes.txt").write_text("mine")
+    assert run_training(compose(["conf=sim", f"run.dir={kept.root}"]), []) == 2
+    assert (kept.logs / "notes.txt").read_text() == "mine" and not kept.config.exists()
 
 
 def test_a_ctrl_c_that_omegaconf_rewrapped_still_ends_with_the_interrupted_word(capsys):

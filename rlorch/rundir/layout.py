@@ -178,9 +178,15 @@ class RunDir:
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints / step_name(step)
 
+    @property
+    def skeleton(self) -> tuple[Path, ...]:
+        """The subdirectories :meth:`make` creates, before anything is written into them."""
+        return (self.rollouts, self.weights, self.checkpoints, self.trainer, self.logs)
+
     def make(self) -> "RunDir":
-        for path in (self.root, self.rollouts, self.weights, self.checkpoints, self.trainer, self.logs):
-            path.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True)
+        for path in self.skeleton:
+            path.mkdir(exist_ok=True)
         return self
 
     def published_weights(self) -> Iterator[tuple[int, Path]]:
