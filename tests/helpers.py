@@ -52,3 +52,18 @@ def train(run_dir: Path, *overrides: str, progress: bool = False) -> tuple[int, 
     config = compose(["conf=sim", f"run.dir={run_dir}", f"run.progress={str(progress).lower()}", *overrides])
     code = run_training(config, [])
     return code, *read_run(run_dir)
+
+
+def start_local_ray(**options) -> None:
+    """``ray.init(address="local", ...)``, once more if Ray's own start-up timed out: Ray gives its
+    raylet a fixed 30 s to register (ray/_private/node.py, not configurable), which a loaded
+    2-core machine can miss while nothing of rlorch has run yet."""
+    import ray
+
+    try:
+        ray.init(address="local", **options)
+    except Exception as err:
+        if "timed out during startup" not in str(err):
+            raise
+        ray.shutdown()
+        ray.init(address="local", **options)

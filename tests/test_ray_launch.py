@@ -14,6 +14,7 @@ import pytest
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
+from helpers import start_local_ray  # noqa: E402
 from rlorch.config.compose import compose  # noqa: E402
 from rlorch.launch.base import LaunchError  # noqa: E402
 from rlorch.launch import ray as ray_launch  # noqa: E402
@@ -28,7 +29,7 @@ def stand_in(config, *, model_path, api_key, host, port):
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(address="local", num_cpus=2, num_gpus=8, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=2, num_gpus=8, include_dashboard=False, log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     yield
     ray.shutdown()
