@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -111,6 +112,37 @@ def test_launch_with_a_bad_model_path_fails_with_the_log_tail(tmp_path):
     with pytest.raises(LaunchError, match="not an HF model directory") as info:
         asyncio.run(scenario())
     assert "server-0.log" in str(info.value)
+
+
+def test_a_server_whose_port_was_taken_before_it_bound_starts_again_on_another(model_dir, tmp_path, monkeypatch):
+    """free_port lets its socket go and the server binds seconds later, after loading the model:
+    another process may take the port in between. That server starts again on a new port rather
+    than failing the run."""
+    import rlorch.launch.local
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    first_choice = iter([port])
+    choose = rlorch.launch.local.free_port
+    monkeypatch.setattr(rlorch.launch.local, "free_port", lambda host="127.0.0.1": next(first_choice, None) or choose(host))
+
+    async def scenario():
+        pool = await start_engines(cpu_config(1), log_dir=tmp_path / "logs", servers_file=tmp_path / "servers.json",
+                                   model_path=model_dir)
+        try:
+            return await pool.engines[0].healthy()
+        finally:
+            await pool.close()
+
+    try:
+        assert asyncio.run(scenario())
+    finally:
+        taken.close()
+    [record] = json.loads((tmp_path / "servers.json").read_text())
+    assert record["address"] != f"127.0.0.1:{port}"
+    assert "address already in use" in (tmp_path / "logs" / "server-0.log").read_text().lower()
 
 
 def test_down_server_rejoins_synced_to_the_current_version(model_dir, perturbed_dir):

@@ -74,8 +74,25 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
         await cancel_and_wait(*monitor)
         await launcher.stop(servers, timeout=inference.shutdown_timeout)
 
+    async def ready(index: int) -> None:
+        """Wait for server ``index``. One that found its port taken (another process bound it
+        between ``free_port`` choosing it and the server binding it, seconds later) starts again
+        on a new port: the run should not fail for someone else's socket."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                return await _wait_ready(launcher, servers[index], engines[index], inference.ready_timeout)
+            except LaunchError:
+                if attempt == PORT_ATTEMPTS or not lost_its_port(servers[index]):
+                    raise
+            log.warning("%s: %s was taken before the server bound it; starting it on another port",
+                        servers[index].name, servers[index].address)
+            await engines[index].close()
+            servers[index] = await off_loop(lambda: launcher.start_server(
+                config, index, log_dir=log_dir, model_path=model_path, api_key=api_key, env=server_env(config, index)))
+            engines[index] = _client(config, servers[index].address, api_key, control_http)
+
     try:
-        await asyncio.gather(*(_wait_ready(launcher, s, e, inference.ready_timeout) for s, e in zip(servers, engines)))
+        await asyncio.gather(*(ready(index) for index in range(len(servers))))
         records = await record_versions(servers, engines, servers_file, inference.expect_version)
     except BaseException:
         await asyncio.gather(*(e.close() for e in engines), return_exceptions=True)
@@ -227,6 +244,16 @@ async def follow_scale(scale_file: Path, servers: dict[str, Launched], *, add: C
                 await remove(name)
         except (LaunchError, OSError) as err:
             log.warning("rlorch scale: stopped at %d servers: %s", len(servers), err)
+
+
+PORT_ATTEMPTS = 3
+"""Starts of one server on fresh ports before a port taken at bind time fails the run."""
+
+
+def lost_its_port(server: Launched) -> bool:
+    """Whether ``server`` exited because its port was taken (uvicorn's bind error, which both
+    SGLang's server and ``rlorch serve`` print)."""
+    return "address already in use" in server.tail().lower()
 
 
 async def _wait_ready(launcher: Launcher, server: Launched, engine: SGLangEngine, timeout: float) -> None:
