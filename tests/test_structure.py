@@ -198,13 +198,14 @@ def test_a_wheel_installed_elsewhere_finds_its_presets_and_runs(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     python, rlorch = venv / "bin" / "python", venv / "bin" / "rlorch"
+    # Only the wheel: a source tree on PYTHONPATH (a test run of a checkout) would be found first,
+    # and pip would take its metadata for rlorch already installed and install nothing.
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     installed = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
-                               capture_output=True, text=True)
+                               capture_output=True, text=True, env=env)
     assert installed.returncode == 0, installed.stderr
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    # Only the wheel: a source tree on PYTHONPATH (a test run of a checkout) would be found first.
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     where = subprocess.run([str(python), "-c", "import rlorch, rlorch.config.compose as c; print(rlorch.__file__); "
                             "print(c.conf_dir())"], capture_output=True, text=True, cwd=elsewhere, env=env)
     package, presets = where.stdout.split()
