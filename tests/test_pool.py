@@ -126,7 +126,8 @@ def test_a_server_whose_port_was_taken_before_it_bound_starts_again_on_another(m
     port = taken.getsockname()[1]
     first_choice = iter([port])
     choose = rlorch.launch.local.free_port
-    monkeypatch.setattr(rlorch.launch.local, "free_port", lambda host="127.0.0.1": next(first_choice, None) or choose(host))
+    monkeypatch.setattr(rlorch.launch.local, "free_port",
+                        lambda host="127.0.0.1": next(first_choice, None) or choose(host))
 
     async def scenario():
         pool = await start_engines(cpu_config(1), log_dir=tmp_path / "logs", servers_file=tmp_path / "servers.json",
