@@ -17,7 +17,7 @@ from rich.console import Console
 
 from rlorch.config.schema import Config, ConfigError
 from rlorch.launch.placement import resolve_layout
-from rlorch.launch.runlock import LOCK_NAME, RunLock, set_aside_failed_start
+from rlorch.launch.runlock import RunLock, holds_nothing, set_aside_failed_start
 from rlorch.launch.signals import SignalRelay, startup_summary
 from rlorch.launch.startup import StartupClock
 from rlorch.reporting.progress import Phases, print_report, progress_logger
@@ -34,10 +34,11 @@ def new_run_dir(config: Config) -> RunDir:
         holder = RunLock(root).holder() if root.is_dir() else None
         if holder is not None:
             raise ConfigError("run.dir", f"{root} is in use by process {holder}; one process per run directory")
-        if root.exists() and not _holds_nothing(RunDir(root)) and not RunDir(root).is_run:
+        holds_something = root.exists() and not holds_nothing(root)
+        if holds_something and not RunDir(root).is_run:
             raise ConfigError("run.dir", f"{root} is not empty and is not an rlorch run (no config.yaml); "
                                          "pick an empty or a new run.dir")
-        if root.exists() and not _holds_nothing(RunDir(root)) and not set_aside_failed_start(root):
+        if holds_something and not set_aside_failed_start(root):
             raise ConfigError("run.dir", f"{root} already holds a run; continue it with "
                                          f"`rlorch resume checkpoint={root}` or pick another run.dir")
     else:
@@ -47,18 +48,6 @@ def new_run_dir(config: Config) -> RunDir:
             root = root.with_name(f"{root.name.split('.')[0]}.{suffix}")
             suffix += 1
     return RunDir(root).make()
-
-
-def _holds_nothing(run_dir: RunDir) -> bool:
-    """Nothing in it but what a start stopped before config.yaml leaves (Ctrl-C or a kill in
-    that moment): the empty subdirectories of :meth:`RunDir.make` and an unheld lock file."""
-    skeleton = set(run_dir.skeleton)
-    for entry in run_dir.root.iterdir():
-        if entry.name == LOCK_NAME and entry.is_file():
-            continue
-        if entry not in skeleton or not entry.is_dir() or any(entry.iterdir()):
-            return False
-    return True
 
 
 def run_training(config: Config, overrides: list[str]) -> int:

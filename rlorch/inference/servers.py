@@ -58,14 +58,17 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
     inference = config.inference
     if inference.backend not in (InferenceBackend.cpu, InferenceBackend.sglang):
         raise ValueError(f"inference.backend={inference.backend.value!r} launches no server")
+    def launch(index: int, port: Optional[int] = None) -> Launched:
+        """Start server ``index`` on ``port`` (a free one when None)."""
+        return launcher.start_server(config, index, log_dir=log_dir, model_path=model_path, api_key=api_key,
+                                     env=server_env(config, index), port=port)
+
     if inference.addresses:
         api_key = os.environ.get(API_KEY_ENV) or None
         servers = [Launched("server", i, a, None) for i, a in enumerate(inference.addresses)]
     else:
         api_key = secrets.token_urlsafe(24)
-        servers = await off_loop(lambda: [launcher.start_server(config, i, log_dir=log_dir, model_path=model_path,
-                                                                api_key=api_key, env=server_env(config, i))
-                                          for i in range(inference.num_servers)])
+        servers = await off_loop(lambda: [launch(i) for i in range(inference.num_servers)])
     control_http = ControlHTTP(concurrency=inference.control_concurrency)
     engines = [_client(config, s.address, api_key, control_http) for s in servers]
     monitor: list[asyncio.Task] = []
@@ -87,8 +90,7 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
             log.warning("%s: %s was taken before the server bound it; starting it on another port",
                         servers[index].name, servers[index].address)
             await engines[index].close()
-            servers[index] = await off_loop(lambda: launcher.start_server(
-                config, index, log_dir=log_dir, model_path=model_path, api_key=api_key, env=server_env(config, index)))
+            servers[index] = await off_loop(lambda: launch(index))
             engines[index] = _client(config, servers[index].address, api_key, control_http)
 
     try:
@@ -111,8 +113,7 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
                       health_failures=inference.health_failures)
 
     def restart(server: Launched) -> Launched:
-        fresh = launcher.start_server(config, server.index, log_dir=log_dir, model_path=model_path, api_key=api_key,
-                                      env=server_env(config, server.index), port=int(server.address.rsplit(":", 1)[1]))
+        fresh = launch(server.index, port=int(server.address.rsplit(":", 1)[1]))
         servers[server.index] = fresh
         if server.index in records:
             records[server.index] = {**records[server.index], "address": fresh.address, "pid": server_pid(fresh)}
@@ -121,8 +122,7 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
 
     async def add_server() -> None:
         index = len(servers)
-        fresh = await off_loop(lambda: launcher.start_server(config, index, log_dir=log_dir, model_path=model_path,
-                                                             api_key=api_key, env=server_env(config, index)))
+        fresh = await off_loop(lambda: launch(index))
         servers.append(fresh)
         engine = _client(config, fresh.address, api_key, control_http)
         try:

@@ -70,6 +70,20 @@ class RunLock:
         self.release()
 
 
+def holds_nothing(root: Path) -> bool:
+    """Nothing in ``root`` but what a start stopped before config.yaml leaves (a Ctrl-C or a kill
+    at that moment): the empty subdirectories of :meth:`RunDir.make` and an unheld lock file."""
+    from rlorch.rundir.layout import RunDir
+
+    skeleton = set(RunDir(root).skeleton)
+    for entry in root.iterdir():
+        if entry.name == LOCK_NAME and entry.is_file():
+            continue
+        if entry not in skeleton or not entry.is_dir() or any(entry.iterdir()):
+            return False
+    return True
+
+
 def set_aside_failed_start(root: Path) -> bool:
     """A run directory whose run ended before anything was trained or checkpointed (a failed
     or interrupted start-up) does not block a retry with the same ``run.dir``: its files move
