@@ -190,9 +190,9 @@ def validate_config(
 
     config = _config_or_exit(overrides or [])
     _preflight_or_exit(config)
-    from rlorch.launch.placement import resolve_layout
+    from rlorch.launch.placement import layout_choice, resolve_layout
 
-    config = resolve_layout(config)
+    unresolved, config = config, resolve_layout(config)
     console = Console()
     if show:
         from omegaconf import OmegaConf
@@ -200,6 +200,9 @@ def validate_config(
         typer.echo(OmegaConf.to_yaml(OmegaConf.structured(config)), nl=False)
     else:
         console.print(config_summary(config))
+        choice = layout_choice(unresolved, config)
+        if choice:
+            console.print(choice, highlight=False)
     for warning in run_warnings(config):
         console.print(f"[yellow]warning[/] {warning}", highlight=False)
 

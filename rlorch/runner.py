@@ -16,7 +16,7 @@ from typing import Any, Optional
 from rich.console import Console
 
 from rlorch.config.schema import Config, ConfigError
-from rlorch.launch.placement import resolve_layout
+from rlorch.launch.placement import layout_choice, resolve_layout
 from rlorch.launch.runlock import RunLock, holds_nothing, set_aside_failed_start
 from rlorch.launch.signals import SignalRelay, startup_summary
 from rlorch.launch.startup import StartupClock
@@ -57,7 +57,7 @@ def run_training(config: Config, overrides: list[str]) -> int:
     try:
         try:
             preflight(config)
-            config = resolve_layout(config)
+            unresolved, config = config, resolve_layout(config)
             run_dir = new_run_dir(config)
             lock = RunLock(run_dir.root).acquire()
         except ConfigError as err:
@@ -72,6 +72,9 @@ def run_training(config: Config, overrides: list[str]) -> int:
             save_config(config, run_dir.config)
             _warm_up(config)
             console.print(f"run directory: [bold]{run_dir.root}[/]", highlight=False)
+            choice = layout_choice(unresolved, config)
+            if choice:
+                console.print(choice, highlight=False)
             from rlorch.config.preflight import run_warnings
 
             for warning in run_warnings(config):

@@ -21,7 +21,8 @@ and run from there), and TRL when ``--trl-python`` names an interpreter that has
 TRL is an optional extra, never installed in CI:
     python3 -m venv --system-site-packages .venv-trl && .venv-trl/bin/pip install -e ".[trl]"
 
-Usage: python scripts/bench_to_accuracy.py [--trl-python PYTHON] [--baseline REF] [--seeds 8]
+Usage: python scripts/bench_to_accuracy.py [--trl-python PYTHON] [--baseline REF]
+       [--variant NAME:OVERRIDES ...] [--seeds 8]
 """
 
 from __future__ import annotations
@@ -40,8 +41,7 @@ from pathlib import Path
 from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
-PROMPTS_PER_STEP, GROUP, NEW_TOKENS, TEMPERATURE, LR, ENTROPY = 16, 8, 3, 1.2, 1e-3, 0.05
-EVAL_EVERY, TARGETS = 25, (0.8, 1.0)
+TARGETS = (0.8, 1.0)
 POLL_S = 0.05
 
 
@@ -49,11 +49,12 @@ def first_at(evals: list[dict], target: float) -> Optional[dict]:
     return next((e for e in evals if e["accuracy"] >= target - 1e-9), None)
 
 
-def run_rlorch(source: Path, root: Path, seed: int, max_steps: int) -> dict:
-    """``rlorch train`` from ``source`` (a checkout); each eval is timed as its record appears."""
+def run_rlorch(source: Path, root: Path, seed: int, max_steps: int, overrides: tuple[str, ...] = ()) -> dict:
+    """``rlorch train`` from ``source`` (a checkout) with ``overrides``; each eval is timed as its
+    record appears."""
     run_dir = root / f"rlorch-{time.monotonic_ns()}"
     command = [sys.executable, "-m", "rlorch.cli", "train", f"run.dir={run_dir}", f"run.seed={seed}",
-               "run.progress=false", f"train.steps={max_steps}"]
+               "run.progress=false", f"train.steps={max_steps}", *overrides]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source), os.environ.get("PYTHONPATH", "")])}
     started = time.time()
     process = subprocess.Popen(command, cwd=source, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -76,7 +77,10 @@ def run_rlorch(source: Path, root: Path, seed: int, max_steps: int) -> dict:
             process.send_signal(signal.SIGINT)
             process.wait(120)
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
-    return {"evals": evals, "wall_s": time.time() - started, "eval_s": None,
+    from omegaconf import OmegaConf
+
+    batch_size = OmegaConf.load(run_dir / "config.yaml").rollout.batch_size
+    return {"evals": evals, "wall_s": time.time() - started, "eval_s": None, "batch_size": batch_size,
             "ended": f"{summary.get('status', 'no summary')} (exit {process.returncode}, {summary.get('steps')} steps)"}
 
 
@@ -102,10 +106,13 @@ def trl_worker(seed: int, max_steps: int) -> None:
     from rlorch.model import ensure_default_model
     from rlorch.tasks.registry import make_environment
 
-    env = make_environment(compose([f"run.seed={seed}"]))
+    config = compose([f"run.seed={seed}"])
+    rollout, trainer_config = config.rollout, config.trainer
+    prompts_per_step = rollout.batch_size // rollout.group_size
+    env = make_environment(config)
     path = ensure_default_model()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    rows = [dict(zip(("prompt", "answer"), env.make_prompt(i, seed))) for i in range(max_steps * PROMPTS_PER_STEP)]
+    rows = [dict(zip(("prompt", "answer"), env.make_prompt(i, seed))) for i in range(max_steps * prompts_per_step)]
     held_out = env.eval_prompts(100)
 
     def reward(completions, answer, **_):
@@ -121,7 +128,7 @@ def trl_worker(seed: int, max_steps: int) -> None:
         tokenizer.padding_side = "left"
         batch = tokenizer([p for p, _ in held_out], return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
-            out = model.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False,
+            out = model.generate(**batch, max_new_tokens=rollout.max_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
         texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
         accuracy = sum(env.is_correct(t, a) for t, (_, a) in zip(texts, held_out)) / len(held_out)
@@ -135,19 +142,20 @@ def trl_worker(seed: int, max_steps: int) -> None:
             evaluate(model, 0)
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
-            if state.global_step % EVAL_EVERY == 0 and evaluate(model, state.global_step) >= 1.0:
+            if state.global_step % config.eval.every == 0 and evaluate(model, state.global_step) >= 1.0:
                 control.should_training_stop = True
 
-    args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="trl-"), per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
-                      num_generations=GROUP, max_completion_length=NEW_TOKENS, temperature=TEMPERATURE,
-                      learning_rate=LR, lr_scheduler_type="constant", gradient_checkpointing=False,
-                      beta=0.0, entropy_coef=ENTROPY, max_steps=max_steps, logging_steps=10 ** 6,
+    args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="trl-"), per_device_train_batch_size=rollout.batch_size,
+                      num_generations=rollout.group_size, max_completion_length=rollout.max_new_tokens,
+                      temperature=rollout.temperature, learning_rate=trainer_config.lr,
+                      lr_scheduler_type="constant", gradient_checkpointing=False, beta=0.0,
+                      entropy_coef=trainer_config.entropy_coef, max_steps=max_steps, logging_steps=10 ** 6,
                       save_strategy="no", report_to=[], use_cpu=True, bf16=False, seed=seed,
                       shuffle_dataset=False, disable_tqdm=True)
     trainer = GRPOTrainer(model=str(path), reward_funcs=[reward], args=args,
                           train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[Evaluate()])
     trainer.train()
-    print(json.dumps({"evals": evals, "eval_s": spent[0]}))
+    print(json.dumps({"evals": evals, "eval_s": spent[0], "batch_size": rollout.batch_size}))
 
 
 def summarise(run: dict) -> dict:
@@ -157,6 +165,7 @@ def summarise(run: dict) -> dict:
         hit = first_at(run["evals"], target)
         row[f"s_{target:.0%}"] = hit["at_s"] if hit else None
         row[f"step_{target:.0%}"] = hit["step"] if hit else None
+    row["samples_80%"] = row["step_80%"] * run["batch_size"] if row["step_80%"] is not None else None
     return row
 
 
@@ -167,6 +176,11 @@ def _median(values: list) -> Optional[float]:
     return None if middle is None or middle == float("inf") else middle
 
 
+def _fewer(mine: Optional[int], theirs: Optional[int]) -> bool:
+    """Whether ``mine`` got to the target on fewer samples (never getting there is more than any)."""
+    return mine is not None and (theirs is None or mine < theirs)
+
+
 def _fmt(value, width: int = 7, digits: int = 1) -> str:
     return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
 
@@ -175,6 +189,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trl-python", help="an interpreter with trl installed (TRL is left out without it)")
     parser.add_argument("--baseline", help="a git revision of rlorch to race as well (e.g. the last release)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:OVERRIDES",
+                        help="also race this checkout with Hydra overrides, space-separated "
+                             "(e.g. 'lr2e-3:trainer.lr=2e-3'); repeatable")
     parser.add_argument("--seeds", type=int, default=8)
     parser.add_argument("--max-steps", type=int, default=500)
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
@@ -186,6 +203,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-to-accuracy-") as tmp:
         root = Path(tmp)
         contenders = {"rlorch (this checkout)": lambda seed: run_rlorch(REPO, root, seed, args.max_steps)}
+        for variant in args.variant:
+            label, _, overrides = variant.partition(":")
+            contenders[f"rlorch {label}"] = (lambda seed, overrides=tuple(overrides.split()):
+                                             run_rlorch(REPO, root, seed, args.max_steps, overrides))
         if args.baseline:
             tree = root / "baseline"
             subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), args.baseline],
@@ -202,7 +223,8 @@ def main() -> None:
                 for name in order:
                     row = summarise(contenders[name](seed))
                     rows[name].append(row)
-                    print(f"seed {seed} {name:<24} to 80% {_fmt(row['s_80%'])} s (step {row['step_80%']}), "
+                    print(f"seed {seed} {name:<24} to 80% {_fmt(row['s_80%'])} s (step {row['step_80%']}, "
+                          f"{row['samples_80%']} samples), "
                           f"to 100% {_fmt(row['s_100%'])} s (step {row['step_100%']}), wall {row['wall_s']:.1f} s"
                           + (f", of which eval {row['eval_s']:.1f} s" if row["eval_s"] is not None else "")
                           + ("" if row["s_100%"] is not None
@@ -214,12 +236,20 @@ def main() -> None:
                                capture_output=True)
     print(f"\nmachine: {platform.machine()} {os.cpu_count()} CPUs, python {platform.python_version()}, "
           f"load average {os.getloadavg()[0]:.2f}; evaluation time counted on both sides")
-    print(f"{'system':<26}{'seeds':>6}{'median s to 80%':>17}{'median s to 100%':>18}{'median steps to 80%':>21}")
+    print(f"{'system':<26}{'seeds':>6}{'median s to 80%':>17}{'median s to 100%':>18}{'median steps to 80%':>21}"
+          f"{'median samples to 80%':>23}{'seeds at 100%':>15}")
     medians = {}
     for name, runs in rows.items():
         medians[name] = _median([r["s_80%"] for r in runs])
         print(f"{name:<26}{len(runs):>6}{_fmt(medians[name], 17)}{_fmt(_median([r['s_100%'] for r in runs]), 18)}"
-              f"{_fmt(_median([r['step_80%'] for r in runs]), 21, 0)}")
+              f"{_fmt(_median([r['step_80%'] for r in runs]), 21, 0)}"
+              f"{_fmt(_median([r['samples_80%'] for r in runs]), 23, 0)}"
+              f"{sum(r['s_100%'] is not None for r in runs):>15}")
+    default = rows["rlorch (this checkout)"]
+    for name, runs in rows.items():
+        if name.startswith("rlorch ") and runs is not default:
+            fewer = sum(_fewer(mine["samples_80%"], theirs["samples_80%"]) for mine, theirs in zip(runs, default))
+            print(f"{name}: fewer samples to 80% than this checkout's default on {fewer} of {len(runs)} seeds")
     if "TRL GRPO" in medians and medians["TRL GRPO"]:
         for name in names[:-1]:
             if medians[name] is not None:

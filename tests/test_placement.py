@@ -11,7 +11,8 @@ import pytest
 
 from rlorch.config.compose import compose
 from rlorch.config.schema import ConfigError
-from rlorch.launch.placement import idle_gpu_warning, place, resolve_layout, server_env, trainer_env
+from rlorch.launch.placement import (cpu_engines_for, idle_gpu_warning, layout_choice, place, resolve_layout, server_env,
+                                     trainer_env, usable_cores)
 from rlorch.launch.plan import launch_plan
 from rlorch.launch.trainer_command import trainer_command
 
@@ -135,13 +136,58 @@ def test_unset_counts_fill_the_node():
 @pytest.mark.parametrize("overrides, gpus, servers", [
     (["inference=sglang"], 0, 1),                              # no GPUs
     (["inference=sglang", "trainer.fsdp.device=cpu"], 0, 1),
-    ([], 8, 2),                                                # CPU engines (the cpu preset's 2) beside the trainer
+    (["inference.num_servers=2"], 8, 2),                       # CPU engines beside the trainer: as set
 ])
 def test_unset_counts_are_one_without_gpus_or_beside_cpu_engines(overrides, gpus, servers):
     resolved = resolve_layout(compose(overrides), gpus)
     assert (resolved.inference.num_servers, resolved.trainer.fsdp.nproc) == (servers, 1)
-    explicit = compose(["inference.num_servers=3", "trainer.fsdp.nproc=2"])
+    explicit = compose(["inference.num_servers=3", "trainer.fsdp.nproc=2", "inference.cpu.max_batch=64"])
     assert resolve_layout(explicit, 8) is explicit
+
+
+@pytest.mark.parametrize("cores, engines, batch", [(1, 1, 128), (2, 1, 128), (5, 1, 128), (6, 2, 64),
+                                                   (8, 3, 43), (16, 7, 19)])
+def test_cpu_engines_are_counted_from_the_cores_and_split_a_step_between_them(cores, engines, batch):
+    unset = compose([])
+    resolved = resolve_layout(unset, 0, cores=cores)
+    assert (resolved.inference.num_servers, resolved.inference.cpu.max_batch) == (engines, batch)
+    assert engines * batch >= unset.rollout.batch_size > (engines * batch) - engines
+    assert layout_choice(unset, resolved, cores) == (
+        f"layout for {cores} usable core{'s' * (cores != 1)}: inference.num_servers={engines}, "
+        f"inference.cpu.max_batch={batch} (set them to choose)")
+
+
+def test_a_set_cpu_engine_count_or_batch_is_kept_and_not_announced():
+    pinned = compose(["inference.num_servers=2"])
+    resolved = resolve_layout(pinned, 0, cores=16)
+    assert (resolved.inference.num_servers, resolved.inference.cpu.max_batch) == (2, 64)
+    assert layout_choice(pinned, resolved, 16) == "layout for 16 usable cores: inference.cpu.max_batch=64 (set them to choose)"
+    both = compose(["inference.num_servers=2", "inference.cpu.max_batch=8"])
+    assert resolve_layout(both, 0, cores=16).inference == both.inference
+    assert layout_choice(both, resolve_layout(both, 0, cores=16), 16) is None
+    for elsewhere in (["conf=sim"], ["inference.addresses=[127.0.0.1:1]"]):
+        config = compose(elsewhere)
+        assert resolve_layout(config, 0, cores=16).inference.num_servers == 1
+        assert layout_choice(config, resolve_layout(config, 0, cores=16), 16) is None
+
+
+def test_usable_cores_follow_the_affinity_mask():
+    probe = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+             "from rlorch.launch.placement import usable_cores; print(usable_cores())")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "1", result.stderr[-2000:]
+    assert 1 <= usable_cores() <= (os.cpu_count() or 1)
+
+
+def test_the_validated_config_says_what_layout_the_cores_chose():
+    from typer.testing import CliRunner
+
+    from rlorch.cli import app
+
+    result = CliRunner().invoke(app, ["validate-config"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    engines = cpu_engines_for(usable_cores())
+    assert f"inference.num_servers={engines}, inference.cpu.max_batch={-(-128 // engines)}" in result.output
 
 
 def test_idle_gpus_are_a_warning_naming_the_keys():
@@ -190,7 +236,7 @@ def test_resolving_the_cpu_default_layout_imports_no_torch():
     import for it on the critical path (the fork server imports torch beside it)."""
     probe = ("import sys; from rlorch.config.compose import compose; from rlorch.launch.placement import "
              "resolve_layout; config = resolve_layout(compose([])); "
-             "assert config.trainer.fsdp.nproc == 1 and config.inference.num_servers == 2; "
+             "assert config.trainer.fsdp.nproc == 1 and config.inference.num_servers >= 1; "
              "assert 'torch' not in sys.modules, 'torch imported'")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]

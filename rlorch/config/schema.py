@@ -299,13 +299,15 @@ class SimEngineConfig:
 class CpuEngineConfig:
     """``inference=cpu``: `rlorch serve` subprocesses."""
 
-    max_batch: int = 64
-    """Most sequences decoded together."""
+    max_batch: Optional[int] = None
+    """Most sequences decoded together; unset: each engine's share of a step's rollouts
+    (rollout.batch_size / inference.num_servers, rounded up)."""
     threads: int = 1
     """Torch threads per server process."""
 
     def __post_init__(self) -> None:
-        _require(self.max_batch >= 1, "inference.cpu.max_batch", "must be >= 1")
+        _require(self.max_batch is None or self.max_batch >= 1, "inference.cpu.max_batch", "must be >= 1 (or null: "
+                 "each engine's share of a step)")
         _require(self.threads >= 1, "inference.cpu.threads", "must be >= 1")
 
 
@@ -315,8 +317,9 @@ class InferenceConfig:
     """sim: no model (inference.sim); cpu: `rlorch serve` subprocesses (inference.cpu); sglang:
     SGLang servers launched here or reached at `addresses`."""
     num_servers: Optional[int] = 1
-    """Servers to launch (cpu, sglang without addresses); empty (null, the sglang preset): as many
-    as fill the node's GPUs beside the trainer, 1 without GPUs (rlorch.launch.placement)."""
+    """Servers to launch (cpu, sglang without addresses); empty (null, the cpu and sglang presets):
+    for sglang as many as fill the node's GPUs beside the trainer, for cpu engines as many as
+    this machine's cores feed beside the trainer (1 up to 5 cores), else 1 (rlorch.launch.placement)."""
     control_concurrency: int = 256
     """Control calls (pause, continue, weight updates, health probes) on the wire at once across
     all servers: a fleet's fan-out is concurrent but bounded, over one shared connection pool."""

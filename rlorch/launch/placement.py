@@ -12,10 +12,13 @@ Filling the node (:func:`resolve_layout`): an unset (null) ``inference.num_serve
 Beside launched SGLang servers, with both on this node's GPUs: the trainer takes
 ``trainer.fsdp.nproc`` GPUs (unset too: half the node rounded down to a power of two, at least 1)
 and the servers as many ``tp_size`` groups as the rest holds (at least 1); a set
-``num_servers`` leaves the trainer the GPUs its servers do not take. Anywhere else (no GPUs, CPU
-engines, servers elsewhere, a CPU trainer) an unset count is 1 — except launched servers beside
-a CPU trainer, which take every ``tp_size`` group of the node. GPUs left over are named by
-:func:`idle_gpu_warning`.
+``num_servers`` leaves the trainer the GPUs its servers do not take. Launched CPU engines
+(``inference=cpu``) are counted from this machine's usable cores (:func:`cpu_engines_for`), and
+an unset ``inference.cpu.max_batch`` is each engine's share of a step's rollouts. Anywhere else
+(no GPUs, servers elsewhere, a CPU trainer, CPU engines placed by Ray) an unset count is 1 —
+except launched servers beside a CPU trainer, which take every ``tp_size`` group of the node.
+GPUs left over are named by :func:`idle_gpu_warning`; :func:`layout_choice` says what an unset
+count became.
 
 Plan ids are indices into what the orchestrator sees: with an inherited ``CUDA_VISIBLE_DEVICES``
 (``4,5,6,7``) id ``i`` is its ``i``-th entry, so node 0's children get the physical names
@@ -73,14 +76,49 @@ def layout_gpus(config: Config) -> int:
     return 0
 
 
+def usable_cores() -> int:
+    """The CPUs this process may run on: its affinity mask (``taskset``, a cpuset), capped by a
+    cgroup v2 CPU quota (``docker --cpus``) rounded up, at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
+    except (OSError, ValueError):
+        return max(1, cores)
+    if quota != "max" and int(period) > 0:
+        cores = min(cores, -(-int(quota) // int(period)))
+    return max(1, cores)
+
+
+def cpu_engines_for(cores: int) -> int:
+    """Launched CPU engines for a machine of ``cores`` usable cores: one for up to five, then
+    one more per two cores beyond the four that the trainer, the orchestrator and the first
+    engine keep busy. The trainer (one process, one thread) is the slower side: on 2 cores one
+    engine decodes a step's 128 rollouts in about half a trainer step, and a second engine only
+    takes CPU from the trainer (``scripts/bench_to_accuracy.py``: 1 engine reached 80% sooner
+    than 2 on every seed measured)."""
+    return max(1, (cores - 2) // 2)
+
+
+def engine_batch(config: Config) -> int:
+    """``inference.cpu.max_batch`` where unset: each launched engine's share of a step's
+    rollouts, so one decode batch carries a whole step between them."""
+    servers = config.inference.num_servers or 1
+    return max(1, -(-config.rollout.batch_size // servers))
+
+
+def _launches_cpu_engines(config: Config) -> bool:
+    return config.inference.backend is InferenceBackend.cpu and not config.inference.addresses
+
+
 def _half_power_of_two(gpus: int) -> int:
     """The largest power of two <= gpus // 2, at least 1: 8 -> 4, 6 -> 2, 2 -> 1."""
     return 1 << max(gpus // 2, 1).bit_length() - 1
 
 
-def _counts(config: Config, gpus: int) -> tuple[int, int]:
+def _counts(config: Config, gpus: int, cores: Optional[int] = None) -> tuple[int, int]:
     """``(num_servers, nproc)`` with unset ones resolved by the fill rule (the module doc); set
-    ones come back unchanged."""
+    ones come back unchanged. ``cores``: this machine's, for launched CPU engines (None: they
+    are placed elsewhere, by Ray)."""
     inference, fsdp = config.inference, config.trainer.fsdp
     tp = inference.tp_size
     servers = inference.num_servers
@@ -98,6 +136,8 @@ def _counts(config: Config, gpus: int) -> tuple[int, int]:
             servers = max(1, (gpus - nproc) // tp)
     elif gpu_servers and servers is None:
         servers = max(1, gpus // tp)
+    if servers is None and cores is not None and _launches_cpu_engines(config):
+        servers = cpu_engines_for(cores)
     return (1 if servers is None else servers), (1 if nproc is None else nproc)
 
 
@@ -108,25 +148,45 @@ def fill_counts(config: Config, gpus: int) -> Config:
     return _filled(config, gpus)
 
 
-def _filled(config: Config, gpus: int) -> Config:
-    servers, nproc = _counts(config, gpus)
-    if (servers, nproc) == (config.inference.num_servers, config.trainer.fsdp.nproc):
+def _filled(config: Config, gpus: int, cores: Optional[int] = None) -> Config:
+    servers, nproc = _counts(config, gpus, cores)
+    inference = config.inference
+    cpu = inference.cpu
+    if cpu.max_batch is None:
+        cpu = replace(cpu, max_batch=engine_batch(replace(config, inference=replace(inference, num_servers=servers))))
+    if (servers, nproc, cpu) == (inference.num_servers, config.trainer.fsdp.nproc, inference.cpu):
         return config
     trainer = replace(config.trainer, fsdp=replace(config.trainer.fsdp, nproc=nproc))
-    return replace(config, inference=replace(config.inference, num_servers=servers), trainer=trainer)
+    return replace(config, inference=replace(inference, num_servers=servers, cpu=cpu), trainer=trainer)
 
 
-def resolve_layout(config: Config, gpus: Optional[int] = None) -> Config:
-    """``config`` with ``inference.num_servers`` and ``trainer.fsdp.nproc`` set for a node of
-    ``gpus`` GPUs (default :func:`layout_gpus`; the fill rule of the module doc; a config with both set comes back as is, an
-    unset one as a copy). Invariant: the result places on this node — an impossible split or an
-    inherited ``CUDA_VISIBLE_DEVICES`` shorter than ``gpus`` raises :class:`ConfigError` here,
-    before anything starts."""
+def resolve_layout(config: Config, gpus: Optional[int] = None, cores: Optional[int] = None) -> Config:
+    """``config`` with ``inference.num_servers``, ``inference.cpu.max_batch`` and
+    ``trainer.fsdp.nproc`` set for a node of ``gpus`` GPUs (default :func:`layout_gpus`) and
+    ``cores`` cores (default :func:`usable_cores`), by the fill rule of the module doc; a config
+    with all set comes back as is, an unset one as a copy. Invariant: the result places on this
+    node — an impossible split or an inherited ``CUDA_VISIBLE_DEVICES`` shorter than ``gpus``
+    raises :class:`ConfigError` here, before anything starts."""
     gpus = layout_gpus(config) if gpus is None else gpus
-    resolved = _filled(config, gpus)
+    resolved = _filled(config, gpus, usable_cores() if cores is None else cores)
     place(resolved, gpus)
     inherited_devices(gpus)
     return resolved
+
+
+def layout_choice(unresolved: Config, resolved: Config, cores: Optional[int] = None) -> Optional[str]:
+    """One line saying what the unset CPU engine layout of ``unresolved`` became in ``resolved``
+    (None when nothing of it was left unset, or no CPU engines are launched)."""
+    if not _launches_cpu_engines(unresolved):
+        return None
+    inference = resolved.inference
+    chosen = [f"inference.num_servers={inference.num_servers}" if unresolved.inference.num_servers is None else "",
+              f"inference.cpu.max_batch={inference.cpu.max_batch}" if unresolved.inference.cpu.max_batch is None else ""]
+    chosen = [part for part in chosen if part]
+    if not chosen:
+        return None
+    cores = usable_cores() if cores is None else cores
+    return f"layout for {cores} usable core{'s' * (cores != 1)}: {', '.join(chosen)} (set them to choose)"
 
 
 def place(config: Config, gpus: int) -> Placement:

@@ -560,7 +560,9 @@ def serve_command(config, *, host: str, port: int, weight_version: str = "0",
     except ConfigError as err:
         log.error("cannot serve: %s", err)
         return 2
-    server = CpuServer(path, dtype=config.model.dtype, max_batch=config.inference.cpu.max_batch,
+    # Unset, a lone engine decodes a whole step's rollouts together (the run's launcher sets it).
+    max_batch = config.inference.cpu.max_batch or config.rollout.batch_size
+    server = CpuServer(path, dtype=config.model.dtype, max_batch=max_batch,
                        seed=config.run.seed, weight_version=weight_version, threads=config.inference.cpu.threads,
                        api_key=api_key or None, min_step_time=min_step_time,
                        group_timeout=config.inference.transfer_timeout)
