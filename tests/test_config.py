@@ -66,9 +66,10 @@ def test_the_fsdp_trainer_refuses_simulated_tokens():
     ("rollout.staleness=2", "rollout.staleness", "unknown key (did you mean rollout.max_staleness?)"),
     ("rollout.batch_size=many", "rollout.batch_size", "many"),
     ("trainer.correction=none", "trainer.correction", "trainer.allow_uncorrected=true"),
+    ("conf=sync trainer.minibatches=2", "trainer.correction", "trainer.minibatches=1"),
 ])
 def test_invalid_setting_names_its_key(override, key, fragment):
-    code, output = validate(override)
+    code, output = validate(*override.split())
     assert code != 0
     assert f"invalid config {key}:" in output
     assert fragment in output

@@ -725,6 +725,11 @@ class Config:
                  "'none' trains off-policy data (rollout.max_staleness > 0, or enforce=ship) as if "
                  "on-policy; use decoupled or tis, set rollout.max_staleness=0 with admission or "
                  "strict, or trainer.allow_uncorrected=true")
+        _require(not (uncorrected and self.trainer.minibatches > 1 and not self.trainer.allow_uncorrected),
+                 "trainer.correction",
+                 f"'none' with trainer.minibatches={self.trainer.minibatches} trains every minibatch after "
+                 "the first on weights newer than those that sampled it, as if on-policy; use decoupled "
+                 "or tis, set trainer.minibatches=1, or trainer.allow_uncorrected=true")
         _require(self.inference.backend.generates_model_tokens or not self.trainer.backend.needs_model_tokens,
                  "trainer", f"trainer={self.trainer.backend.value} needs real tokens: use inference=cpu or "
                             f"inference=sglang with it, or trainer=sim with inference=sim")
