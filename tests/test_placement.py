@@ -232,11 +232,29 @@ def test_dry_run_prints_one_json_line_per_process_and_starts_nothing(tmp_path):
 
 
 def test_resolving_the_cpu_default_layout_imports_no_torch():
-    """The runner resolves the layout before the run starts: the CPU default must not pay a torch
-    import for it on the critical path (the fork server imports torch beside it)."""
+    """The runner resolves the layout and builds each child's environment before the run starts:
+    on a machine without a GPU driver the CPU default must not pay a torch import for it on the
+    critical path (seconds of CPU; the trainer's ``fsdp.device=auto`` would ask torch)."""
     probe = ("import sys; from rlorch.config.compose import compose; from rlorch.launch.placement import "
-             "resolve_layout; config = resolve_layout(compose([])); "
+             "resolve_layout, server_env, trainer_env, has_gpu_driver; config = resolve_layout(compose([])); "
              "assert config.trainer.fsdp.nproc == 1 and config.inference.num_servers >= 1; "
-             "assert 'torch' not in sys.modules, 'torch imported'")
+             "assert trainer_env(config) == {} and server_env(config, 0) == {}; "
+             "assert has_gpu_driver() or 'torch' not in sys.modules, 'torch imported'")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_gpu_driver_on_the_machine_makes_torch_count_the_gpus(monkeypatch, tmp_path):
+    import rlorch.launch.placement as placement
+
+    config = compose([])
+    monkeypatch.setattr(placement, "GPU_DEVICE_FILES", (str(tmp_path / "nvidia[0-9]*"),))
+    assert not placement.has_gpu_driver() and placement.visible_gpus(config) == 0
+    (tmp_path / "nvidia0").touch()
+    import torch
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append("is_available") or True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    assert placement.has_gpu_driver() and placement.visible_gpus(config) == 3 and asked
+    assert placement.visible_gpus(compose(["trainer.fsdp.device=cpu"])) == 0

@@ -55,12 +55,26 @@ def _trains_on_gpu(config: Config) -> bool:
     return config.trainer.backend is TrainerBackend.fsdp and config.trainer.fsdp.device != "cpu"
 
 
+GPU_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/kfd")
+"""Device files a GPU driver creates (NVIDIA's per-GPU nodes, ROCm's kernel fusion driver):
+without any, no process here can see a GPU, whatever torch would say."""
+
+
+def has_gpu_driver() -> bool:
+    """Whether this machine exposes a GPU driver's device files (cheap: no torch import)."""
+    import glob
+
+    return any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES)
+
+
 def visible_gpus(config: Config) -> int:
-    """``run.gpus`` when set; else 0 when the run puts nothing on GPUs (no torch import); else
-    the GPUs torch sees (0 without CUDA; an inherited ``CUDA_VISIBLE_DEVICES`` limits them)."""
+    """``run.gpus`` when set; else 0 when the run puts nothing on GPUs or the machine has no GPU
+    driver (no torch import: importing it costs the orchestrator seconds of a small machine's
+    start-up); else the GPUs torch sees (0 without CUDA; an inherited ``CUDA_VISIBLE_DEVICES``
+    limits them)."""
     if config.run.gpus is not None:
         return config.run.gpus
-    if not (_launches_gpu_servers(config) or _trains_on_gpu(config)):
+    if not (_launches_gpu_servers(config) or _trains_on_gpu(config)) or not has_gpu_driver():
         return 0
     import torch
 
