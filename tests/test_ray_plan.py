@@ -57,7 +57,8 @@ def test_the_ray_plan_names_groups_bundles_strategies_and_commands(tmp_path):
 
 def test_dry_run_with_ray_starts_nothing_and_prints_json_lines(tmp_path):
     out = subprocess.run([sys.executable, "-m", "rlorch.cli", "train", "--dry-run", "run.launcher=ray",
-                          "inference=cpu", f"run.dir={tmp_path / 'run'}"], capture_output=True, text=True, check=True)
+                          "inference=cpu", "inference.num_servers=2", f"run.dir={tmp_path / 'run'}"],
+                         capture_output=True, text=True, check=True)
     records = [json.loads(line) for line in out.stdout.splitlines()]
     assert [r["strategy"] for r in records if r["role"] == "placement_group"] == ["STRICT_PACK"] * 2 + ["STRICT_SPREAD"]
     assert not (tmp_path / "run").exists()
