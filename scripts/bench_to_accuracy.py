@@ -83,7 +83,8 @@ def run_rlorch(source: Path, root: Path, seed: int, max_steps: int, overrides: t
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     from omegaconf import OmegaConf
 
-    batch_size = OmegaConf.load(run_dir / "config.yaml").rollout.batch_size
+    saved = run_dir / "config.yaml"
+    batch_size = OmegaConf.load(saved).rollout.batch_size if saved.exists() else None
     return {"evals": evals, "wall_s": time.time() - started, "eval_s": None, "batch_size": batch_size,
             "ended": f"{summary.get('status', 'no summary')} (exit {process.returncode}, {summary.get('steps')} steps)"}
 
@@ -176,7 +177,8 @@ def summarise(run: dict) -> dict:
         hit = first_at(run["evals"], target)
         row[f"s_{target:.0%}"] = hit["at_s"] if hit else None
         row[f"step_{target:.0%}"] = hit["step"] if hit else None
-    row["samples_80%"] = row["step_80%"] * run["batch_size"] if row["step_80%"] is not None else None
+    row["samples_80%"] = (row["step_80%"] * run["batch_size"]
+                          if row["step_80%"] is not None and run.get("batch_size") else None)
     return row
 
 
