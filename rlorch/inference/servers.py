@@ -58,6 +58,7 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
     inference = config.inference
     if inference.backend not in (InferenceBackend.cpu, InferenceBackend.sglang):
         raise ValueError(f"inference.backend={inference.backend.value!r} launches no server")
+
     def launch(index: int, port: Optional[int] = None) -> Launched:
         """Start server ``index`` on ``port`` (a free one when None)."""
         return launcher.start_server(config, index, log_dir=log_dir, model_path=model_path, api_key=api_key,

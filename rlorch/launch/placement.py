@@ -114,11 +114,10 @@ def cpu_engines_for(cores: int) -> int:
     return max(1, (cores - 2) // 2)
 
 
-def engine_batch(config: Config) -> int:
-    """``inference.cpu.max_batch`` where unset: each launched engine's share of a step's
-    rollouts, so one decode batch carries a whole step between them."""
-    servers = config.inference.num_servers or 1
-    return max(1, -(-config.rollout.batch_size // servers))
+def engine_batch(batch_size: int, servers: int) -> int:
+    """``inference.cpu.max_batch`` where unset: each of ``servers`` engines' share of a step's
+    ``batch_size`` rollouts, so one decode batch carries a whole step between them."""
+    return max(1, -(-batch_size // max(servers, 1)))
 
 
 def _launches_cpu_engines(config: Config) -> bool:
@@ -168,7 +167,7 @@ def _filled(config: Config, gpus: int, cores: Optional[int] = None) -> Config:
     inference = config.inference
     cpu = inference.cpu
     if cpu.max_batch is None:
-        cpu = replace(cpu, max_batch=engine_batch(replace(config, inference=replace(inference, num_servers=servers))))
+        cpu = replace(cpu, max_batch=engine_batch(config.rollout.batch_size, servers))
     if (servers, nproc, cpu) == (inference.num_servers, config.trainer.fsdp.nproc, inference.cpu):
         return config
     trainer = replace(config.trainer, fsdp=replace(config.trainer.fsdp, nproc=nproc))
