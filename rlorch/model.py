@@ -1,12 +1,18 @@
-"""The tiny default model: an HF-format Qwen2 causal LM with a character-level tokenizer.
+"""Model directories: the tiny default model, and which code runs a model.
 
-Created locally on first use (deterministic random init: RL teaches it), never downloaded. Qwen2 is
-an architecture SGLang serves too, so the same checkpoints load in both. Creation is atomic
-(build in a temporary directory, then rename) because several processes may ask at once.
+The tiny default is an HF-format Qwen2 causal LM with a character-level tokenizer, created
+locally on first use (deterministic random init: RL teaches it), never downloaded. Qwen2 is an
+architecture SGLang serves too, so the same checkpoints load in both. Creation is atomic (build
+in a temporary directory, then rename) because several processes may ask at once.
+
+:func:`uses_native` decides ``model.implementation`` for a model directory (rlorch's own Qwen2 in
+:mod:`rlorch.qwen2`, or transformers'), reading its ``config.json`` alone: this module imports
+neither torch nor transformers unless it creates the default model.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -23,6 +29,51 @@ with ``<eos>``, as it does in text form. Roles are lowercase letters and ``:`` (
 has no whitespace). Text prompts do not use it, so the default run is the same with or without it."""
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+NATIVE_ARCHITECTURE = "Qwen2ForCausalLM"
+"""The architecture :mod:`rlorch.qwen2` runs."""
+CONFIG_FILE = "config.json"
+
+
+def read_config(path: Path) -> dict:
+    """A model directory's ``config.json``."""
+    return json.loads((Path(path) / CONFIG_FILE).read_text())
+
+
+def unsupported(config: dict) -> Optional[str]:
+    """Why :mod:`rlorch.qwen2` cannot reproduce the model ``config`` describes (None: it can)."""
+    architectures = config.get("architectures") or []
+    if architectures != [NATIVE_ARCHITECTURE]:
+        return f"architecture {architectures or config.get('model_type')} (only {NATIVE_ARCHITECTURE})"
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if (rope.get("rope_type") or rope.get("type") or "default") != "default":
+        return f"RoPE type {rope.get('rope_type') or rope.get('type')!r}"
+    if config.get("use_sliding_window"):
+        return "sliding-window attention"
+    if any(kind != "full_attention" for kind in config.get("layer_types") or []):
+        return "layers other than full attention"
+    if config.get("hidden_act", "silu") != "silu":
+        return f"activation {config.get('hidden_act')!r}"
+    return None
+
+
+def uses_native(implementation: str, path: Path, *, lora: bool = False, device: str = "cpu") -> bool:
+    """Whether a model directory is run by :mod:`rlorch.qwen2` (``model.implementation``): ``native`` always (an unsupported model is
+    an error naming ``model.implementation``), ``hf`` never, ``auto`` for a supported model without
+    LoRA (peft wraps transformers' modules) on the CPU (on a GPU transformers' attention kernels
+    stay, until this module is measured there)."""
+    if implementation == "hf":
+        return False
+    reason = unsupported(read_config(path))
+    if implementation == "native":
+        if reason or lora:
+            from rlorch.config.schema import ConfigError
+
+            raise ConfigError("model.implementation", f"native cannot run {path}: "
+                              f"{reason or 'LoRA (model.lora.rank > 0) needs transformers'}; use auto or hf")
+        return True
+    return reason is None and not lora and device == "cpu"
 
 
 def cache_dir() -> Path:

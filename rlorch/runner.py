@@ -143,8 +143,38 @@ def _warm_up(config: Config) -> None:
     local = config.run.launcher == "local"  # the Ray launcher's actors start processes on their nodes
     if local and (config.inference.backend == InferenceBackend.cpu or config.trainer.backend == TrainerBackend.fsdp):
         forkserver.warm_up()
+        forkserver.preload_for(_heavy_modules(config))
     else:
         forkserver.discard()
+
+
+def _heavy_modules(config: Config) -> list[str]:
+    """What the launched children need beyond the fork server's own imports: transformers where
+    an engine or the trainer runs its model (``model.implementation``), FSDP2 for a sharded
+    trainer. Decided from the model's ``config.json`` (the default model, not created yet, is
+    rlorch's own Qwen2)."""
+    from rlorch.config.schema import InferenceBackend, TrainerBackend
+    from rlorch.launch import forkserver
+    from rlorch.launch.placement import has_gpu_driver
+    from rlorch.model import default_model_path, uses_native
+
+    path = Path(config.model.path).expanduser() if config.model.path else default_model_path()
+    modules: list[str] = []
+    try:
+        engine_hf = (config.inference.backend == InferenceBackend.cpu and (path / "config.json").is_file()
+                     and not uses_native(config.model.implementation, path))
+        device = config.trainer.fsdp.device
+        gpu = device == "cuda" or (device == "auto" and has_gpu_driver())
+        trainer = config.trainer.backend == TrainerBackend.fsdp
+        trainer_hf = trainer and (path / "config.json").is_file() and not uses_native(
+            config.model.implementation, path, lora=bool(config.model.lora.rank), device="cuda" if gpu else "cpu")
+    except (ConfigError, OSError, ValueError):
+        return modules  # the child reports it
+    if engine_hf or trainer_hf or (config.model.implementation == "hf" and not path.is_dir()):
+        modules += forkserver.TRANSFORMERS_PRELOAD
+    if trainer and ((config.trainer.fsdp.nproc or 1) > 1 or config.model.dtype != "float32"):
+        modules += forkserver.SHARDING_PRELOAD
+    return modules
 
 
 _OTHER_LAUNCH = ("conf=", "inference=", "trainer=", "inference.backend=", "trainer.backend=", "run.launcher=")

@@ -2,7 +2,8 @@
 # One prepared check for a GPU machine: installs the sglang extra, prints the launch plan, then runs
 # the tiny default on SGLang with the FSDP2 trainer on CUDA/NCCL, placed by rlorch.launch.placement
 # (servers first, then the trainer), for 20 steps. Prints reload latency, trained tokens/s and
-# PASS/FAIL; exits non-zero on FAIL.
+# PASS/FAIL; exits non-zero on FAIL. First it prints how far rlorch's own Qwen2 (rlorch.qwen2) is
+# from transformers' on CUDA (model.implementation=auto uses it on the CPU only).
 # Usage: bash scripts/check_gpu.sh [RUN_DIR] [extra overrides...]
 # Needs >= 2 GPUs for the default split (1 server + 1 trainer process).
 set -euo pipefail
@@ -12,6 +13,21 @@ shift || true
 rm -rf "$run_dir"
 python3 -m pip install -q -e ".[sglang]"
 python3 -c 'import torch, sglang; n = torch.cuda.device_count(); assert n >= 2, f"need 2 GPUs, see {n}"; print("gpus:", n, torch.cuda.get_device_name(0), "| torch", torch.__version__, "| sglang", sglang.__version__)'
+# model.implementation=auto keeps transformers' code on a GPU: how far rlorch's own Qwen2 is from it there.
+python3 - <<'PY'
+import torch
+from transformers import AutoModelForCausalLM
+from rlorch.model import ensure_default_model
+from rlorch.qwen2 import Qwen2ForCausalLM
+path = ensure_default_model()
+ids = torch.randint(4, 46, (8, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+for dtype in (torch.float32, torch.bfloat16):
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+    native = Qwen2ForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+    with torch.no_grad():
+        diff = (hf(input_ids=ids).logits.float() - native(input_ids=ids).logits.float()).abs().max().item()
+    print(f"rlorch.qwen2 vs transformers on CUDA, {dtype}: max |logit difference| {diff:.3g}")
+PY
 overrides=(inference=sglang trainer.fsdp.device=cuda inference.num_servers=1 trainer.fsdp.nproc=1 model.dtype=bfloat16 inference.weight_transfer=distributed train.steps=20 run.progress=false "$@")
 rlorch train "${overrides[@]}" --dry-run
 status=0

@@ -116,21 +116,42 @@ def test_an_engine_forked_from_the_server_shares_its_imports_and_serves_like_one
 
 
 def test_preload_imports_what_a_child_needs_and_freezes_it():
-    """In a fresh interpreter (this one has imported most of it already)."""
+    """In a fresh interpreter (this one has imported most of it already): the default's modules,
+    without transformers, and transformers' when asked for too."""
     code = """
 import gc, json, sys
 from rlorch.launch import forkserver
-wanted = ("torch", "transformers.modeling_utils", "aiohttp.web", "hydra.compose", "omegaconf",
-          "rlorch.serve.server", "rlorch.trainer.fsdp")
+wanted = ("torch", "aiohttp.web", "hydra.compose", "omegaconf", "rlorch.qwen2", "rlorch.serve.server",
+          "rlorch.trainer.fsdp")
 before = {"loaded": [m for m in wanted if m in sys.modules], "frozen": gc.get_freeze_count()}
 forkserver.preload()
-print(json.dumps({"before": before, "missing": [m for m in wanted if m not in sys.modules],
+first = {"missing": [m for m in wanted if m not in sys.modules], "transformers": "transformers" in sys.modules,
+         "frozen": gc.get_freeze_count()}
+forkserver.preload(forkserver.TRANSFORMERS_PRELOAD)
+print(json.dumps({"before": before, "first": first, "then": "transformers.modeling_utils" in sys.modules,
                   "frozen": gc.get_freeze_count(), "collecting": gc.isenabled()}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["before"] == {"loaded": [], "frozen": 0}
-    assert seen["missing"] == [] and seen["frozen"] > 100_000 and seen["collecting"]
+    first = seen["first"]
+    assert first["missing"] == [] and not first["transformers"] and first["frozen"] > 50_000
+    assert seen["then"] and seen["frozen"] > first["frozen"] and seen["collecting"]
+
+
+def test_modules_asked_for_are_imported_before_the_next_fork(tmp_path):
+    """Over the pipe: a preload request is served before the fork asked for after it (the
+    server's memory maps sqlite3's extension, which nothing else here imports)."""
+    server = forkserver.ForkServer()
+    try:
+        server.preload(["sqlite3"])
+        child = server.spawn([sys.executable, "-m", "rlorch.cli", "--version"], log=str(tmp_path / "log"),
+                             env=dict(os.environ), cwd=str(tmp_path))
+        assert child.wait(60) == 0
+        maps = open(f"/proc/{server.process.pid}/maps").read()
+        assert "_sqlite3" in maps
+    finally:
+        server.close()
 
 
 def test_a_server_started_for_a_run_that_launches_nothing_is_discarded():

@@ -26,7 +26,7 @@ def test_bf16_computes_in_bf16_and_keeps_fp32_weights_gradients_and_optimizer_st
 
     config = compose(["model.dtype=bfloat16"])
     assert uses_fsdp(1, "bfloat16") and not uses_fsdp(1, "float32")
-    model = load_model(config, ensure_default_model())
+    model = load_model(config, ensure_default_model(), torch.device("cpu"))
     seen = []
     for layer in _decoder_layers(model):
         layer.mlp.down_proj.register_forward_hook(

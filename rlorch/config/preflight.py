@@ -26,7 +26,11 @@ def preflight(config: Config) -> None:
     if config.model.path and config.inference.backend.generates_model_tokens:
         from rlorch.model import resolve_model_path
 
-        resolve_model_path(config.model.path)
+        path = resolve_model_path(config.model.path)
+        if config.model.implementation == "native":
+            from rlorch.model import uses_native
+
+            uses_native("native", path, lora=bool(config.model.lora.rank))  # refused naming the key
     try:
         make_environment(config)
     except DataError as err:

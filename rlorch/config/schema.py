@@ -574,10 +574,18 @@ class ModelConfig:
     fp32 master weights and optimizer state and computes in this dtype (FSDP2 mixed precision,
     gradients reduced in fp32); published weights are in this dtype."""
     lora: LoraConfig = field(default_factory=LoraConfig)
+    implementation: str = "auto"
+    """Whose code runs the model in ``rlorch serve`` and the trainer: ``native`` (rlorch's own
+    Qwen2, :mod:`rlorch.qwen2`: the same logits as transformers', without importing its modelling
+    code, seconds of every start on a small machine), ``hf`` (transformers'), or ``auto``: native
+    for a Qwen2 checkpoint it reproduces, without LoRA, on the CPU; transformers' otherwise.
+    SGLang servers run their own code whatever this says."""
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype",
                  f"must be one of float32, bfloat16, float16 (got {self.dtype!r})")
+        _require(self.implementation in ("auto", "native", "hf"), "model.implementation",
+                 f"must be one of auto, native, hf (got {self.implementation!r})")
 
 
 @dataclass

@@ -322,17 +322,18 @@ async def start_servers(config: Config, run_dir: RunDir, policy: PolicyVersion,
 
 
 def _load_tokenizer(path: Path):
-    """The model's tokenizer. The garbage collector is off meanwhile: importing transformers
-    builds what the process keeps, so its collections (a sixth of the import's CPU, taken from
-    the fork server's imports on a small machine) would find nothing to free."""
+    """The model's tokenizer (:func:`rlorch.tokenizer.load_tokenizer`). The garbage collector is
+    off meanwhile: importing transformers, where it is needed, builds what the process keeps, so
+    its collections (a sixth of the import's CPU, taken from the fork server's imports on a
+    small machine) would find nothing to free."""
     import gc
+
+    from rlorch.tokenizer import load_tokenizer
 
     enabled = gc.isenabled()
     gc.disable()
     try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(path)
+        return load_tokenizer(path)
     finally:
         if enabled:
             gc.enable()

@@ -1,5 +1,6 @@
 """Start rlorch's own subprocesses (``rlorch serve``, the trainer worker) as forks of one warm
-process that has already imported torch and transformers.
+process that has already imported torch (and transformers and FSDP2, when the run's config says
+its children will need them: :func:`preload_for`).
 
 Each of those processes otherwise spends seconds of CPU importing the same modules at every run
 start; on a small machine they compete for the same cores, so starting them concurrently does
@@ -40,11 +41,7 @@ import threading
 import time
 from typing import Optional
 
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint.state_dict",
-           "transformers", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
-           "transformers.models.auto.tokenization_auto", "transformers.models.qwen2.modeling_qwen2",
-           "transformers.models.qwen2.tokenization_qwen2", "transformers.models.qwen2.tokenization_qwen2_fast",
-           "safetensors.torch", "aiohttp.web",
+PRELOAD = ("torch", "torch.distributed", "safetensors.torch", "tokenizers", "jinja2.sandbox", "aiohttp.web",
            "omegaconf", "hydra.compose", "hydra.initialize", "hydra._internal.hydra",
            "hydra._internal.config_loader_impl", "hydra.core.override_parser.overrides_parser",
            "hydra._internal.core_plugins.importlib_resources_config_source",
@@ -52,10 +49,20 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distri
            "hydra._internal.core_plugins.basic_launcher", "hydra._internal.core_plugins.basic_sweeper",
            "rich.console", "rich.markup",
            "rlorch.cli", "rlorch.config.compose", "rlorch.config.schema", "rlorch.config.keys", "rlorch.model",
-           "rlorch.serve.server", "rlorch.serve.batcher", "rlorch.serve.weight_sync", "rlorch.trainer.fsdp")
-"""Every module a child would otherwise import before it serves or trains: the engine's and the
-trainer's own, and what composing their config takes (Hydra, OmegaConf, the CLI's error
-display). A module this environment lacks is skipped."""
+           "rlorch.qwen2", "rlorch.tokenizer", "rlorch.serve.server", "rlorch.serve.batcher",
+           "rlorch.serve.weight_sync", "rlorch.trainer.fsdp")
+"""Every module a child imports before it serves or trains with rlorch's own Qwen2 and a
+tokenizer its files define (the CPU default), and what composing their config takes (Hydra,
+OmegaConf, the CLI's error display). A module this environment lacks is skipped."""
+TRANSFORMERS_PRELOAD = ("transformers", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
+                        "transformers.models.auto.tokenization_auto", "transformers.models.qwen2.modeling_qwen2",
+                        "transformers.models.qwen2.tokenization_qwen2")
+"""What a child running transformers' model or tokenizer imports (``model.implementation``
+resolving to ``hf``, LoRA, another architecture): asked for by :func:`preload_for` once the
+config says so, before the first fork, so that those children share it too."""
+SHARDING_PRELOAD = ("torch.distributed.fsdp", "torch.distributed.device_mesh", "torch.distributed.checkpoint",
+                    "torch.distributed.checkpoint.state_dict")
+"""What an FSDP2 trainer imports before its first step (several ranks, or mixed precision)."""
 FORKABLE = ("rlorch.cli", "rlorch.trainer.fsdp")
 
 
@@ -175,6 +182,12 @@ class ForkServer:
             self._closed = True
             self._arrived.notify_all()
 
+    def preload(self, modules: list[str]) -> None:
+        """Have the server import ``modules`` before it forks anything asked for after this."""
+        with self._lock:
+            self._output.write(json.dumps({"preload": list(modules)}) + "\n")
+            self._output.flush()
+
     def spawn(self, command: list[str], *, log: str, env: dict, cwd: str) -> Forked:
         with self._lock:
             self._next += 1
@@ -215,6 +228,14 @@ def warm_up() -> None:
                 if _server is None:
                     atexit.register(discard)
                 _server = ForkServer(shared_address())
+
+
+def preload_for(modules: list[str]) -> None:
+    """Ask the fork server (when one is started) to import ``modules`` too, before its next fork."""
+    with _server_lock:
+        server = _server
+    if modules and server is not None and server.alive():
+        server.preload(modules)
 
 
 def running() -> bool:
@@ -319,8 +340,8 @@ def _set_name(module: str) -> None:
         pass
 
 
-def preload() -> None:
-    """Import :data:`PRELOAD` and take what the imports built out of the garbage collector's
+def preload(modules: tuple[str, ...] = PRELOAD) -> None:
+    """Import ``modules`` (default :data:`PRELOAD`) and take what the imports built out of the garbage collector's
     sight (``gc.freeze``): it lives as long as every child, and a child's collections then
     neither walk it (each would take a tenth of a second) nor write to its pages (which the
     child would then copy rather than share). The collector is off while importing: what
@@ -332,12 +353,13 @@ def preload() -> None:
     enabled = gc.isenabled()
     gc.disable()
     try:
-        for module in PRELOAD:
+        for module in modules:
             try:
                 importlib.import_module(module)
             except ImportError:
                 pass
-        _build_shared_tables()
+        if "transformers" in modules:
+            _build_shared_tables()
         gc.freeze()
     finally:
         if enabled:
@@ -404,6 +426,9 @@ def _serve() -> None:
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
             request = json.loads(line)
+            if "preload" in request:
+                preload(tuple(request["preload"]))
+                continue
             pid = _fork(request)
             try:
                 out.write(json.dumps({"id": request["id"], "pid": pid}) + "\n")
@@ -463,6 +488,9 @@ def _serve_shared(path: str, parent_pid: Optional[int]) -> None:
                 while b"\n" in clients[sock]:
                     line, clients[sock] = clients[sock].split(b"\n", 1)
                     request = json.loads(line)
+                    if "preload" in request:
+                        preload(tuple(request["preload"]))
+                        continue
                     pid = _fork(request, (listener.fileno(), *(c.fileno() for c in clients)))
                     owners[pid] = sock
                     send(sock, {"id": request["id"], "pid": pid})

@@ -20,6 +20,7 @@ def _cpu_command(config, *, model_path: Path, port: int, host: str) -> list[str]
     return [sys.executable, "-m", "rlorch.cli", "serve", "--host", host, "--port", str(port),
             "--parent-pid", str(os.getpid()),
             f"model.path={model_path}", f"model.dtype={config.model.dtype}",
+            f"model.implementation={config.model.implementation}",
             f"inference.cpu.threads={inference.cpu.threads}",
             *([f"inference.cpu.max_batch={inference.cpu.max_batch}"] if inference.cpu.max_batch else []),
             f"run.seed={config.run.seed}", f"inference.transfer_timeout={inference.transfer_timeout:g}",

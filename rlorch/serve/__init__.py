@@ -1,1 +1,1 @@
-"""The CPU inference engine (`rlorch serve`): SGLang's native HTTP API over a transformers model."""
+"""The CPU inference engine (`rlorch serve`): SGLang's native HTTP API over rlorch's own Qwen2 or a transformers model (``model.implementation``)."""

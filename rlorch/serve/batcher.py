@@ -337,8 +337,6 @@ class Batcher:
 
     @torch.no_grad()
     def _prefill(self, rows: _Rows) -> tuple[list[int], list[float]]:
-        from transformers import DynamicCache
-
         width = max(len(seq.prompt) for seq in rows.seqs)
         ids = torch.full((len(rows.seqs), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows.seqs), width), dtype=torch.long)
@@ -346,7 +344,7 @@ class Batcher:
             ids[row, width - len(seq.prompt):] = torch.tensor(seq.prompt)
             mask[row, width - len(seq.prompt):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        rows.cache = DynamicCache()
+        rows.cache = _new_cache(self.model)
         logits = self._forward(ids, mask, positions, rows.cache)
         rows.mask, rows.positions = mask, positions[:, -1:]
         return sample(logits, [s.params for s in rows.seqs], self._banned(rows.seqs), self._generator)
@@ -380,9 +378,21 @@ def _select(rows: _Rows, keep: list[int]) -> None:
         rows.seqs = [rows.seqs[i] for i in keep]
 
 
+def _new_cache(model) -> Any:
+    """An empty KV cache of the model's own kind (:mod:`rlorch.qwen2`'s, or transformers')."""
+    if hasattr(model, "new_cache"):
+        return model.new_cache()
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
 def _joinable(cache: Any) -> bool:
-    """Only plain full-attention caches (every layer a ``DynamicLayer`` holding ``keys`` and
-    ``values``) can take new rows; other models decode arrivals in the next batch instead."""
+    """Only plain full-attention caches (:mod:`rlorch.qwen2`'s, or every layer a ``DynamicLayer``
+    holding ``keys`` and ``values``) can take new rows; other models decode arrivals in the next
+    batch instead."""
+    if getattr(cache, "joinable", False):
+        return cache.layers[0].keys is not None
     layers = getattr(cache, "layers", None)
     return bool(layers) and all(type(layer).__name__ == "DynamicLayer"
                                 and getattr(layer, "keys", None) is not None for layer in layers)

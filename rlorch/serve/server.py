@@ -30,6 +30,7 @@ from rlorch.serve.batcher import Batcher, GenerationFailed, LoadError, Sequence
 from rlorch.serve.http import BODY_TIMEOUT_KEY, BODY_TIMEOUT_S, IDLE_TIMEOUT_S, MAX_BODY_BYTES, json_body
 from rlorch.serve.sampling import RequestError, RequestParams
 from rlorch.tasks.prompts import encode_prompt
+from rlorch.tokenizer import load_tokenizer
 
 log = logging.getLogger("rlorch.serve")
 
@@ -45,6 +46,10 @@ def _decode_batch(tokenizer) -> Optional[Callable[..., list[str]]]:
     """The tokenizer's Rust backend ``decode_batch`` where it decodes exactly what
     ``tokenizer.decode`` does: a fast tokenizer that cleans up no spaces and whose class changes
     neither ``decode`` nor ``_decode`` (some rewrite the backend's text); else None."""
+    from rlorch.tokenizer import FastTokenizer
+
+    if isinstance(tokenizer, FastTokenizer):
+        return tokenizer.decode_batch
     from transformers import PreTrainedTokenizerBase
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -77,28 +82,37 @@ class CpuServer:
     def __init__(self, model_path: Path, *, dtype: str = "float32", max_batch: int = 64, seed: int = 0,
                  weight_version: str = "0", min_step_time: float = 0.0, threads: Optional[int] = None,
                  api_key: Optional[str] = None, body_timeout: float = BODY_TIMEOUT_S,
-                 idle_timeout: float = IDLE_TIMEOUT_S, group_timeout: Optional[float] = None):
+                 idle_timeout: float = IDLE_TIMEOUT_S, group_timeout: Optional[float] = None,
+                 implementation: str = "auto"):
         """``threads`` sets torch's (process-wide) intra-op threads; ``min_step_time`` throttles
         each decode step (seconds) to emulate a slower engine; ``api_key`` guards every endpoint
         but the health checks; ``body_timeout`` and ``idle_timeout`` bound slow and idle
         connections (seconds); ``group_timeout`` bounds joining a weight group and each transfer
         over it (seconds; default ``rlorch.serve.weight_sync.GROUP_TIMEOUT_S``): a member that
-        died mid-broadcast holds the others up at most that long."""
+        died mid-broadcast holds the others up at most that long; ``implementation`` is
+        ``model.implementation``."""
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        from transformers.utils import logging as hf_logging
+
+        from rlorch.model import uses_native
+        from rlorch.qwen2 import Qwen2ForCausalLM
 
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
         if threads is not None:
             torch.set_num_threads(threads)
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
         self.model_path = str(model_path)
         self.dtype = getattr(torch, dtype)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer = load_tokenizer(model_path)
         self._decode_batch = _decode_batch(self.tokenizer)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).eval()
+        if uses_native(implementation, Path(model_path)):
+            self.model = Qwen2ForCausalLM.from_pretrained(Path(model_path), dtype=self.dtype).eval()
+        else:
+            from transformers import AutoModelForCausalLM
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.set_verbosity_error()
+            hf_logging.disable_progress_bar()
+            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).eval()
         config = self.model.config
         self.vocab_size = config.vocab_size
         self.context_len = int(getattr(config, "max_position_embeddings", 4096))
@@ -565,7 +579,8 @@ def serve_command(config, *, host: str, port: int, weight_version: str = "0",
     server = CpuServer(path, dtype=config.model.dtype, max_batch=max_batch,
                        seed=config.run.seed, weight_version=weight_version, threads=config.inference.cpu.threads,
                        api_key=api_key or None, min_step_time=min_step_time,
-                       group_timeout=config.inference.transfer_timeout)
+                       group_timeout=config.inference.transfer_timeout,
+                       implementation=config.model.implementation)
     try:
         asyncio.run(_serve_until_signal(server, host, port, parent))
     except OSError as err:

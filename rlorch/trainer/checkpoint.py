@@ -13,17 +13,29 @@ import base64
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from rlorch.rundir.layout import COMPLETE, PUBLISHED, CheckpointDir, RunDir, mark, write_json_atomic
 
 STATE_FILE = "trainer_state.json"
+
+
+def import_dcp_in_background() -> threading.Thread:
+    """Import torch.distributed.checkpoint on a thread (seconds of CPU on a small machine: the
+    DTensor machinery it brings): the first checkpoint needs it, the first steps do not. An
+    import that needs it meanwhile waits for this one (Python's per-module import locks)."""
+    def load() -> None:
+        import torch.distributed.checkpoint  # noqa: F401
+        import torch.distributed.checkpoint.state_dict  # noqa: F401
+
+    thread = threading.Thread(target=load, name="rlorch-import-dcp", daemon=True)
+    thread.start()
+    return thread
 
 
 class CheckpointError(RuntimeError):
@@ -86,6 +98,8 @@ def save(run: RunDir, step: int, model: torch.nn.Module, optimizer: torch.optim.
     if rank == 0:
         _clear(checkpoint)
     dist.barrier()
+    import torch.distributed.checkpoint as dcp
+
     model_state, optim_state = _state(model, optimizer, trainable_only)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(trainer_dir / "dcp"))
     published = run.weights_for(step)
@@ -146,6 +160,8 @@ def begin_single_rank_save(run: RunDir, step: int, model: torch.nn.Module, optim
     trainer_state = _trainer_state(step, 1, optimizer_steps)
 
     def write() -> Path:
+        import torch.distributed.checkpoint as dcp
+
         trainer_dir = CheckpointDir(checkpoint).trainer
         dcp.save(state, checkpoint_id=str(trainer_dir / "dcp"), no_dist=True)
         write_json_atomic(trainer_dir / STATE_FILE, trainer_state)
@@ -166,7 +182,9 @@ def _cloned(value: Any) -> Any:
     return value
 
 
-def _options(trainable_only: bool) -> StateDictOptions:
+def _options(trainable_only: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
     return StateDictOptions(ignore_frozen_params=trainable_only)
 
 
@@ -174,6 +192,8 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_o
     """The model's and optimizer's state dicts; ``trainable_only`` keeps the parameters that
     train alone (a weight tied to a frozen one is frozen too, though ``ignore_frozen_params``
     keeps its second name)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_state, optim_state = get_state_dict(model, optimizer, options=_options(trainable_only))
     if trainable_only:
         trainable = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
@@ -195,6 +215,9 @@ def load(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
         step = int(state["step"])
     except (OSError, ValueError, KeyError) as err:
         raise CheckpointError(f"{trainer_dir / STATE_FILE}: unreadable ({err})") from err
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
     model_state, optim_state = _state(model, optimizer, trainable_only)
     loaded = {"model": model_state, "optim": optim_state}
     try:

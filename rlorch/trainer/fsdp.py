@@ -23,10 +23,6 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlorch.lifecycle import orchestrator_pid, watch_parents
 from rlorch.model import resolve_model_path
@@ -37,7 +33,7 @@ from rlorch.trainer.batch import BatchError, micro_batches, minibatch_slices, re
 from rlorch.trainer.checkpoint import CheckpointError
 from rlorch.trainer.loss import (LossStats, MismatchStats, aggregate, policy_loss, reference_kl, token_entropy,
                                  token_logprobs)
-from rlorch.trainer.publish import HFWriter, clear_staging, discard_newer, prune, publish
+from rlorch.trainer.publish import HFWriter, TokenizerFiles, clear_staging, discard_newer, prune, publish
 from rlorch.trainer.schedule import lr_factor
 
 POLL_SECONDS = 0.01
@@ -135,13 +131,15 @@ def checkpoint_activations(model) -> None:
         layer.forward = forward
 
 
-def mixed_precision(dtype: str) -> Optional[MixedPrecisionPolicy]:
+def mixed_precision(dtype: str):
     """FSDP2's policy for ``model.dtype`` below float32: parameters are all-gathered in that
     dtype for the forward and backward, gradients are reduced in float32 into the float32
     sharded parameters (the master weights, which the optimizer and its state keep in float32),
     and the logits come out in float32. None for float32: no policy, nothing cast."""
     if dtype == "float32":
         return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     return MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32,
                                 output_dtype=torch.float32)
 
@@ -159,6 +157,9 @@ def _sharded(model, device, dtype: str):
     :func:`uses_fsdp` says so, under ``model.dtype``'s mixed-precision policy."""
     world = dist.get_world_size()
     if uses_fsdp(world, dtype):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
         mesh = init_device_mesh(device.type, (world,))
         policy = mixed_precision(dtype) or MixedPrecisionPolicy()
         # Only the root casts its output (the logits): a layer's stays in the compute dtype
@@ -170,13 +171,25 @@ def _sharded(model, device, dtype: str):
     return model
 
 
-def load_model(config, path):
+def load_model(config, path, device):
     """The model as trained: float32 master weights whatever ``model.dtype`` is (mixed precision
-    computes in it), with LoRA adapters when ``model.lora.rank > 0``."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    computes in it), with LoRA adapters when ``model.lora.rank > 0``; rlorch's own Qwen2 or
+    transformers' as ``model.implementation`` resolves (:func:`rlorch.model.uses_native`)."""
+    model = _from_pretrained(config, path, device)
     if config.model.lora.rank:
         model = lora.wrap(model, config.model.lora)
     return model
+
+
+def _from_pretrained(config, path, device) -> torch.nn.Module:
+    from rlorch.model import uses_native
+    from rlorch.qwen2 import Qwen2ForCausalLM
+
+    if uses_native(config.model.implementation, Path(path), lora=bool(config.model.lora.rank), device=device.type):
+        return Qwen2ForCausalLM.from_pretrained(Path(path), dtype=torch.float32)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
 def build_reference(config, path: str, device) -> Optional[torch.nn.Module]:
@@ -185,7 +198,7 @@ def build_reference(config, path: str, device) -> Optional[torch.nn.Module]:
     sharded like the policy and never published. None at 0: no copy is kept."""
     if not config.trainer.kl_coef:
         return None
-    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    reference = _from_pretrained(config, path, device)
     reference.requires_grad_(False)
     return _sharded(reference.eval(), device, config.model.dtype)
 
@@ -195,7 +208,7 @@ def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
     rank, world = dist.get_rank(), dist.get_world_size()
     path = resolve_model_path(config.model.path) if rank == 0 else None
     path = _broadcast(path)
-    model = load_model(config, path)
+    model = load_model(config, path, device)
     if config.trainer.activation_checkpointing:
         checkpoint_activations(model)
     sharded = uses_fsdp(world, config.model.dtype)
@@ -205,7 +218,7 @@ def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
     # Frozen weights (LoRA's base) get no optimizer state.
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.trainer.lr,
                                   weight_decay=config.trainer.weight_decay, fused=None if sharded else True)
-    tokenizer = AutoTokenizer.from_pretrained(path) if rank == 0 else None
+    tokenizer = TokenizerFiles(path) if rank == 0 else None
     worker = Worker(config, run, model, optimizer, tokenizer, HFWriter(lora.base_model(model), tokenizer), device,
                     rank, world, sharded=sharded, reference=build_reference(config, path, device))
     if resume is not None:
@@ -424,6 +437,8 @@ def _full_state_dict(model, sharded: bool) -> dict:
     model is a plain module whose own state dict is that already (on its device)."""
     if not sharded:
         return {name: tensor.to("cpu") for name, tensor in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
@@ -667,6 +682,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                       "device": str(device), "pid": os.getpid()})
             if worker.broadcaster is not None:
                 worker.broadcaster.join()
+        checkpoint.import_dcp_in_background()
         run_loop(worker)
     except (BatchError, CheckpointError, NonFiniteError) as err:
         print(f"rlorch trainer: {err}", file=sys.stderr, flush=True)

@@ -31,6 +31,25 @@ def fsync_tree(path: Path) -> None:
         fsync_dir(Path(root))
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
+                   "vocab.txt")
+"""The files a tokenizer may keep in an HF directory (fast, slow and chat-template forms)."""
+
+
+class TokenizerFiles:
+    """A model directory's tokenizer, as files: each version gets them byte for byte, so the
+    trainer never loads (or imports) a tokenizer to publish one."""
+
+    def __init__(self, source: Path) -> None:
+        self.source = Path(source)
+
+    def save_pretrained(self, target: Path) -> None:
+        for name in TOKENIZER_FILES:
+            if (self.source / name).is_file():
+                shutil.copyfile(self.source / name, Path(target) / name)
+
+
 def write_hf(target: Path, model, state_dict: dict, tokenizer) -> None:
     """An HF directory (config, safetensors weights, tokenizer) from a full state dict. The
     config names the weights' dtype: ``save_pretrained`` writes the model's own, which under
