@@ -159,22 +159,22 @@ def _heavy_modules(config: Config) -> list[str]:
     from rlorch.model import default_model_path, uses_native
 
     path = Path(config.model.path).expanduser() if config.model.path else default_model_path()
-    modules: list[str] = []
+    implementation, trainer = config.model.implementation, config.trainer.backend == TrainerBackend.fsdp
+    device = config.trainer.fsdp.device
+    trainer_device = "cuda" if device == "cuda" or (device == "auto" and has_gpu_driver()) else "cpu"
+
+    def native(lora: bool = False, device: str = "cpu") -> bool:
+        if not (path / "config.json").is_file():  # not created yet: the default model, a Qwen2 native runs
+            return implementation == "native" or (implementation == "auto" and not lora and device == "cpu")
+        return uses_native(implementation, path, lora=lora, device=device)
+
     try:
-        engine_hf = (config.inference.backend == InferenceBackend.cpu and (path / "config.json").is_file()
-                     and not uses_native(config.model.implementation, path))
-        device = config.trainer.fsdp.device
-        gpu = device == "cuda" or (device == "auto" and has_gpu_driver())
-        trainer = config.trainer.backend == TrainerBackend.fsdp
-        trainer_hf = trainer and (path / "config.json").is_file() and not uses_native(
-            config.model.implementation, path, lora=bool(config.model.lora.rank), device="cuda" if gpu else "cpu")
+        transformers = ((config.inference.backend == InferenceBackend.cpu and not native())
+                        or (trainer and not native(lora=bool(config.model.lora.rank), device=trainer_device)))
     except (ConfigError, OSError, ValueError):
-        return modules  # the child reports it
-    if engine_hf or trainer_hf or (config.model.implementation == "hf" and not path.is_dir()):
-        modules += forkserver.TRANSFORMERS_PRELOAD
-    if trainer and ((config.trainer.fsdp.nproc or 1) > 1 or config.model.dtype != "float32"):
-        modules += forkserver.SHARDING_PRELOAD
-    return modules
+        return []  # the child that loads the model reports it
+    sharded = trainer and ((config.trainer.fsdp.nproc or 1) > 1 or config.model.dtype != "float32")
+    return [*(forkserver.TRANSFORMERS_PRELOAD if transformers else ()), *(forkserver.SHARDING_PRELOAD if sharded else ())]
 
 
 _OTHER_LAUNCH = ("conf=", "inference=", "trainer=", "inference.backend=", "trainer.backend=", "run.launcher=")

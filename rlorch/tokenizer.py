@@ -13,16 +13,15 @@ Qwen2's byte-level BPE whatever its config names, which drops characters outside
 where the file maps them to ``<unk>``. Text inside the vocabulary, which every task writes, gets
 the same ids either way (tested).
 
-:class:`FastTokenizer` offers the part of transformers' interface rlorch calls: ``tokenizer(text,
-add_special_tokens=False)["input_ids"]``, ``decode``, ``decode_batch``, the special tokens' ids (``all_special_ids`` too),
-``chat_template`` / ``apply_chat_template(..., tokenize=False)``, ``get_vocab`` and
-``save_pretrained`` (a copy of the files).
+:class:`FastTokenizer` offers the part of transformers' interface rlorch calls:
+``tokenizer(text, add_special_tokens=False)["input_ids"]``, ``decode``, ``decode_batch``, the
+special tokens' ids (``all_special_ids`` too), ``chat_template`` /
+``apply_chat_template(..., tokenize=False)`` and ``get_vocab``.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -118,12 +117,6 @@ class FastTokenizer:
         text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      **self.special_tokens, **extra)
         return self(text, add_special_tokens=False)["input_ids"] if tokenize else text
-
-    def save_pretrained(self, target: Path) -> None:
-        """The files that define this tokenizer, copied into ``target``."""
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-            if (self.source / name).is_file():
-                shutil.copyfile(self.source / name, Path(target) / name)
 
 
 def _content(value: Any) -> Optional[str]:
