@@ -59,10 +59,10 @@ def unsupported(config: dict) -> Optional[str]:
 
 
 def uses_native(implementation: str, path: Path, *, lora: bool = False, device: str = "cpu") -> bool:
-    """Whether a model directory is run by :mod:`rlorch.qwen2` (``model.implementation``): ``native`` always (an unsupported model is
-    an error naming ``model.implementation``), ``hf`` never, ``auto`` for a supported model without
-    LoRA (peft wraps transformers' modules) on the CPU (on a GPU transformers' attention kernels
-    stay, until this module is measured there)."""
+    """Whether a model directory is run by :mod:`rlorch.qwen2` (``model.implementation``):
+    ``native`` always (an unsupported model is an error naming ``model.implementation``), ``hf``
+    never, ``auto`` for a supported model without LoRA (peft wraps transformers' modules) on the
+    CPU (on a GPU transformers' attention kernels stay, until this module is measured there)."""
     if implementation == "hf":
         return False
     reason = unsupported(read_config(path))

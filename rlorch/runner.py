@@ -174,7 +174,8 @@ def _heavy_modules(config: Config) -> list[str]:
     except (ConfigError, OSError, ValueError):
         return []  # the child that loads the model reports it
     sharded = trainer and ((config.trainer.fsdp.nproc or 1) > 1 or config.model.dtype != "float32")
-    return [*(forkserver.TRANSFORMERS_PRELOAD if transformers else ()), *(forkserver.SHARDING_PRELOAD if sharded else ())]
+    return [*(forkserver.TRANSFORMERS_PRELOAD if transformers else ()),
+            *(forkserver.SHARDING_PRELOAD if sharded else ())]
 
 
 _OTHER_LAUNCH = ("conf=", "inference=", "trainer=", "inference.backend=", "trainer.backend=", "run.launcher=")

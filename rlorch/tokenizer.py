@@ -64,7 +64,8 @@ class FastTokenizer:
         settings = _read_json(self.source / "tokenizer_config.json")
         self.special_tokens = {key: _content(settings.get(key)) for key in SPECIAL_KEYS if settings.get(key)}
         template = self.source / "chat_template.jinja"
-        self.chat_template: Optional[str] = template.read_text() if template.is_file() else settings.get("chat_template")
+        self.chat_template: Optional[str] = (template.read_text() if template.is_file()
+                                             else settings.get("chat_template"))
         self._template = None
 
     def _id(self, key: str) -> Optional[int]:

@@ -341,10 +341,10 @@ def _set_name(module: str) -> None:
 
 
 def preload(modules: tuple[str, ...] = PRELOAD) -> None:
-    """Import ``modules`` (default :data:`PRELOAD`) and take what the imports built out of the garbage collector's
-    sight (``gc.freeze``): it lives as long as every child, and a child's collections then
-    neither walk it (each would take a tenth of a second) nor write to its pages (which the
-    child would then copy rather than share). The collector is off while importing: what
+    """Import ``modules`` (default :data:`PRELOAD`) and take what the imports built out of the
+    garbage collector's sight (``gc.freeze``): it lives as long as every child, and a child's
+    collections then neither walk it (each would take a tenth of a second) nor write to its pages
+    (which the child would then copy rather than share). The collector is off while importing: what
     imports build is kept (and the little garbage they leave is frozen with it), so the
     collections they would trigger, a sixth of the import time, would find next to nothing."""
     import gc

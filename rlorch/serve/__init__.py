@@ -1,1 +1,2 @@
-"""The CPU inference engine (`rlorch serve`): SGLang's native HTTP API over rlorch's own Qwen2 or a transformers model (``model.implementation``)."""
+"""The CPU inference engine (`rlorch serve`): SGLang's native HTTP API over rlorch's own Qwen2 or
+a transformers model (``model.implementation``)."""
