@@ -63,6 +63,10 @@ config says so, before the first fork, so that those children share it too."""
 SHARDING_PRELOAD = ("torch.distributed.fsdp", "torch.distributed.device_mesh", "torch.distributed.checkpoint",
                     "torch.distributed.checkpoint.state_dict")
 """What an FSDP2 trainer imports before its first step (several ranks, or mixed precision)."""
+TRAINER_MODULE = "rlorch.trainer.fsdp"
+TRAINER_PRELOAD = ("torch", "torch.distributed", "safetensors.torch", "omegaconf", TRAINER_MODULE)
+"""The trainer's own imports, a prefix of what :data:`PRELOAD` brings: a per-run server imports
+them first and forks a trainer already asked for before it imports the rest (:func:`_serve`)."""
 FORKABLE = ("rlorch.cli", "rlorch.trainer.fsdp")
 
 
@@ -407,34 +411,71 @@ def _reap() -> list[tuple[int, int]]:
 
 
 def _serve() -> None:
+    """Serve this process's parent over stdin/stdout until it closes the pipe.
+
+    The trainer's modules are imported first (:data:`TRAINER_PRELOAD`): a trainer asked for by
+    then is forked at once, so its own remaining imports (torch's compiler, which constructing
+    its optimizer imports: seconds on a small machine) run on another core while this server
+    imports the rest for the engines. Requests keep their order otherwise: one that asks for
+    more imports holds back every fork asked for after it."""
     import select
 
-    preload()
     out = sys.stdout
     pending = b""
+
+    def handle(request: dict) -> bool:
+        """Serve one request; False once the client is gone."""
+        if "preload" in request:
+            preload(tuple(request["preload"]))
+            return True
+        pid = _fork(request)
+        try:
+            out.write(json.dumps({"id": request["id"], "pid": pid}) + "\n")
+            out.flush()
+        except BrokenPipeError:
+            return False    # the client is gone; what was forked watches its orchestrator
+        return True
+
+    def arrived(timeout: float) -> Optional[list[dict]]:
+        """The requests whose lines have arrived (None once the client closed the pipe)."""
+        nonlocal pending
+        ready, _, _ = select.select([0], [], [], timeout)
+        if ready:
+            chunk = os.read(0, 1 << 16)
+            if not chunk:
+                return None
+            pending += chunk
+        lines = pending.split(b"\n")
+        pending = lines.pop()
+        return [json.loads(line) for line in lines if line]
+
+    preload(TRAINER_PRELOAD)
+    early = arrived(0)
+    if early is None:
+        return
+    later: list[dict] = []
+    held = False    # a request for more imports came: every fork asked for after it waits for them
+    for request in early:
+        held = held or "preload" in request
+        if not held and request.get("module") == TRAINER_MODULE:
+            if not handle(request):
+                return
+        else:
+            later.append(request)
+    preload()
+    for request in later:
+        if not handle(request):
+            return
     while True:
-        ready, _, _ = select.select([0], [], [], 0.05)
+        requests = arrived(0.05)
         for pid, status in _reap():
             out.write(json.dumps({"exit": pid, "status": status}) + "\n")
             out.flush()
-        if not ready:
-            continue
-        chunk = os.read(0, 1 << 16)
-        if not chunk:
+        if requests is None:
             return
-        pending += chunk
-        while b"\n" in pending:
-            line, pending = pending.split(b"\n", 1)
-            request = json.loads(line)
-            if "preload" in request:
-                preload(tuple(request["preload"]))
-                continue
-            pid = _fork(request)
-            try:
-                out.write(json.dumps({"id": request["id"], "pid": pid}) + "\n")
-                out.flush()
-            except BrokenPipeError:
-                return    # the client is gone; what was forked watches its orchestrator
+        for request in requests:
+            if not handle(request):
+                return
 
 
 def _serve_shared(path: str, parent_pid: Optional[int]) -> None:
