@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -152,6 +153,31 @@ def test_modules_asked_for_are_imported_before_the_next_fork(tmp_path):
         assert "_sqlite3" in maps
     finally:
         server.close()
+
+
+def test_a_trainer_asked_for_early_is_forked_before_the_engines_imports(tmp_path):
+    """A per-run server forks a trainer as soon as the trainer's own modules are in, ahead of an
+    engine asked for earlier, which waits for the rest of the preload."""
+    server = forkserver.ForkServer()
+    answered = []
+
+    def ask(name: str, command: list[str]) -> None:
+        child = server.spawn(command, log=str(tmp_path / f"{name}.log"), env=dict(os.environ), cwd=str(tmp_path))
+        answered.append(name)
+        child.wait(60)
+
+    engine = threading.Thread(target=ask, args=("engine", [sys.executable, "-m", "rlorch.cli", "--version"]))
+    trainer = threading.Thread(target=ask, args=("trainer", [sys.executable, "-m", "rlorch.trainer.fsdp", "--help"]))
+    try:
+        engine.start()
+        time.sleep(0.2)
+        trainer.start()
+        engine.join(120)
+        trainer.join(120)
+    finally:
+        server.close()
+    assert answered == ["trainer", "engine"]
+    assert "--run-dir" in (tmp_path / "trainer.log").read_text()
 
 
 def test_a_server_started_for_a_run_that_launches_nothing_is_discarded():
