@@ -30,7 +30,7 @@ from rlorch.serve.batcher import Batcher, GenerationFailed, LoadError, Sequence
 from rlorch.serve.http import BODY_TIMEOUT_KEY, BODY_TIMEOUT_S, IDLE_TIMEOUT_S, MAX_BODY_BYTES, json_body
 from rlorch.serve.sampling import RequestError, RequestParams
 from rlorch.tasks.prompts import encode_prompt
-from rlorch.tokenizer import load_tokenizer
+from rlorch.tokenizer import FastTokenizer, load_tokenizer
 
 log = logging.getLogger("rlorch.serve")
 
@@ -46,8 +46,6 @@ def _decode_batch(tokenizer) -> Optional[Callable[..., list[str]]]:
     """The tokenizer's Rust backend ``decode_batch`` where it decodes exactly what
     ``tokenizer.decode`` does: a fast tokenizer that cleans up no spaces and whose class changes
     neither ``decode`` nor ``_decode`` (some rewrite the backend's text); else None."""
-    from rlorch.tokenizer import FastTokenizer
-
     if isinstance(tokenizer, FastTokenizer):
         return tokenizer.decode_batch
     from transformers import PreTrainedTokenizerBase
