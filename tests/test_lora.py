@@ -117,12 +117,13 @@ def _train(run_dir, *overrides: str) -> tuple[dict, list[dict]]:
 def test_lora_learns_the_default_task_on_a_partly_trained_base(tmp_path):
     """LoRA adapts a pretrained base: 175 full-parameter steps of the default run make a base that
     has learned the answer's format and little of the mapping (0-25% held-out exact match on 2
-    shared cores: the async run's onset varies); 200 LoRA steps on it, the base frozen, raise
-    held-out accuracy by at least 30 points. The LoRA run's first evaluation is the base's own (the
+    shared cores: the async run's onset varies); 300 LoRA steps on it, the base frozen, raise
+    held-out accuracy by at least 30 points (on a quiet machine it passes 80% by step 100; beside
+    CI's other tests one run of 200 steps had gained only 5 points). The LoRA run's first evaluation is the base's own (the
     adapters start at zero), so the gain is the adapters' and the norms'."""
     _, base_evals = _train(tmp_path / "base", "train.steps=175")
     base = tmp_path / "base" / "weights" / "step_000175"
-    summary, evals = _train(tmp_path / "lora", f"model.path={base}", "train.steps=200", *LORA)
+    summary, evals = _train(tmp_path / "lora", f"model.path={base}", "train.steps=300", *LORA)
     assert evals[0]["step"] == 0 and evals[0]["accuracy"] == base_evals[-1]["accuracy"] < 0.5, (base_evals, evals)
     # Measured on a quiet machine: 2% -> 96%; beside seven default runs: 4% -> 55%. The bar is a
     # gain the frozen base cannot make (with lr 1e-9 it stays at the base's accuracy).

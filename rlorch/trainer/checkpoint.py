@@ -26,10 +26,12 @@ STATE_FILE = "trainer_state.json"
 
 
 def import_dcp_in_background() -> threading.Thread:
-    """Import torch.distributed.checkpoint on a thread (seconds of CPU on a small machine: the
-    DTensor machinery it brings): the first checkpoint needs it, the first steps do not. An
-    import that needs it meanwhile waits for this one (Python's per-module import locks)."""
+    """Import torch.distributed.checkpoint, and torch's compiler, which its ``get_state_dict``
+    looks up, on a thread (seconds of CPU on a small machine): the first checkpoint needs them,
+    the first steps do not. An import that needs one meanwhile waits for this one (Python's
+    per-module import locks)."""
     def load() -> None:
+        import torch._dynamo  # noqa: F401
         import torch.distributed.checkpoint  # noqa: F401
         import torch.distributed.checkpoint.state_dict  # noqa: F401
 

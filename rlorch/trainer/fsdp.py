@@ -33,6 +33,7 @@ from rlorch.trainer.batch import BatchError, micro_batches, minibatch_slices, re
 from rlorch.trainer.checkpoint import CheckpointError
 from rlorch.trainer.loss import (LossStats, MismatchStats, aggregate, policy_loss, reference_kl, token_entropy,
                                  token_logprobs)
+from rlorch.trainer.optimizer import make_optimizer
 from rlorch.trainer.publish import HFWriter, TokenizerFiles, clear_staging, discard_newer, prune, publish
 from rlorch.trainer.schedule import lr_factor
 
@@ -213,11 +214,9 @@ def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
         checkpoint_activations(model)
     sharded = uses_fsdp(world, config.model.dtype)
     model = _sharded(model, device, config.model.dtype)
-    # Plain tensors (one float32 rank) are updated by the fused kernel in one call per step
-    # instead of a dozen small ops per parameter; DTensor shards keep the default implementation.
     # Frozen weights (LoRA's base) get no optimizer state.
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.trainer.lr,
-                                  weight_decay=config.trainer.weight_decay, fused=None if sharded else True)
+    optimizer = make_optimizer((p for p in model.parameters() if p.requires_grad), lr=config.trainer.lr,
+                               weight_decay=config.trainer.weight_decay, sharded=sharded)
     tokenizer = TokenizerFiles(path) if rank == 0 else None
     worker = Worker(config, run, model, optimizer, tokenizer, HFWriter(lora.base_model(model), tokenizer), device,
                     rank, world, sharded=sharded, reference=build_reference(config, path, device))
@@ -593,8 +592,8 @@ def _append_metrics(run, record: dict) -> None:
 def run_loop(worker: Worker) -> None:
     """Train steps ``worker.step + 1 .. train.steps``; checkpoint on STOP and at the end."""
     config, run = worker.config, worker.run
-    last = config.train.steps
-    for step in range(worker.step + 1, last + 1):
+    first, last = worker.step + 1, config.train.steps
+    for step in range(first, last + 1):
         if not wait_for_batch(run, step, worker.device, asked=lambda: publish_asked(worker),
                               answer=lambda: publish_on_request(worker)):
             if worker.step > 0:  # step 0 is the base model: nothing to save
@@ -613,6 +612,8 @@ def run_loop(worker: Worker) -> None:
             publish_version(worker, step, last=step == last)
             record["publish_s"] = time.perf_counter() - started
         _log(worker, " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
+        if step == first:  # after the first step, which needs neither, not on its way
+            checkpoint.import_dcp_in_background()
         if step % config.trainer.checkpoint_every == 0 or step == last:
             save_checkpoint(worker, step, wait=step == last)
 
@@ -682,7 +683,6 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                       "device": str(device), "pid": os.getpid()})
             if worker.broadcaster is not None:
                 worker.broadcaster.join()
-        checkpoint.import_dcp_in_background()
         run_loop(worker)
     except (BatchError, CheckpointError, NonFiniteError) as err:
         print(f"rlorch trainer: {err}", file=sys.stderr, flush=True)
