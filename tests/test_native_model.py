@@ -69,9 +69,11 @@ def test_native_decoding_with_a_cache_matches_transformers_and_the_whole_sequenc
         expected = hf(input_ids=chosen[:, None], use_cache=True, past_key_values=theirs, **kwargs).logits[:, -1]
         got = native(input_ids=chosen[:, None], cache=mine, **kwargs).logits[:, -1]
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        # A padded batch and one row sum in other orders: float32 noise of up to 1.5e-5 was
+        # measured (AMD EPYC). A wrong position or cache row is off by far more.
         for row, sequence in enumerate(sequences):
             whole = native(input_ids=torch.tensor([sequence])).logits[0, -1]
-            torch.testing.assert_close(got[row], whole, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got[row], whole, rtol=1e-5, atol=5e-5)
 
 
 def test_native_checkpoints_load_in_transformers_with_the_same_logits(models, tmp_path):
@@ -185,10 +187,11 @@ def test_a_model_specific_tokenizer_class_goes_through_transformers(model_dir, t
     assert not isinstance(load_tokenizer(target), FastTokenizer)
 
 
-def test_the_default_engine_and_trainer_never_import_transformers(model_dir):
-    """In a fresh interpreter: the engine and the trainer's model and optimizer for the CPU
-    default (transformers' import was most of a cold start), and the fork server's preload for
-    them. (The optimizer imports torch's compiler, and with it FSDP's modules, whatever the model.)"""
+def test_the_default_engine_and_trainer_import_neither_transformers_nor_torchs_compiler(model_dir, tmp_path):
+    """In a fresh interpreter: the engine, and the trainer's worker taking an optimizer step,
+    for the CPU default, after the fork server's preload for them. Transformers' import was most
+    of a cold start; torch's compiler (which torch's AdamW imports) the largest part of the rest.
+    The compiler comes with the checkpoint's imports, on a thread after the first step."""
     code = f"""
 import json, sys
 from pathlib import Path
@@ -197,12 +200,18 @@ from rlorch.launch import forkserver
 forkserver.preload()
 from rlorch.serve.server import CpuServer
 CpuServer(Path({str(model_dir)!r}), threads=1)
+import torch.distributed as dist
 from rlorch.config.compose import compose
-from rlorch.trainer.fsdp import load_model
-model = load_model(compose([]), {str(model_dir)!r}, torch.device("cpu"))
-torch.optim.AdamW(model.parameters())
+from rlorch.rundir.layout import RunDir
+from rlorch.trainer.fsdp import build_worker
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+worker = build_worker(compose([f"model.path={str(model_dir)}"]), RunDir(Path({str(tmp_path)!r})), torch.device("cpu"), None)
+model, optimizer = worker.model, worker.optimizer
+model(torch.tensor([[1, 13, 14]])).logits.sum().backward()
+optimizer.step()
+optimizer.zero_grad()
 print(json.dumps({{"model": type(model).__module__,
-                   "loaded": [m for m in ("transformers",) if m in sys.modules]}}))
+                   "loaded": [m for m in ("transformers", "torch._dynamo") if m in sys.modules]}}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
