@@ -123,10 +123,12 @@ def train(overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_H
                                                                   "process, and start nothing.")) -> None:
     """Run an RL job: engines, trainer and the orchestrator, into a new run directory."""
     with _interruptible():
-        from rlorch.runner import run_training, warm_up_early
+        if not dry_run:  # first: the runner's own imports take a fifth of a second
+            from rlorch.launch.forkserver import warm_up_early
 
-        if not dry_run:
             warm_up_early(overrides or [])
+        from rlorch.runner import run_training
+
         config = _config_or_exit(overrides or [])
     if dry_run:
         from rlorch.config.schema import ConfigError

@@ -136,7 +136,7 @@ def _resume(checkpoint: str, overrides: list[str]) -> int:
 
 def _warm_up(config: Config) -> None:
     """Start the fork server early when rlorch processes will be launched (rlorch.launch.forkserver);
-    stop one :func:`warm_up_early` started for a run that launches none."""
+    stop one ``forkserver.warm_up_early`` started for a run that launches none."""
     from rlorch.launch import forkserver
     from rlorch.config.schema import InferenceBackend, TrainerBackend
 
@@ -176,23 +176,6 @@ def _heavy_modules(config: Config) -> list[str]:
     sharded = trainer and ((config.trainer.fsdp.nproc or 1) > 1 or config.model.dtype != "float32")
     return [*(forkserver.TRANSFORMERS_PRELOAD if transformers else ()),
             *(forkserver.SHARDING_PRELOAD if sharded else ())]
-
-
-_OTHER_LAUNCH = ("conf=", "inference=", "trainer=", "inference.backend=", "trainer.backend=", "run.launcher=")
-
-
-def warm_up_early(overrides: list[str]) -> None:
-    """Start the fork server before the config is composed when the overrides keep the default
-    preset's backends (CPU engines, FSDP trainer), which launch through it: its imports take
-    the longest of the start, so every fraction of a second they start sooner is one off the
-    time to the first step. Any other choice waits for the composed config (:func:`_warm_up`)."""
-    import os
-
-    if os.environ.get("RLORCH_CONF_DIR") or any(o.lstrip("+~").startswith(_OTHER_LAUNCH) for o in overrides):
-        return
-    from rlorch.launch import forkserver
-
-    forkserver.warm_up()
 
 
 async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> int:

@@ -187,7 +187,8 @@ def test_a_server_started_for_a_run_that_launches_nothing_is_discarded():
     code = """
 from rlorch.launch import forkserver
 from rlorch.config.compose import compose
-from rlorch.runner import _warm_up, warm_up_early
+from rlorch.runner import _warm_up
+from rlorch.launch.forkserver import warm_up_early
 seen = []
 for overrides in (["inference=sim"], ["trainer=sim"], ["conf=sim"], ["inference.backend=sim"]):
     warm_up_early(overrides)

@@ -11,7 +11,7 @@ fork is safe. Each child gets its own session, environment, working directory an
 its module as ``python -m`` would. What the server imported stays shared with every child
 (copy-on-write pages, frozen out of the garbage collector: :func:`preload`), so a child starts
 in a fraction of a second. ``rlorch train`` starts the server before it composes its config
-when the default backends will launch through it (see ``rlorch.runner.warm_up_early``); one
+when the default backends will launch through it (:func:`warm_up_early`); one
 that has forked nothing is stopped once the run turns out not to need it, and at exit
 (:func:`discard`).
 
@@ -232,6 +232,22 @@ def warm_up() -> None:
                 if _server is None:
                     atexit.register(discard)
                 _server = ForkServer(shared_address())
+
+
+OTHER_LAUNCH = ("conf=", "inference=", "trainer=", "inference.backend=", "trainer.backend=", "run.launcher=")
+"""Overrides that may choose backends launched otherwise: :func:`warm_up_early` leaves them to
+the composed config."""
+
+
+def warm_up_early(overrides: list[str]) -> None:
+    """Start the fork server before the config is composed, or even the runner imported, when the
+    overrides keep the default preset's backends (CPU engines, FSDP trainer), which launch
+    through it: its imports take the longest of the start, so every fraction of a second they
+    start sooner is one off the time to the first step. Any other choice waits for the composed
+    config (``rlorch.runner``)."""
+    if os.environ.get("RLORCH_CONF_DIR") or any(o.lstrip("+~").startswith(OTHER_LAUNCH) for o in overrides):
+        return
+    warm_up()
 
 
 def preload_for(modules: list[str]) -> None:
