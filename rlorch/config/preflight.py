@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlorch.config.schema import Config, ConfigError
+from rlorch.config.schema import Config, ConfigError, InferenceBackend
 
 
 def preflight(config: Config) -> None:
@@ -31,6 +31,12 @@ def preflight(config: Config) -> None:
             from rlorch.model import uses_native
 
             uses_native("native", path, lora=bool(config.model.lora.rank))  # refused naming the key
+    if config.inference.launch_args and config.inference.backend == InferenceBackend.cpu:
+        from rlorch.serve.arguments import launch_args_problem
+
+        problem = launch_args_problem(list(config.inference.launch_args))
+        if problem:
+            raise ConfigError("inference.launch_args", problem)
     try:
         make_environment(config)
     except DataError as err:

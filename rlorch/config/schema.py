@@ -335,7 +335,9 @@ class InferenceConfig:
     """GPU ids for the launched servers (num_servers x tp_size of them, in order); empty: the
     first ones visible (see rlorch.launch.placement)."""
     launch_args: list[str] = field(default_factory=list)
-    """Extra arguments for each launched server (e.g. ["--mem-fraction-static", "0.8"])."""
+    """Extra command-line arguments for each launched server: SGLang's flags (e.g.
+    ["--mem-fraction-static", "0.8"]), or the CPU engine's (``python -m rlorch.serve.server
+    --help``, e.g. ["--min-step-time", "0.05"]; checked before the run starts)."""
     expect_version: Optional[str] = None
     """Refuse servers whose /get_server_info version differs (engine and trainer are one unit)."""
     ready_timeout: float = 600.0
@@ -565,6 +567,10 @@ class LoraConfig:
                  'LoRA needs peft: pip install "rlorch[lora]" (or set model.lora.rank=0)')
 
 
+IMPLEMENTATIONS = ("auto", "native", "hf")
+"""The values of ``model.implementation``."""
+
+
 @dataclass
 class ModelConfig:
     path: Optional[str] = None
@@ -584,8 +590,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _require(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype",
                  f"must be one of float32, bfloat16, float16 (got {self.dtype!r})")
-        _require(self.implementation in ("auto", "native", "hf"), "model.implementation",
-                 f"must be one of auto, native, hf (got {self.implementation!r})")
+        _require(self.implementation in IMPLEMENTATIONS, "model.implementation",
+                 f"must be one of {', '.join(IMPLEMENTATIONS)} (got {self.implementation!r})")
 
 
 @dataclass

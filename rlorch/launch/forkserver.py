@@ -50,7 +50,7 @@ PRELOAD = ("torch", "torch.distributed", "safetensors.torch", "tokenizers", "jin
            "rich.console", "rich.markup",
            "rlorch.cli", "rlorch.config.compose", "rlorch.config.schema", "rlorch.config.keys", "rlorch.model",
            "rlorch.qwen2", "rlorch.tokenizer", "rlorch.serve.server", "rlorch.serve.batcher",
-           "rlorch.serve.weight_sync", "rlorch.trainer.fsdp")
+           "rlorch.serve.weight_sync", "rlorch.trainer.fsdp", "rlorch.trainer.optimizer")
 """Every module a child imports before it serves or trains with rlorch's own Qwen2 and a
 tokenizer its files define (the CPU default), and what composing their config takes (Hydra,
 OmegaConf, the CLI's error display). A module this environment lacks is skipped."""
@@ -64,10 +64,18 @@ SHARDING_PRELOAD = ("torch.distributed.fsdp", "torch.distributed.device_mesh", "
                     "torch.distributed.checkpoint.state_dict")
 """What an FSDP2 trainer imports before its first step (several ranks, or mixed precision)."""
 TRAINER_MODULE = "rlorch.trainer.fsdp"
-TRAINER_PRELOAD = ("torch", "torch.distributed", "safetensors.torch", "omegaconf", TRAINER_MODULE)
-"""The trainer's own imports, a prefix of what :data:`PRELOAD` brings: a per-run server imports
-them first and forks a trainer already asked for before it imports the rest (:func:`_serve`)."""
-FORKABLE = ("rlorch.cli", "rlorch.trainer.fsdp")
+TRAINER_PRELOAD = ("torch", "torch.distributed", "safetensors.torch", "omegaconf", TRAINER_MODULE,
+                   "rlorch.trainer.optimizer")
+"""The trainer's own imports, part of what :data:`PRELOAD` brings: a per-run server imports them
+first and forks a trainer already asked for before it imports the rest (:func:`_serve`)."""
+ENGINE_MODULE = "rlorch.serve.server"
+ENGINE_PRELOAD = ("tokenizers", "jinja2.sandbox", "aiohttp.web", "rlorch.model", "rlorch.qwen2", "rlorch.tokenizer",
+                  ENGINE_MODULE, "rlorch.serve.batcher", "rlorch.serve.weight_sync")
+"""A launched engine's own imports beyond the trainer's (its launched form composes no config):
+imported next, before Hydra, the CLI and the rest of :data:`PRELOAD`."""
+STAGES = ((TRAINER_PRELOAD, (TRAINER_MODULE,)), (ENGINE_PRELOAD, (TRAINER_MODULE, ENGINE_MODULE)))
+"""What a per-run server imports before :data:`PRELOAD`, and which children it forks after each."""
+FORKABLE = ("rlorch.cli", TRAINER_MODULE, ENGINE_MODULE)
 
 
 class Forked:
@@ -429,11 +437,11 @@ def _reap() -> list[tuple[int, int]]:
 def _serve() -> None:
     """Serve this process's parent over stdin/stdout until it closes the pipe.
 
-    The trainer's modules are imported first (:data:`TRAINER_PRELOAD`): a trainer asked for by
-    then is forked at once, so its own remaining imports (torch's compiler, which constructing
-    its optimizer imports: seconds on a small machine) run on another core while this server
-    imports the rest for the engines. Requests keep their order otherwise: one that asks for
-    more imports holds back every fork asked for after it."""
+    The imports come in :data:`STAGES`: the trainer's first, then a launched engine's, then the
+    rest (Hydra, the CLI). A trainer or engine asked for by the end of a stage is forked then,
+    so it loads its model on another core while this server goes on importing. Requests keep
+    their order otherwise: one that asks for more imports holds back every fork asked for after
+    it."""
     import select
 
     out = sys.stdout
@@ -465,21 +473,24 @@ def _serve() -> None:
         pending = lines.pop()
         return [json.loads(line) for line in lines if line]
 
-    preload(TRAINER_PRELOAD)
-    early = arrived(0)
-    if early is None:
-        return
-    later: list[dict] = []
-    held = False    # a request for more imports came: every fork asked for after it waits for them
-    for request in early:
-        held = held or "preload" in request
-        if not held and request.get("module") == TRAINER_MODULE:
-            if not handle(request):
-                return
-        else:
-            later.append(request)
+    waiting: list[dict] = []
+    for modules, forkable_now in STAGES:
+        preload(modules)
+        requests = arrived(0)
+        if requests is None:
+            return
+        held = False    # a request for more imports came: every fork asked for after it waits for them
+        still: list[dict] = []
+        for request in [*waiting, *requests]:
+            held = held or "preload" in request
+            if not held and request.get("module") in forkable_now:
+                if not handle(request):
+                    return
+            else:
+                still.append(request)
+        waiting = still
     preload()
-    for request in later:
+    for request in waiting:
         if not handle(request):
             return
     while True:

@@ -15,15 +15,17 @@ the client sends to servers started elsewhere (optional)."""
 
 
 def _cpu_command(config, *, model_path: Path, port: int, host: str) -> list[str]:
-    """The API key reaches ``rlorch serve`` through its environment (RLORCH_API_KEY), out of ``ps``."""
+    """The engine's launched form (``python -m rlorch.serve.server``): every setting resolved
+    here, so it composes no config. The API key reaches it through its environment
+    (RLORCH_API_KEY), out of ``ps``; ``inference.launch_args`` are more of its flags (a flag
+    given again there wins)."""
     inference = config.inference
-    return [sys.executable, "-m", "rlorch.cli", "serve", "--host", host, "--port", str(port),
-            "--parent-pid", str(os.getpid()),
-            f"model.path={model_path}", f"model.dtype={config.model.dtype}",
-            f"model.implementation={config.model.implementation}",
-            f"inference.cpu.threads={inference.cpu.threads}",
-            *([f"inference.cpu.max_batch={inference.cpu.max_batch}"] if inference.cpu.max_batch else []),
-            f"run.seed={config.run.seed}", f"inference.transfer_timeout={inference.transfer_timeout:g}",
+    return [sys.executable, "-m", "rlorch.serve.server", "--host", host, "--port", str(port),
+            "--parent-pid", str(os.getpid()), "--model-path", str(model_path),
+            "--dtype", config.model.dtype, "--implementation", config.model.implementation,
+            "--threads", str(inference.cpu.threads),
+            "--max-batch", str(inference.cpu.max_batch or config.rollout.batch_size),
+            "--seed", str(config.run.seed), "--transfer-timeout", f"{inference.transfer_timeout:g}",
             *inference.launch_args]
 
 

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from rlorch.jsonlines import dumps
 from rlorch.lifecycle import cancel_and_wait
+from rlorch.serve.arguments import DTYPES
 from rlorch.serve.batcher import Batcher, GenerationFailed, LoadError, Sequence
 from rlorch.serve.http import BODY_TIMEOUT_KEY, BODY_TIMEOUT_S, IDLE_TIMEOUT_S, MAX_BODY_BYTES, json_body
 from rlorch.serve.sampling import RequestError, RequestParams
@@ -34,7 +35,6 @@ from rlorch.tokenizer import FastTokenizer, load_tokenizer
 
 log = logging.getLogger("rlorch.serve")
 
-_DTYPES = ("float32", "bfloat16", "float16")
 _LOAD_FORMATS = (None, "auto", "safetensors")
 _PAUSE_MODES = ("abort", "in_place", "retract")
 _INT = {int}
@@ -94,8 +94,8 @@ class CpuServer:
         from rlorch.model import uses_native
         from rlorch.qwen2 import Qwen2ForCausalLM
 
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if threads is not None:
             torch.set_num_threads(threads)
         self.model_path = str(model_path)
@@ -561,27 +561,56 @@ def served_path(path: Optional[str]) -> Optional[str]:
 
 def serve_command(config, *, host: str, port: int, weight_version: str = "0",
                   parent: Optional[int] = None, api_key: Optional[str] = None, min_step_time: float = 0.0) -> int:
-    """Run the CPU engine until SIGINT/SIGTERM (or until process ``parent`` is gone); the exit
-    status (2 for a bad model path)."""
+    """``rlorch serve``: run the CPU engine the composed ``config`` describes until SIGINT/SIGTERM
+    (or until process ``parent`` is gone); the exit status (2 for a bad model path)."""
+    # Unset, a lone engine decodes a whole step's rollouts together (the run's launcher sets it).
+    return serve_model(config.model.path, host=host, port=port, dtype=config.model.dtype,
+                       implementation=config.model.implementation, threads=config.inference.cpu.threads,
+                       max_batch=config.inference.cpu.max_batch or config.rollout.batch_size, seed=config.run.seed,
+                       transfer_timeout=config.inference.transfer_timeout, weight_version=weight_version,
+                       parent=parent, api_key=api_key, min_step_time=min_step_time)
+
+
+def serve_model(model_path: Optional[str], *, host: str, port: int, dtype: str = "float32",
+                implementation: str = "auto", threads: int = 1, max_batch: int = 128, seed: int = 0,
+                transfer_timeout: float = 60.0, weight_version: str = "0", parent: Optional[int] = None,
+                api_key: Optional[str] = None, min_step_time: float = 0.0) -> int:
+    """Run the CPU engine on ``model_path`` (a run directory: its newest weights) until
+    SIGINT/SIGTERM (or until process ``parent`` is gone); the exit status (2 for a bad model
+    path or an address it cannot bind)."""
     from rlorch.config.schema import ConfigError
     from rlorch.model import resolve_model_path
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        path = resolve_model_path(served_path(config.model.path))
+        path = resolve_model_path(served_path(model_path))
     except ConfigError as err:
         log.error("cannot serve: %s", err)
         return 2
-    # Unset, a lone engine decodes a whole step's rollouts together (the run's launcher sets it).
-    max_batch = config.inference.cpu.max_batch or config.rollout.batch_size
-    server = CpuServer(path, dtype=config.model.dtype, max_batch=max_batch,
-                       seed=config.run.seed, weight_version=weight_version, threads=config.inference.cpu.threads,
-                       api_key=api_key or None, min_step_time=min_step_time,
-                       group_timeout=config.inference.transfer_timeout,
-                       implementation=config.model.implementation)
+    server = CpuServer(path, dtype=dtype, max_batch=max_batch, seed=seed, weight_version=weight_version,
+                       threads=threads, api_key=api_key or None, min_step_time=min_step_time,
+                       group_timeout=transfer_timeout, implementation=implementation)
     try:
         asyncio.run(_serve_until_signal(server, host, port, parent))
     except OSError as err:
         log.error("cannot serve on %s:%d: %s", host, port, err.strerror or err)
         return 2
     return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """An engine as rlorch launches it. Nothing is composed: it starts a few tenths of a second
+    sooner than ``rlorch serve`` would (Hydra's imports and a composition)."""
+    from rlorch.serve.arguments import API_KEY_ENV, launched_parser
+
+    args = launched_parser().parse_args(argv)
+    return serve_model(args.model_path, host=args.host, port=args.port, dtype=args.dtype,
+                       implementation=args.implementation, threads=args.threads, max_batch=args.max_batch,
+                       seed=args.seed, transfer_timeout=args.transfer_timeout, weight_version=args.weight_version,
+                       parent=args.parent_pid, api_key=os.environ.get(API_KEY_ENV), min_step_time=args.min_step_time)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
