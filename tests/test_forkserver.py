@@ -155,9 +155,10 @@ def test_modules_asked_for_are_imported_before_the_next_fork(tmp_path):
         server.close()
 
 
-def test_a_trainer_asked_for_early_is_forked_before_the_engines_imports(tmp_path):
-    """A per-run server forks a trainer as soon as the trainer's own modules are in, ahead of an
-    engine asked for earlier, which waits for the rest of the preload."""
+def test_a_trainer_and_an_engine_asked_for_early_are_forked_after_their_own_imports(tmp_path):
+    """A per-run server forks a trainer as soon as the trainer's own modules are in, then a
+    launched engine once its own are, both ahead of a CLI child asked for first, which waits
+    for the rest of the preload (Hydra, the CLI)."""
     server = forkserver.ForkServer()
     answered = []
 
@@ -166,18 +167,21 @@ def test_a_trainer_asked_for_early_is_forked_before_the_engines_imports(tmp_path
         answered.append(name)
         child.wait(60)
 
-    engine = threading.Thread(target=ask, args=("engine", [sys.executable, "-m", "rlorch.cli", "--version"]))
-    trainer = threading.Thread(target=ask, args=("trainer", [sys.executable, "-m", "rlorch.trainer.fsdp", "--help"]))
+    asked = [threading.Thread(target=ask, args=("cli", [sys.executable, "-m", "rlorch.cli", "--version"])),
+             threading.Thread(target=ask, args=("engine", [sys.executable, "-m", "rlorch.serve.server", "--help"])),
+             threading.Thread(target=ask, args=("trainer", [sys.executable, "-m", "rlorch.trainer.fsdp", "--help"]))]
     try:
-        engine.start()
-        time.sleep(0.2)
-        trainer.start()
-        engine.join(120)
-        trainer.join(120)
+        for thread in asked:
+            thread.start()
+            time.sleep(0.15)
+        for thread in asked:
+            thread.join(120)
     finally:
         server.close()
-    assert answered == ["trainer", "engine"]
+    assert answered == ["trainer", "engine", "cli"]
     assert "--run-dir" in (tmp_path / "trainer.log").read_text()
+    assert "--model-path" in (tmp_path / "engine.log").read_text()
+    assert "rlorch" in (tmp_path / "cli.log").read_text()
 
 
 def test_a_server_started_for_a_run_that_launches_nothing_is_discarded():

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from rlorch.config.schema import Config, InferenceBackend
+from rlorch.config.schema import Config, ConfigError, InferenceBackend
 from rlorch.inference.client import EngineError, SGLangEngine
 from rlorch.inference.servers import LaunchError, start_engines
 from rlorch.inference.pool import EnginePool
@@ -209,14 +209,16 @@ def test_server_versions_are_recorded_and_a_mismatch_is_refused(model_dir, tmp_p
 
 def test_server_commands(tmp_path):
     from rlorch.launch.server_command import server_command
+    from rlorch.serve.arguments import launched_parser
 
     config = cpu_config(1)
-    config.inference.launch_args = ["inference.cpu.max_batch=8"]
+    config.inference.launch_args = ["--max-batch", "8"]
     cpu = server_command(config, model_path=tmp_path, port=1234)
-    assert cpu[1:4] == ["-m", "rlorch.cli", "serve"] and "--port" in cpu and f"model.path={tmp_path}" in cpu
-    assert "inference.cpu.threads=1" in cpu and cpu[-1] == "inference.cpu.max_batch=8"
+    assert cpu[1:3] == ["-m", "rlorch.serve.server"] and cpu[cpu.index("--model-path") + 1] == str(tmp_path)
+    parsed = launched_parser().parse_args(cpu[3:])  # the launched engine's own parser takes it
+    assert (parsed.port, parsed.threads, parsed.max_batch) == (1234, 1, 8)  # a launch arg given again wins
     # The engine's weight group waits no longer than the run waits for a transfer.
-    assert f"inference.transfer_timeout={config.inference.transfer_timeout:g}" in cpu
+    assert parsed.transfer_timeout == config.inference.transfer_timeout
     config.inference.backend = InferenceBackend.sglang
     config.inference.launch_args = ["--mem-fraction-static", "0.8"]
     sglang = server_command(config, model_path=tmp_path, port=1234)
@@ -372,3 +374,20 @@ def test_a_request_waits_for_a_dead_server_that_will_be_restarted_and_fails_at_o
         await pool.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("launch_args, fragment", [
+    (["inference.cpu.max_batch=8"], "not a flag of the CPU engine: inference.cpu.max_batch=8"),
+    (["--threads", "two"], "argument --threads: invalid int value"),
+    (["--max-batch"], "expected one argument"),
+])
+def test_cpu_launch_args_the_engine_would_refuse_are_refused_before_the_run_naming_the_key(launch_args, fragment):
+    from rlorch.config.preflight import preflight
+
+    config = cpu_config(1)
+    config.inference.launch_args = launch_args
+    with pytest.raises(ConfigError, match=fragment) as raised:
+        preflight(config)
+    assert raised.value.key == "inference.launch_args"
+    config.inference.launch_args = ["--min-step-time", "0.05"]
+    preflight(config)

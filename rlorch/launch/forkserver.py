@@ -437,21 +437,29 @@ def _reap() -> list[tuple[int, int]]:
 def _serve() -> None:
     """Serve this process's parent over stdin/stdout until it closes the pipe.
 
-    The imports come in :data:`STAGES`: the trainer's first, then a launched engine's, then the
-    rest (Hydra, the CLI). A trainer or engine asked for by the end of a stage is forked then,
-    so it loads its model on another core while this server goes on importing. Requests keep
-    their order otherwise: one that asks for more imports holds back every fork asked for after
-    it."""
+    The imports come in :data:`STAGES`: the trainer's first, then a launched engine's. A trainer
+    or engine asked for by the end of a stage is forked then, so it loads its model on another
+    core while this server goes on importing. The rest of :data:`PRELOAD` (Hydra, the CLI) waits
+    for a child that needs it: in a run of the default backends none does, and importing it
+    anyway would take a core from the run's first steps. Requests keep their order otherwise:
+    one that asks for more imports holds back every fork asked for after it."""
     import select
 
     out = sys.stdout
     pending = b""
 
+    staged = {module for _, forkable in STAGES for module in forkable}
+    complete = False    # whether PRELOAD is in: only a child of another module needs all of it
+
     def handle(request: dict) -> bool:
         """Serve one request; False once the client is gone."""
+        nonlocal complete
         if "preload" in request:
             preload(tuple(request["preload"]))
             return True
+        if not complete and request["module"] not in staged:
+            preload()
+            complete = True
         pid = _fork(request)
         try:
             out.write(json.dumps({"id": request["id"], "pid": pid}) + "\n")
@@ -489,7 +497,6 @@ def _serve() -> None:
             else:
                 still.append(request)
         waiting = still
-    preload()
     for request in waiting:
         if not handle(request):
             return
