@@ -70,6 +70,9 @@ def main() -> None:
             results[launcher] = [one_run(Path(root) / launcher, i, args.steps, overrides) for i in range(args.runs)]
     print(f"machine: {platform.machine()} {os.cpu_count()} CPUs, {platform.platform()}, "
           f"python {platform.python_version()}, load average {os.getloadavg()[0]:.2f}")
+    if os.environ.get("PYTHONDONTWRITEBYTECODE"):
+        # Every process then compiles rlorch's sources again (a few tenths of a second here).
+        print("PYTHONDONTWRITEBYTECODE is set: no bytecode caches, unlike a default Python")
     for launcher, runs in results.items():
         print(f"run.launcher={launcher}")
         keys = [key for key in runs[0] if all(isinstance(r.get(key), (int, float)) for r in runs)]
