@@ -188,10 +188,10 @@ def test_a_model_specific_tokenizer_class_goes_through_transformers(model_dir, t
 
 
 def test_the_default_engine_and_trainer_import_neither_transformers_nor_torchs_compiler(model_dir, tmp_path):
-    """In a fresh interpreter: the engine, and the trainer's worker taking an optimizer step,
-    for the CPU default, after the fork server's preload for them. Transformers' import was most
-    of a cold start; torch's compiler (which torch's AdamW imports) the largest part of the rest.
-    The compiler comes with the checkpoint's imports, on a thread after the first step."""
+    """In a fresh interpreter: the engine, and the trainer's worker taking an optimizer step and
+    beginning a checkpoint, for the CPU default, after the fork server's preload for them.
+    Transformers' import was most of a cold start; torch's compiler (which torch's AdamW and
+    DCP's ``get_state_dict`` import) the largest part of the rest."""
     code = f"""
 import json, sys
 from pathlib import Path
@@ -210,6 +210,9 @@ model, optimizer = worker.model, worker.optimizer
 model(torch.tensor([[1, 13, 14]])).logits.sum().backward()
 optimizer.step()
 optimizer.zero_grad()
+from rlorch.trainer import checkpoint
+checkpoint.import_dcp_in_background().join()
+checkpoint.begin_single_rank_save(RunDir(Path({str(tmp_path)!r})), 1, model, optimizer)
 print(json.dumps({{"model": type(model).__module__,
                    "loaded": [m for m in ("transformers", "torch._dynamo") if m in sys.modules]}}))
 """

@@ -1,9 +1,12 @@
-"""The trainer's AdamW on plain tensors: torch's fused AdamW, bit for bit, without its compiler import."""
+"""The trainer's AdamW on plain tensors and its single-rank checkpoint state: torch's own, bit for
+bit, without importing torch's compiler."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from rlorch.config.compose import compose
 from rlorch.trainer.optimizer import FusedAdamW, make_optimizer
 
 INPUTS = [torch.randn(3, 8, generator=torch.Generator().manual_seed(i)) for i in range(6)]
@@ -82,3 +85,39 @@ def test_sharded_parameters_get_torchs_adamw():
     model = _model()
     assert type(make_optimizer(model.parameters(), lr=1e-3, weight_decay=0.0, sharded=True)) is torch.optim.AdamW
     assert type(make_optimizer(model.parameters(), lr=1e-3, weight_decay=0.0, sharded=False)) is FusedAdamW
+
+
+@pytest.mark.parametrize("wrap", ["plain", "activation_checkpointing", "lora"])
+def test_a_single_rank_checkpoints_state_is_dcps_own_without_its_lookups(model_dir, wrap):
+    """The single-rank checkpoint's state dicts, built without DCP's lookups (which import
+    torch's compiler), equal ``get_state_dict``'s: rlorch's own model, with its layers wrapped
+    for activation checkpointing, and with LoRA adapters (the trainable ones alone)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from rlorch.trainer import checkpoint
+    from rlorch.trainer.fsdp import checkpoint_activations, load_model
+
+    overrides = ["model.lora.rank=4"] if wrap == "lora" else []
+    model = load_model(compose([f"model.path={model_dir}", *overrides]), model_dir, torch.device("cpu"))
+    if wrap == "activation_checkpointing":
+        checkpoint_activations(model)
+    optimizer = make_optimizer((p for p in model.parameters() if p.requires_grad), lr=1e-3, weight_decay=0.0,
+                               sharded=False)
+    assert checkpoint.plain_state_dicts(model, optimizer) is None  # no optimizer state yet: DCP makes it
+    model(torch.tensor([[1, 13, 14, 15]])).logits.sum().backward()
+    optimizer.step()
+    assert checkpoint.plain_state_dicts(model, optimizer) is not None
+    trainable_only = wrap == "lora"
+    model_state, optim_state = checkpoint._state(model, optimizer, trainable_only)
+    expected_model, expected_optim = get_state_dict(model, optimizer,
+                                                    options=StateDictOptions(ignore_frozen_params=trainable_only))
+    if trainable_only:
+        trained = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
+        expected_model = {name: value for name, value in expected_model.items() if name in trained}
+    assert list(model_state) == list(expected_model) and model_state
+    assert all(torch.equal(model_state[name], expected_model[name]) for name in expected_model)
+    assert optim_state["param_groups"] == expected_optim["param_groups"]
+    assert list(optim_state["state"]) == list(expected_optim["state"]) and optim_state["state"]
+    for name, moments in expected_optim["state"].items():
+        assert moments.keys() == optim_state["state"][name].keys()
+        assert all(torch.equal(optim_state["state"][name][key], value) for key, value in moments.items())

@@ -26,14 +26,11 @@ STATE_FILE = "trainer_state.json"
 
 
 def import_dcp_in_background() -> threading.Thread:
-    """Import torch.distributed.checkpoint, and torch's compiler, which its ``get_state_dict``
-    looks up, on a thread (seconds of CPU on a small machine): the first checkpoint needs them,
-    the first steps do not. An import that needs one meanwhile waits for this one (Python's
-    per-module import locks)."""
+    """Import torch.distributed.checkpoint on a thread (a second of CPU on a small machine): the
+    first checkpoint needs it, the first steps do not. An import that needs it meanwhile waits
+    for this one (Python's per-module import locks)."""
     def load() -> None:
-        import torch._dynamo  # noqa: F401
         import torch.distributed.checkpoint  # noqa: F401
-        import torch.distributed.checkpoint.state_dict  # noqa: F401
 
     thread = threading.Thread(target=load, name="rlorch-import-dcp", daemon=True)
     thread.start()
@@ -190,13 +187,40 @@ def _options(trainable_only: bool):
     return StateDictOptions(ignore_frozen_params=trainable_only)
 
 
+def plain_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Optional[tuple[dict, dict]]:
+    """``get_state_dict(model, optimizer)``'s answer, the optimizer's state under each
+    parameter's name, for a model of plain tensors on one process whose parameters' names are
+    its state dict's and whose optimized parameters have all taken a step; None for any other.
+    Its lookups import torch's compiler (seconds of CPU beside the trainer's first steps)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        return None
+    names: dict = {}
+    for name, parameter in model.named_parameters():  # a tied weight under its first name
+        names.setdefault(parameter, name)
+    model_state = model.state_dict()
+    indices = [p for group in optimizer.param_groups for p in group["params"]]
+    if (any(hasattr(p, "to_local") for p in names) or not set(names.values()) <= model_state.keys()
+            or not all(p in names and p in optimizer.state for p in indices)):
+        return None   # sharded, wrapped (activation checkpointing renames), or state not made yet
+    saved = optimizer.state_dict()
+    fqn = {index: names[parameter] for index, parameter in enumerate(indices)}
+    optim_state = {"state": {fqn[index]: state for index, state in saved["state"].items()},
+                   "param_groups": [{**group, "params": [fqn[index] for index in group["params"]]}
+                                    for group in saved["param_groups"]]}
+    return model_state, optim_state
+
+
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool) -> tuple[dict, dict]:
     """The model's and optimizer's state dicts; ``trainable_only`` keeps the parameters that
     train alone (a weight tied to a frozen one is frozen too, though ``ignore_frozen_params``
     keeps its second name)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    plain = plain_state_dicts(model, optimizer)
+    if plain is not None:
+        model_state, optim_state = plain
+    else:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer, options=_options(trainable_only))
+        model_state, optim_state = get_state_dict(model, optimizer, options=_options(trainable_only))
     if trainable_only:
         trainable = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
         model_state = {name: value for name, value in model_state.items() if name in trainable}
