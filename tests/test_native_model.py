@@ -189,7 +189,7 @@ def test_a_model_specific_tokenizer_class_goes_through_transformers(model_dir, t
 
 def test_the_default_engine_and_trainer_import_neither_transformers_nor_torchs_compiler(model_dir, tmp_path):
     """In a fresh interpreter: the engine, and the trainer's worker taking an optimizer step and
-    beginning a checkpoint, for the CPU default, after the fork server's preload for them.
+    taking the state a checkpoint saves, for the CPU default, after the fork server's preload for them.
     Transformers' import was most of a cold start; torch's compiler (which torch's AdamW and
     DCP's ``get_state_dict`` import) the largest part of the rest."""
     code = f"""
@@ -212,7 +212,7 @@ optimizer.step()
 optimizer.zero_grad()
 from rlorch.trainer import checkpoint
 checkpoint.import_dcp_in_background().join()
-checkpoint.begin_single_rank_save(RunDir(Path({str(tmp_path)!r})), 1, model, optimizer)
+checkpoint._state(model, optimizer, False)  # what a checkpoint saves
 print(json.dumps({{"model": type(model).__module__,
                    "loaded": [m for m in ("transformers", "torch._dynamo") if m in sys.modules]}}))
 """
