@@ -201,7 +201,7 @@ def plain_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     indices = [p for group in optimizer.param_groups for p in group["params"]]
     if (any(hasattr(p, "to_local") for p in names) or not set(names.values()) <= model_state.keys()
             or not all(p in names and p in optimizer.state for p in indices)):
-        return None   # sharded, wrapped (activation checkpointing renames), or state not made yet
+        return None   # sharded, renamed by a wrapper, or no optimizer state made yet
     saved = optimizer.state_dict()
     fqn = {index: names[parameter] for index, parameter in enumerate(indices)}
     optim_state = {"state": {fqn[index]: state for index, state in saved["state"].items()},
