@@ -41,16 +41,24 @@ import threading
 import time
 from typing import Optional
 
-PRELOAD = ("torch", "torch.distributed", "safetensors.torch", "tokenizers", "jinja2.sandbox", "aiohttp.web",
-           "omegaconf", "hydra.compose", "hydra.initialize", "hydra._internal.hydra",
+TRAINER_MODULE = "rlorch.trainer.fsdp"
+TRAINER_PRELOAD = ("torch", "torch.distributed", "safetensors.torch", "omegaconf", TRAINER_MODULE,
+                   "rlorch.trainer.optimizer")
+"""The trainer's own imports: a per-run server imports them first and forks a trainer already
+asked for before it imports the rest (:func:`_serve`)."""
+ENGINE_MODULE = "rlorch.serve.server"
+ENGINE_PRELOAD = ("tokenizers", "jinja2.sandbox", "aiohttp.web", "rlorch.model", "rlorch.qwen2", "rlorch.tokenizer",
+                  ENGINE_MODULE, "rlorch.serve.batcher", "rlorch.serve.weight_sync")
+"""A launched engine's own imports beyond the trainer's (its launched form composes no config):
+imported next, before the rest of :data:`PRELOAD`."""
+PRELOAD = (*TRAINER_PRELOAD, *ENGINE_PRELOAD,
+           "hydra.compose", "hydra.initialize", "hydra._internal.hydra",
            "hydra._internal.config_loader_impl", "hydra.core.override_parser.overrides_parser",
            "hydra._internal.core_plugins.importlib_resources_config_source",
            "hydra._internal.core_plugins.file_config_source", "hydra._internal.core_plugins.structured_config_source",
            "hydra._internal.core_plugins.basic_launcher", "hydra._internal.core_plugins.basic_sweeper",
-           "rich.console", "rich.markup",
-           "rlorch.cli", "rlorch.config.compose", "rlorch.config.schema", "rlorch.config.keys", "rlorch.model",
-           "rlorch.qwen2", "rlorch.tokenizer", "rlorch.serve.server", "rlorch.serve.batcher",
-           "rlorch.serve.weight_sync", "rlorch.trainer.fsdp", "rlorch.trainer.optimizer")
+           "rich.console", "rich.markup", "rlorch.cli", "rlorch.config.compose", "rlorch.config.schema",
+           "rlorch.config.keys")
 """Every module a child imports before it serves or trains with rlorch's own Qwen2 and a
 tokenizer its files define (the CPU default), and what composing their config takes (Hydra,
 OmegaConf, the CLI's error display). A module this environment lacks is skipped."""
@@ -63,16 +71,6 @@ config says so, before the first fork, so that those children share it too."""
 SHARDING_PRELOAD = ("torch.distributed.fsdp", "torch.distributed.device_mesh", "torch.distributed.checkpoint",
                     "torch.distributed.checkpoint.state_dict")
 """What an FSDP2 trainer imports before its first step (several ranks, or mixed precision)."""
-TRAINER_MODULE = "rlorch.trainer.fsdp"
-TRAINER_PRELOAD = ("torch", "torch.distributed", "safetensors.torch", "omegaconf", TRAINER_MODULE,
-                   "rlorch.trainer.optimizer")
-"""The trainer's own imports, part of what :data:`PRELOAD` brings: a per-run server imports them
-first and forks a trainer already asked for before it imports the rest (:func:`_serve`)."""
-ENGINE_MODULE = "rlorch.serve.server"
-ENGINE_PRELOAD = ("tokenizers", "jinja2.sandbox", "aiohttp.web", "rlorch.model", "rlorch.qwen2", "rlorch.tokenizer",
-                  ENGINE_MODULE, "rlorch.serve.batcher", "rlorch.serve.weight_sync")
-"""A launched engine's own imports beyond the trainer's (its launched form composes no config):
-imported next, before Hydra, the CLI and the rest of :data:`PRELOAD`."""
 STAGES = ((TRAINER_PRELOAD, (TRAINER_MODULE,)), (ENGINE_PRELOAD, (TRAINER_MODULE, ENGINE_MODULE)))
 """What a per-run server imports before :data:`PRELOAD`, and which children it forks after each."""
 FORKABLE = ("rlorch.cli", TRAINER_MODULE, ENGINE_MODULE)

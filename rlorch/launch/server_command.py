@@ -8,10 +8,7 @@ import sys
 from pathlib import Path
 
 from rlorch.config.schema import InferenceBackend
-
-API_KEY_ENV = "RLORCH_API_KEY"
-"""A launched ``rlorch serve`` reads its per-run key here; with ``inference.addresses``, the key
-the client sends to servers started elsewhere (optional)."""
+from rlorch.serve.arguments import API_KEY_ENV  # noqa: F401  (the launchers and the client read it here)
 
 
 def _cpu_command(config, *, model_path: Path, port: int, host: str) -> list[str]:

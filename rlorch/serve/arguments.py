@@ -10,7 +10,8 @@ from typing import Optional
 from rlorch.config.schema import IMPLEMENTATIONS
 
 API_KEY_ENV = "RLORCH_API_KEY"
-"""Where a launched engine reads its API key (out of ``ps``)."""
+"""Where a launched engine reads its per-run API key (out of ``ps``); with
+``inference.addresses``, the key the client sends to servers started elsewhere (optional)."""
 DTYPES = ("float32", "bfloat16", "float16")
 
 

@@ -26,7 +26,7 @@ from aiohttp import web
 
 from rlorch.jsonlines import dumps
 from rlorch.lifecycle import cancel_and_wait
-from rlorch.serve.arguments import DTYPES
+from rlorch.serve.arguments import API_KEY_ENV, DTYPES, launched_parser
 from rlorch.serve.batcher import Batcher, GenerationFailed, LoadError, Sequence
 from rlorch.serve.http import BODY_TIMEOUT_KEY, BODY_TIMEOUT_S, IDLE_TIMEOUT_S, MAX_BODY_BYTES, json_body
 from rlorch.serve.sampling import RequestError, RequestParams
@@ -571,10 +571,9 @@ def serve_command(config, *, host: str, port: int, weight_version: str = "0",
                        parent=parent, api_key=api_key, min_step_time=min_step_time)
 
 
-def serve_model(model_path: Optional[str], *, host: str, port: int, dtype: str = "float32",
-                implementation: str = "auto", threads: int = 1, max_batch: int = 128, seed: int = 0,
-                transfer_timeout: float = 60.0, weight_version: str = "0", parent: Optional[int] = None,
-                api_key: Optional[str] = None, min_step_time: float = 0.0) -> int:
+def serve_model(model_path: Optional[str], *, host: str, port: int, dtype: str, implementation: str, threads: int,
+                max_batch: int, seed: int, transfer_timeout: float, weight_version: str, parent: Optional[int],
+                api_key: Optional[str], min_step_time: float) -> int:
     """Run the CPU engine on ``model_path`` (a run directory: its newest weights) until
     SIGINT/SIGTERM (or until process ``parent`` is gone); the exit status (2 for a bad model
     path or an address it cannot bind)."""
@@ -601,8 +600,6 @@ def serve_model(model_path: Optional[str], *, host: str, port: int, dtype: str =
 def main(argv: Optional[list[str]] = None) -> int:
     """An engine as rlorch launches it. Nothing is composed: it starts a few tenths of a second
     sooner than ``rlorch serve`` would (Hydra's imports and a composition)."""
-    from rlorch.serve.arguments import API_KEY_ENV, launched_parser
-
     args = launched_parser().parse_args(argv)
     return serve_model(args.model_path, host=args.host, port=args.port, dtype=args.dtype,
                        implementation=args.implementation, threads=args.threads, max_batch=args.max_batch,
@@ -611,6 +608,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
-    sys.exit(main())
+    raise SystemExit(main())

@@ -612,7 +612,7 @@ def run_loop(worker: Worker) -> None:
             publish_version(worker, step, last=step == last)
             record["publish_s"] = time.perf_counter() - started
         _log(worker, " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
-        if step == first:  # after the first step, which needs neither, not on its way
+        if step == first:  # after the first step, which does not need it, not on its way
             checkpoint.import_dcp_in_background()
         if step % config.trainer.checkpoint_every == 0 or step == last:
             save_checkpoint(worker, step, wait=step == last)
