@@ -17,3 +17,26 @@ summary = json.load(open(f"{run}/summary.json"))
 print("trainer device:", ready.get("device"), "| summary:", {k: summary[k] for k in ("status", "steps", "trained", "lost")})
 assert str(ready.get("device", "")).startswith("cuda") and summary["status"] == "completed" and summary["lost"] == 0
 PY
+# The trainer's AdamW of one plain rank against torch's fused AdamW on CUDA: equal bit for bit on
+# the CPU (tests/test_optimizer.py); this prints the largest difference after 5 CUDA steps.
+python3 - cuda <<'PY'
+import sys
+import torch
+from rlorch.trainer.optimizer import FusedAdamW
+device = torch.device(sys.argv[1])
+def run(make):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)).to(device)
+    optimizer = make(model.parameters())
+    for step in range(5):
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step)).to(device)
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [p.detach().cpu() for p in model.parameters()]
+ours = run(lambda p: FusedAdamW(p, lr=1e-2, weight_decay=0.1))
+torchs = run(lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True))
+diff = max((a - b).abs().max().item() for a, b in zip(ours, torchs))
+print(f"FusedAdamW vs torch AdamW(fused=True) on {device}: max weight difference {diff:.3g}")
+assert diff == 0.0, "the trainer's AdamW differs from torch's fused AdamW on this device"
+PY
