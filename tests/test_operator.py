@@ -417,3 +417,22 @@ def test_completions_cut_by_the_length_limit_are_counted_and_above_a_fifth_named
     assert not any("truncated" in text for text in report_lines({**summary, "truncated_share": 0.1}))
     assert any("85%" in text and "rollout.max_new_tokens" in text
                for text in report_lines({**summary, "truncated_share": 0.85}))
+
+
+@pytest.mark.parametrize("admitted, expected", [
+    (0, "interrupted in start-up: nothing was admitted or trained"),
+    (128, "interrupted before the first step: nothing was trained (128 rollouts admitted)"),
+])
+def test_a_run_stopped_before_its_first_step_says_so_instead_of_a_report_of_dashes(tmp_path, admitted, expected):
+    from io import StringIO
+
+    from rich.console import Console
+
+    from rlorch.reporting.progress import print_report
+
+    out = StringIO()
+    summary = {"status": "interrupted", "steps": 0, "wall_s": 0.6, "admitted": admitted, "trained": 0}
+    print_report(Console(file=out, width=200), summary, summary_path=tmp_path / "summary.json")
+    text = out.getvalue()
+    assert expected in text and "- -> -" not in text, text
+    assert f"start again with: rlorch train run.dir={tmp_path}" in text, text

@@ -213,9 +213,12 @@ def print_report(console: Console, summary: dict, *, summary_path: Any, report_p
     style = {"completed": "green", "converged": "green", "interrupted": "yellow"}.get(status, "red")
     console.print(f"[bold {style}]{status}[/] steps={summary['steps']} wall={summary['wall_s']}s "
                   f"-> {summary_path}", highlight=False)
-    if summary.get("admitted") or summary.get("steps"):
+    if summary.get("steps"):
         for text in report_lines(summary, phases):
             console.print(f"  {text}", highlight=False, markup=False, soft_wrap=True)
+    elif summary.get("admitted"):  # the figures of a report would all be dashes
+        console.print(f"  {status} before the first step: nothing was trained ({summary['admitted']} rollouts "
+                      f"admitted)", highlight=False, markup=False)
     else:
         console.print(f"  {status} in start-up: nothing was admitted or trained", highlight=False, markup=False)
     if report_path is not None:
