@@ -307,8 +307,8 @@ def test_versions_that_went_by_disk_under_distributed_show_in_the_live_line_and_
     assert view.fields()["by_disk"] == "2"
     summary = {"admitted": 8, "trained": 8, "filtered": 0, "dropped_stale": 0, "persisted_untrained": 0, "lost": 0}
     assert not any("went by disk" in text for text in report_lines({**summary, "transfer_fallbacks": 0}))
-    assert any("2 version(s) went by disk" in text and "inference.weight_transfer=distributed" in text
-               for text in report_lines({**summary, "transfer_fallbacks": 2}))
+    assert any("2 of 3 loaded version(s) went by disk" in text and "inference.weight_transfer=distributed" in text
+               for text in report_lines({**summary, "transfer_fallbacks": 2, "reloads": 3}))
 
 
 # the run directory: what is a run, who holds it ------------------------------------------------------

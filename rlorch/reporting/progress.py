@@ -202,7 +202,8 @@ def report_lines(summary: dict, phases: Optional[dict] = None) -> list[str]:
         lines.append(f"truncated   {s['truncated_share']:.0%} of trained completions ended at the length limit, "
                      "rollout.max_new_tokens: raise it if answers need more tokens")
     if s.get("transfer_fallbacks"):
-        lines.append(f"weights     {s['transfer_fallbacks']} version(s) went by disk although "
+        loaded = f" of {s['reloads']} loaded" if s.get("reloads") is not None else ""
+        lines.append(f"weights     {s['transfer_fallbacks']}{loaded} version(s) went by disk although "
                      "inference.weight_transfer=distributed (see logs/trainer.log for why)")
     return lines
 

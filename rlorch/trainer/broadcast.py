@@ -26,7 +26,8 @@ The hand-shake, through the run directory, never lets either side wait longer th
    writes its current weights to disk (:func:`rlorch.trainer.fsdp.publish_on_request`).
 
 Invariant: a version that was not broadcast is published to disk instead (and the log says so):
-the watcher loads it from there and counts it in ``transfer_fallbacks``. After a failed or
+the watcher loads it from there, or skips it for a newer one published meanwhile, and counts
+each version it loads from disk in ``transfer_fallbacks``. After a failed or
 unanswered offer, or a rebuild that did not form, rank 0 holds no group; it keeps offering
 later versions (with ``group_name`` null), so the orchestrator rebuilds the group for the next.
 Only a group that never formed at start leaves every version to the disk.
