@@ -296,6 +296,5 @@ class Orchestrator:
             status, error, self.stop_reason = "failed", problem, StopReason(StopKind.bookkeeping, problem)
         return {"status": status, "error": error, **StopReason.fields(self.stop_reason), "version": self.policy.value,
                 **self.engines.health(), **accounting, "short_batches": self.sink.totals.short_batches,
-                "parked_s": round(self.shipping.parked_s, 4), "transfer_fallbacks": self.watcher.transfer_fallbacks,
-                "reloads": self.watcher.reloads,
+                "parked_s": round(self.shipping.parked_s, 4), **self.watcher.summary(),
                 **self.evaluations.summary(), **self.stats.summary(loop_started=self.loop_started)}

@@ -171,6 +171,11 @@ class WeightWatcher:
         """What each step record carries of the watcher."""
         return {"reload_s": self.reload_s, "transfer_fallbacks": self.transfer_fallbacks}
 
+    def summary(self) -> dict:
+        """What the run's summary carries of the watcher: versions loaded, and of those how many
+        went by disk although the weight group was asked for."""
+        return {"reloads": self.reloads, "transfer_fallbacks": self.transfer_fallbacks}
+
     def gauges(self) -> dict:
         return {"version": self.policy.value, "reloads": self.reloads, "reload_s": self.reload_s,
                 "publish_to_reload_s": self.publish_to_reload_s, "version_idle_s": round(self.stalled_for(), 3),
