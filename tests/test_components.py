@@ -123,6 +123,24 @@ def test_sink_counts_each_batch_worth_of_filtered_rollouts_as_an_empty_batch():
     assert sink.emit(step=1).trainable and sink.totals.consecutive_empty == 0
 
 
+def test_kept_flat_groups_train_with_zero_advantage_and_still_trip_the_guard():
+    sink = TrainSink(batch_size=4, max_staleness=0, strict=False, keep_flat=True)
+    assert sink.add([rollout(0, 1.0, [[0, 1]]), rollout(0, 0.0, [[0, 1]])], step=1) is Verdict.kept
+    assert sink.add([rollout(1, 1.0, [[0, 1]])] * 2, step=1) is Verdict.kept
+    batch = sink.emit(step=1)
+    assert [r.group_id for r in batch.rollouts] == [0, 0, 1, 1] and batch.advantages[2:] == [0.0, 0.0]
+    assert batch.trainable and sink.totals.filtered == 0 and sink.totals.recent == {Verdict.solved: 2}
+    # Four flat groups are two batch-worths without a signal, trained or not; a batch of them
+    # alone carries none and is discarded as an empty batch.
+    for group in range(2, 6):
+        assert sink.add([rollout(group, 1.0, [[0, 1]])] * 2, step=2) is Verdict.kept
+    assert sink.totals.consecutive_empty == 2 and sink.guard(max_empty_batches=2)[0] is Verdict.solved
+    assert not sink.emit(step=2).trainable and sink.totals.filtered_by == {"solved": 4}
+    assert sink.totals.consecutive_empty == 2    # counted as the groups came, not again
+    sink.add([rollout(9, 1.0, [[0, 1]]), rollout(9, 0.0, [[0, 1]])], step=2)
+    assert sink.totals.consecutive_empty == 0 and not sink.totals.recent
+
+
 def test_single_sample_groups_are_normalised_across_the_batch():
     sink = TrainSink(batch_size=2, max_staleness=0, strict=False)
     sink.add([rollout(0, 1.0, [[0, 1]])], step=1)

@@ -197,3 +197,12 @@ def test_a_new_param_of_your_own_task_without_plus_gets_the_plus_hint():
     assert raised.value.key == "task.params.turns"
     assert "+task.params.turns=" in str(raised.value)
     assert compose(["task=custom", "task.name=mytasks.guess:Guess", "+task.params.turns=2"]).task.params == {"turns": 2}
+
+
+def test_the_summary_says_how_batches_are_trained():
+    _, default = validate()
+    assert "fsdp / decoupled / 2" in default and "trained with advantage 0" in default
+    _, sync = validate("conf=sync")
+    assert "fsdp / none / 1" in sync
+    _, filtered = validate("rollout.filter_groups=true")
+    assert "zero-variance groups │ filtered" in filtered

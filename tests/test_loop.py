@@ -61,10 +61,12 @@ def test_ship_mode_parks_batches_until_the_trainer_catches_up(tmp_path):
     assert summary["parked_s"] > 0 and any(r["parked_s"] > 0 for r in steps)
 
 
-def test_constant_reward_stops_on_the_empty_batch_guard(tmp_path):
+@pytest.mark.parametrize("filter_groups", ["true", "false"])
+def test_constant_reward_stops_on_the_empty_batch_guard(tmp_path, filter_groups):
     """The sim engine samples one fixed completion: a flat reward short of the maximum is a
-    collapsed policy, and the guard says so."""
-    code, summary, _ = train(tmp_path, "flat", "inference.sim.reward=constant", "train.max_empty_batches=3")
+    collapsed policy, and the guard says so, whether flat groups are filtered or kept."""
+    code, summary, _ = train(tmp_path, "flat", "inference.sim.reward=constant", "train.max_empty_batches=3",
+                             f"rollout.filter_groups={filter_groups}")
     assert code != 0 and summary["status"] == "failed"
     assert "24 rollouts in a row (3 batches' worth) finished with nothing trainable" in summary["error"]
     assert "24 collapsed" in summary["error"] and "policy collapsed" in summary["error"]
@@ -86,12 +88,13 @@ def test_a_solved_task_without_evaluation_converges_and_has_nothing_to_resume(tm
     assert "holds no complete checkpoint yet" in captured.out + captured.err
 
 
-def test_solved_training_groups_do_not_converge_while_held_out_accuracy_disagrees(tmp_path):
+@pytest.mark.parametrize("filter_groups", ["true", "false"])
+def test_solved_training_groups_do_not_converge_while_held_out_accuracy_disagrees(tmp_path, filter_groups):
     """The sim engine's solved reward puts every training group at the maximum, while its fixed
-    tokens answer no held-out prompt: not converged; with nothing left to train the run fails
-    saying so."""
+    tokens answer no held-out prompt: not converged; with nothing left to train (kept solved
+    groups carry nothing to learn) the run fails saying so."""
     code, summary, _ = train(tmp_path, "disagree", "inference.sim.reward=solved", "rollout.group_size=4",
-                             "rollout.batch_size=8", "train.steps=50")
+                             "rollout.batch_size=8", "train.steps=50", f"rollout.filter_groups={filter_groups}")
     assert summary["status"] == "failed" and summary["stop"] == "empty_batches", summary
     assert "held-out accuracy 0.0% at step 0 says it is not" in summary["error"]
 
@@ -104,6 +107,11 @@ CUSTOM = ["task=custom", "task.name=tests.mostly_solved:MostlySolved", "inferenc
 def test_a_mostly_solved_task_stops_converged_only_when_held_out_accuracy_agrees(tmp_path):
     code, summary, steps = train(tmp_path, "agree", *CUSTOM, "train.steps=100")
     assert code == 0 and summary["status"] == "converged", summary
+    assert "held-out accuracy 100.0%" in summary["reason"]
+    # Kept, the solved groups train (advantage 0) beside the hard ones and still end the run.
+    code, summary, steps = train(tmp_path, "kept", *CUSTOM, "train.steps=100", "rollout.filter_groups=false")
+    assert code == 0 and summary["status"] == "converged", summary
+    assert any(s["trainable"] < s["rollouts"] for s in steps), steps
     assert "held-out accuracy 100.0%" in summary["reason"]
     code, summary, steps = train(tmp_path, "disagree", *CUSTOM, "train.steps=30", "+task.params.held_out_correct=false")
     assert code == 0 and summary["status"] == "completed" and summary["steps"] == 30, summary

@@ -202,6 +202,11 @@ class RolloutConfig:
     """Top-k sampling (-1 = whole vocabulary)."""
     max_regenerations: int = 2
     """strict mode: times a too-stale group is regenerated before it is dropped."""
+    filter_groups: bool = True
+    """Drop zero-variance groups (every sample scored the same; DAPO's dynamic sampling) and
+    generate others in their place. false trains them with advantage 0: the entropy bonus and the
+    token mean still see them, no replacement is generated, and they count toward the empty-batch
+    guard all the same (train.max_empty_batches)."""
     filter_budget: int = 4
     """Batches' worth of filtered rollouts (zero-variance groups) generated while assembling
     one batch; past it the batch trains on the groups it has (a short batch), so the loop never

@@ -16,9 +16,11 @@ def config_summary(config: Config) -> Table:
         ("staleness S / batch B / concurrency C", f"{r.max_staleness} / {r.batch_size} / {r.max_concurrent}"),
         ("pending limit (S+1)*B", str(r.pending_limit)),
         ("group size / enforce", f"{r.group_size} / {r.enforce.value}"),
+        ("zero-variance groups", "filtered" if r.filter_groups else "trained with advantage 0"),
         ("inference", f"{config.inference.backend.value} x{config.inference.num_servers}"
                       + (f" at {', '.join(config.inference.addresses)}" if config.inference.addresses else "")),
-        ("trainer / correction", f"{config.trainer.backend.value} / {config.trainer.correction.value}"),
+        ("trainer / correction / minibatches",
+         f"{config.trainer.backend.value} / {config.trainer.correction.value} / {config.trainer.minibatches}"),
         ("model", (config.model.path or "tiny default (created locally)") + f" in {config.model.dtype}"
                   + _attention_note(config)),
         ("weight transfer", config.inference.weight_transfer.value),

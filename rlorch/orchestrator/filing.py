@@ -29,6 +29,7 @@ class Filing:
         """Hand a finished group to the sink for batch ``step``."""
         verdict = self.sink.add(group, step)
         if verdict is self.kept:
+            self._guard()    # a kept zero-variance group (rollout.filter_groups=false) counts toward it
             return
         if verdict is self.stale_verdict:
             self.stale(group)
@@ -39,6 +40,9 @@ class Filing:
         self.ledger.record(Fate.filtered, rollouts)
         self.gate.on_discarded(rollouts)
         self.dispatcher.notify()
+        self._guard()
+
+    def _guard(self) -> None:
         stop = self.sink.guard(self.max_empty_batches, self.failure_window)
         if stop is not None:
             self.on_guard(*stop)

@@ -51,7 +51,7 @@ class Orchestrator:
         self.shipping = Shipping(policy=policy, max_staleness=r.max_staleness, park=self.ship_side,
                                  poll_interval=config.watcher.poll_interval, persist=self._persist,
                                  on_shipped=self._on_shipped, check=self._check_alarm)
-        self.idle = LoopIdle()
+        self.idle, self.alarm, self.stop_reason = LoopIdle(), asyncio.Event(), None
         self.stats = RunStats(idle=self.idle, startup=startup)
         self.gate = CapacityGate(max_staleness=r.max_staleness, batch_size=r.batch_size,
                                  max_concurrent=r.max_concurrent,
@@ -66,7 +66,8 @@ class Orchestrator:
         env = getattr(prompts, "env", None)
         self.sink = TrainSink(batch_size=r.batch_size, max_staleness=r.max_staleness, strict=r.enforce is Enforce.strict,
                               max_reward=max_reward(env) if env else 1.0, filter_budget=r.filter_budget * r.batch_size,
-                              advantage=config.trainer.advantage, scale_rewards=config.trainer.scale_rewards)
+                              keep_flat=not r.filter_groups, advantage=config.trainer.advantage,
+                              scale_rewards=config.trainer.scale_rewards)
         self.version_changed = asyncio.Event()
         self.watcher = WeightWatcher(config.watcher, policy=policy, engines=engines,
                                      published=run_dir.published_weights, offers=run_dir.broadcast_offers,
@@ -95,7 +96,6 @@ class Orchestrator:
                                    keep=config.trainer.keep_checkpoints, keep_every=config.trainer.keep_checkpoints_every)
         self.convergence = Convergence(stop_on_converged=config.train.stop_on_converged,
                                        evaluating=config.eval.enabled, share=SOLVED_SHARE)
-        self.alarm, self.stop_reason = asyncio.Event(), None
 
     # wiring ----------------------------------------------------------------------------------
     def _on_version(self, version: int) -> None:
@@ -129,7 +129,7 @@ class Orchestrator:
     def _on_guard(self, verdict: Verdict, message: str) -> None:
         """A solved task ends the run converged once held-out accuracy agrees (else it trains on);
         a collapsed policy or a flat reward fails it."""
-        last, idle = self.evaluations.sink.last, self.policy.value >= self.shipping.shipped and not self.sink.buffered
+        last, idle = self.evaluations.sink.last, self.policy.value >= self.shipping.shipped and not self.sink.buffered_signal
         outcome = self.convergence.outcome(self.policy.value, last, idle) if verdict is Verdict.solved else None
         if outcome in (None, Outcome.converged, Outcome.stalled):
             message = message.rstrip(".") + (self.convergence.explain(outcome, last) if outcome else "") + "."

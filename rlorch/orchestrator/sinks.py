@@ -1,7 +1,10 @@
 """Sinks turn finished rollouts into training batches (train sink) or eval records (eval sink).
 
 The train sink accumulates B rollouts, applies the filters group by group, computes group
-advantages and emits what is left as the batch for the next step. In strict mode it first checks
+advantages and emits what is left as the batch for the next step. With ``keep_flat`` a
+zero-variance group is trained rather than dropped (its advantages are 0: only the entropy
+bonus and the token count of the batch see it), and it still counts toward the empty-batch
+guard, so a solved task ends the run the same way. In strict mode it first checks
 every group's head age against the step the batch will train at: a group older than S is handed
 back (to regenerate or drop) and never trained.
 """
@@ -95,7 +98,8 @@ class SinkTotals:
     stale_tokens: int = 0
     short_batches: int = 0
     recent: Counter = field(default_factory=Counter)
-    """Rollouts filtered, by verdict, since a group was last kept: what the empty-batch guard reads."""
+    """Rollouts of zero-variance groups (filtered, or kept under ``keep_flat``), by verdict, since
+    a group with a signal was last kept: what the empty-batch guard reads."""
     recent_surprisal: float = 0.0
     recent_tokens: int = 0
     """Summed -logprob and count of the sampled tokens of those rollouts (an entropy estimate)."""
@@ -113,8 +117,10 @@ class TrainSink:
 
     def __init__(self, *, batch_size: int, max_staleness: int, strict: bool, max_reward: float = 1.0,
                  filters: Optional[Sequence[GroupFilter]] = None, filter_budget: int = 0,
-                 advantage: object = "grpo", scale_rewards: object = None):
+                 advantage: object = "grpo", scale_rewards: object = None, keep_flat: bool = False):
         self.batch_size = batch_size
+        self.keep_flat = keep_flat
+        """Train zero-variance groups (``rollout.filter_groups=false``) instead of dropping them."""
         # Config enums or their names: the estimator table is keyed by name.
         self.advantage = getattr(advantage, "value", advantage)
         self.scale_rewards = getattr(scale_rewards, "value", scale_rewards)
@@ -138,6 +144,11 @@ class TrainSink:
     def buffered(self) -> int:
         return self._count
 
+    @property
+    def buffered_signal(self) -> int:
+        """Buffered rollouts the trainer can learn from: kept zero-variance groups left out."""
+        return sum(len(group) for group in self._groups if not (self.keep_flat and self._verdict(group)))
+
     def gauges(self) -> dict:
         return {"buffered": self._count, "short_batches": self.totals.short_batches}
 
@@ -155,38 +166,55 @@ class TrainSink:
 
         Returns ``kept``, ``stale`` (strict mode: too old to train; the caller regenerates or
         drops it) or the verdict of the filter that dropped it. Every batch-worth of consecutive
-        filtered rollouts counts as one empty batch.
+        filtered rollouts counts as one empty batch. Under ``keep_flat`` a zero-variance group is
+        kept, and its rollouts count toward the guard's run as if filtered (not as empty batches:
+        they train).
         """
         if self.strict and self.is_stale(group, step - 1):
             self._count_stale(group)
             return Verdict.stale
-        reason = None
-        for check in self.filters:
-            reason = check(group)
-            if reason:
-                break
+        reason = self._verdict(group)
         if reason:
-            self._count_filtered(reason, group)
+            self._note_flat(reason, group)
             self._filtered_run += len(group)
-            self._filtered_since_emit += len(group)
             if self._filtered_run >= self.batch_size:
                 self._filtered_run = 0
-                self.totals.empty_batches += 1
                 self.totals.consecutive_empty += 1
-            return reason
+                self.totals.empty_batches += not self.keep_flat
+            if not self.keep_flat:
+                self._count_filtered(reason, group)
+                self._filtered_since_emit += len(group)
+                return reason
+        else:
+            self._reset_guard(group)
+        self._groups.append(group)
+        self._count += len(group)
+        return KEPT
+
+    def _verdict(self, group: Sequence[Rollout]) -> Optional[Verdict]:
+        """The first filter's reason to drop ``group``, or None."""
+        for check in self.filters:
+            if reason := check(group):
+                return reason
+        return None
+
+    def _reset_guard(self, group: Sequence[Rollout]) -> None:
+        """A group with a signal was kept: the guard's run of groups without one starts again."""
         self._filtered_run = 0
         if len(group) > 1:
             self.totals.consecutive_empty = 0
             self.totals.recent.clear()
             self.totals.recent_surprisal, self.totals.recent_tokens = 0.0, 0
-        self._groups.append(group)
-        self._count += len(group)
-        return KEPT
 
     def _count_filtered(self, reason: Verdict, rollouts: Sequence[Rollout]) -> None:
         totals = self.totals
         totals.filtered += len(rollouts)
         totals.filtered_by[reason.value] = totals.filtered_by.get(reason.value, 0) + len(rollouts)
+
+    def _note_flat(self, reason: Verdict, rollouts: Sequence[Rollout]) -> None:
+        """What the guard's diagnosis reads of a group without a signal: its verdict and the
+        surprisal of its sampled tokens."""
+        totals = self.totals
         totals.recent[reason] += len(rollouts)
         for rollout in rollouts:
             if len(rollout.logprobs) >= LONG:
@@ -294,11 +322,19 @@ class TrainSink:
         advantages = [a for group in estimate(rewards, self.advantage, self.scale_rewards) for a in group]
         batch = Batch(step=step, rollouts=rollouts, advantages=advantages)
         if not batch.trainable:
+            reason = self.flat(rollouts) or Verdict.no_signal
             self.totals.empty_batches += 1
-            self.totals.consecutive_empty += 1
-            self._count_filtered(self.flat(rollouts) or Verdict.no_signal, rollouts)
+            self._count_filtered(reason, rollouts)
+            # Kept flat groups were counted toward the guard as they came; the rest (groups of
+            # one sample, whose signal only the batch decides) are counted now.
+            if unnoted := [r for group in taken if not (self.keep_flat and self._verdict(group)) for r in group]:
+                self.totals.consecutive_empty += 1
+                self._note_flat(reason, unnoted)
             return batch
-        self.totals.consecutive_empty = 0
+        # Kept flat groups since the last group with a signal still count toward the guard; a
+        # batch of one-sample groups had its signal decided here.
+        if not self.keep_flat or any(len(group) < 2 for group in taken):
+            self.totals.consecutive_empty = 0
         self.totals.batches += 1
         self.totals.trained += len(rollouts)
         filtered = self.totals.filtered - self._filtered_at_emit
