@@ -17,7 +17,8 @@ from rlorch.rundir.layout import COMPLETE, PUBLISHED, RunDir, save_config, write
 
 def _make_run(root: Path, *overrides: str) -> tuple[RunDir, object]:
     run = RunDir(root).make()
-    config = compose(["trainer.fsdp.device=cpu", "train.steps=3", "trainer.checkpoint_every=2",
+    # One minibatch unless a test asks for more: the trainer tests pin the shape they check.
+    config = compose(["trainer.fsdp.device=cpu", "train.steps=3", "trainer.checkpoint_every=2", "trainer.minibatches=1",
                       "trainer.fsdp.micro_batch_size=2", *overrides])
     save_config(config, run.config)
     return run, config
@@ -151,7 +152,7 @@ def _wait_for(condition, process: _Trainer, timeout: float = 90) -> None:
 def _relaunch_from_step_2(run: RunDir, *, nproc: int, steps: int, checkpoint_every: int) -> _Trainer:
     """The trainer again, on ``nproc`` ranks, from the step-2 checkpoint (DCP reshards it)."""
     config = compose(["trainer.fsdp.device=cpu", f"train.steps={steps}", f"trainer.checkpoint_every={checkpoint_every}",
-                      "trainer.fsdp.micro_batch_size=2", f"trainer.fsdp.nproc={nproc}"])
+                      "trainer.minibatches=1", "trainer.fsdp.micro_batch_size=2", f"trainer.fsdp.nproc={nproc}"])
     save_config(config, run.config)
     return _launch(config, run, run.checkpoint(2))
 
@@ -470,7 +471,8 @@ def test_kl_to_the_reference_is_zero_before_the_first_update_and_resumes_exactly
     assert first[0]["ref_kl"] == pytest.approx(0.0, abs=1e-6)
     assert first[1]["ref_kl"] > 1e-6 and first[2]["ref_kl"] > 1e-6
 
-    config = compose(["trainer.fsdp.device=cpu", "train.steps=3", "trainer.checkpoint_every=2",
+    # One minibatch unless a test asks for more: the trainer tests pin the shape they check.
+    config = compose(["trainer.fsdp.device=cpu", "train.steps=3", "trainer.checkpoint_every=2", "trainer.minibatches=1",
                       "trainer.fsdp.micro_batch_size=2", "trainer.fsdp.nproc=1", "trainer.kl_coef=0.5",
                       "trainer.lr=0.01"])
     save_config(config, run.config)
