@@ -120,7 +120,11 @@ def test_sink_counts_each_batch_worth_of_filtered_rollouts_as_an_empty_batch():
     assert sink.totals.empty_batches == 2 and sink.totals.consecutive_empty == 2
     sink.add([rollout(9, 1.0, [[0, 1]]), rollout(9, 0.0, [[0, 1]])], step=1)
     sink.add([rollout(10, 1.0, [[0, 1]]), rollout(10, 0.0, [[0, 1]])], step=1)
-    assert sink.emit(step=1).trainable and sink.totals.consecutive_empty == 0
+    assert sink.totals.consecutive_empty == 0
+    # A batch of groups kept earlier does not end the run of groups without a signal since.
+    for group in (11, 12):
+        sink.add([rollout(group, 1.0, [[0, 1]])] * 2, step=1)
+    assert sink.emit(step=1).trainable and sink.totals.consecutive_empty == 1
 
 
 def test_kept_flat_groups_train_with_zero_advantage_and_still_trip_the_guard():

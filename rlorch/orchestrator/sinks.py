@@ -146,8 +146,9 @@ class TrainSink:
 
     @property
     def buffered_signal(self) -> int:
-        """Buffered rollouts the trainer can learn from: kept zero-variance groups left out."""
-        return sum(len(group) for group in self._groups if not (self.keep_flat and self._verdict(group)))
+        """Buffered rollouts the trainer can learn from: kept zero-variance groups left out (cold:
+        read when the guard trips)."""
+        return sum(len(group) for group in self._groups if not self._verdict(group))
 
     def gauges(self) -> dict:
         return {"buffered": self._count, "short_batches": self.totals.short_batches}
@@ -325,15 +326,15 @@ class TrainSink:
             reason = self.flat(rollouts) or Verdict.no_signal
             self.totals.empty_batches += 1
             self._count_filtered(reason, rollouts)
-            # Kept flat groups were counted toward the guard as they came; the rest (groups of
-            # one sample, whose signal only the batch decides) are counted now.
-            if unnoted := [r for group in taken if not (self.keep_flat and self._verdict(group)) for r in group]:
+            # Kept flat groups were counted toward the guard as they came; groups that passed the
+            # filters (one sample each: only the batch decides their signal) are counted now.
+            if unnoted := [r for group in taken if not self._verdict(group) for r in group]:
                 self.totals.consecutive_empty += 1
                 self._note_flat(reason, unnoted)
             return batch
-        # Kept flat groups since the last group with a signal still count toward the guard; a
-        # batch of one-sample groups had its signal decided here.
-        if not self.keep_flat or any(len(group) < 2 for group in taken):
+        # A group with a signal reset the guard as it came; a one-sample group's signal is the
+        # batch's, decided here. Flat groups since the last signal still count, kept or not.
+        if any(len(group) < 2 for group in taken):
             self.totals.consecutive_empty = 0
         self.totals.batches += 1
         self.totals.trained += len(rollouts)
