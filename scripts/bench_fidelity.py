@@ -16,7 +16,7 @@ the contention; accuracies do not depend on it).
 
 Usage: python scripts/bench_fidelity.py [--seeds 3] [--staleness 1,2,4]
        [--corrections decoupled,tis,none] [--families dr_grpo,rloo,cosine,kl,bf16,lora]
-       [--no-sync] [--jobs 1] [--plot fidelity.png] [--keep DIR] [key=value ...]
+       [--no-sync] [--jobs 1] [--plot outputs/fidelity.png] [--keep DIR] [key=value ...]
 """
 
 from __future__ import annotations
@@ -169,7 +169,8 @@ def main() -> None:
                         "the default run is the reference)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (loop times then include the "
                         "contention between them; accuracies do not depend on it)")
-    parser.add_argument("--plot", type=Path, default=Path("fidelity.png"))
+    parser.add_argument("--plot", type=Path, default=Path("outputs/fidelity.png"),
+                        help="where the figure goes (its folder is created)")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = parser.parse_args()
@@ -202,6 +203,7 @@ def main() -> None:
             for (seed, name), run in zip(order, pool.map(lambda job: one(*job), order)):
                 results[name].append(run)
     report(results)
+    args.plot.parent.mkdir(parents=True, exist_ok=True)
     plot(results, args.plot)
     print(f"plot: {args.plot}")
 

@@ -20,13 +20,15 @@ or after ``--max-steps``.
 
 Contenders run alternately, seed by seed (the order rotates each seed): this checkout's rlorch,
 optionally an earlier revision of it (``--baseline REF``, checked out into a temporary worktree
-and run from there), and TRL when ``--trl-python`` names an interpreter that has it.
+and run from there), and TRL when ``--trl-python`` names an interpreter that has it. Every run's
+directory and console output go to a temporary folder, or to ``--keep DIR``, where they stay (a
+run that missed 100% names its own).
 
 TRL is an optional extra, never installed in CI:
     python3 -m venv --system-site-packages .venv-trl && .venv-trl/bin/pip install -e ".[trl]"
 
 Usage: python scripts/bench_to_accuracy.py [--trl-python PYTHON] [--baseline REF]
-       [--variant NAME:OVERRIDES ...] [--seeds 8]
+       [--variant NAME:OVERRIDES ...] [--seeds 8] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ def run_rlorch(source: Path, root: Path, seed: int, max_steps: int, overrides: t
                "run.progress=false", f"train.steps={max_steps}", *overrides]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source), os.environ.get("PYTHONPATH", "")])}
     started = time.time()
-    process = subprocess.Popen(command, cwd=source, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    output = open(run_dir.with_suffix(".out"), "wb")
+    process = subprocess.Popen(command, cwd=source, env=env, stdout=output, stderr=subprocess.STDOUT)
     evals: list[dict] = []
     metrics, offset = run_dir / "metrics.jsonl", 0
     while process.poll() is None:
@@ -80,20 +83,26 @@ def run_rlorch(source: Path, root: Path, seed: int, max_steps: int, overrides: t
         if first_at(evals, 1.0) is not None:
             process.send_signal(signal.SIGINT)
             process.wait(120)
+    output.close()
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     from omegaconf import OmegaConf
 
     saved = run_dir / "config.yaml"
     batch_size = OmegaConf.load(saved).rollout.batch_size if saved.exists() else None
     return {"evals": evals, "wall_s": time.time() - started, "eval_s": None, "batch_size": batch_size,
-            "ended": f"{summary.get('status', 'no summary')} (exit {process.returncode}, {summary.get('steps')} steps)"}
+            "ended": f"{summary.get('status', 'no summary')} (exit {process.returncode}, {summary.get('steps')} steps, "
+                     f"see {run_dir} and {output.name})"}
 
 
-def run_trl(python: str, seed: int, max_steps: int) -> dict:
+def run_trl(python: str, root: Path, seed: int, max_steps: int) -> dict:
     started = time.time()
-    result = subprocess.run([python, __file__, "--trl-worker", "--seed", str(seed), "--max-steps", str(max_steps)],
-                            check=True, capture_output=True, text=True, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"})
+    errors = root / f"trl-{time.monotonic_ns()}.err"
+    with open(errors, "w") as stderr:
+        result = subprocess.run([python, __file__, "--trl-worker", "--seed", str(seed), "--max-steps", str(max_steps)],
+                                stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=REPO,
+                                env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"})
+    if result.returncode:
+        raise SystemExit(f"the TRL run of seed {seed} exited with {result.returncode}: see {errors}")
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     for record in figures["evals"]:
         record["at_s"] = record.pop("epoch") - started
@@ -207,6 +216,7 @@ def main() -> None:
                              "(e.g. 'lr2e-3:trainer.lr=2e-3'); repeatable")
     parser.add_argument("--seeds", type=int, default=8)
     parser.add_argument("--max-steps", type=int, default=500)
+    parser.add_argument("--keep", type=Path, help="keep every run's directory and output here")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -214,20 +224,21 @@ def main() -> None:
         trl_worker(args.seed, args.max_steps)
         return
     with tempfile.TemporaryDirectory(prefix="bench-to-accuracy-") as tmp:
-        root = Path(tmp)
+        root = args.keep or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
         contenders = {"rlorch (this checkout)": lambda seed: run_rlorch(REPO, root, seed, args.max_steps)}
         for variant in args.variant:
             label, _, overrides = variant.partition(":")
             contenders[f"rlorch {label}"] = (lambda seed, overrides=tuple(overrides.split()):
                                              run_rlorch(REPO, root, seed, args.max_steps, overrides))
         if args.baseline:
-            tree = root / "baseline"
+            tree = Path(tmp) / "baseline"
             subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), args.baseline],
                            check=True, capture_output=True)
             label = f"rlorch {args.baseline}"
             contenders = {label: lambda seed: run_rlorch(tree, root, seed, args.max_steps), **contenders}
         if args.trl_python:
-            contenders["TRL GRPO"] = lambda seed: run_trl(args.trl_python, seed, args.max_steps)
+            contenders["TRL GRPO"] = lambda seed: run_trl(args.trl_python, root, seed, args.max_steps)
         rows: dict[str, list[dict]] = {name: [] for name in contenders}
         names = list(contenders)
         try:
@@ -245,7 +256,7 @@ def main() -> None:
                           flush=True)
         finally:
             if args.baseline:
-                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(root / "baseline")],
+                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(Path(tmp) / "baseline")],
                                capture_output=True)
     print(f"\nmachine: {platform.machine()} {os.cpu_count()} CPUs, python {platform.python_version()}, "
           f"load average {os.getloadavg()[0]:.2f}; evaluation time counted on both sides")

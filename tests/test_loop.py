@@ -68,7 +68,7 @@ def test_constant_reward_stops_on_the_empty_batch_guard(tmp_path, filter_groups)
     code, summary, _ = train(tmp_path, "flat", "inference.sim.reward=constant", "train.max_empty_batches=3",
                              f"rollout.filter_groups={filter_groups}")
     assert code != 0 and summary["status"] == "failed"
-    assert "24 rollouts in a row (3 batches' worth) finished with nothing trainable" in summary["error"]
+    assert "24 rollouts in a row (3 batches' worth) finished with no reward spread to learn from" in summary["error"]
     assert "24 collapsed" in summary["error"] and "policy collapsed" in summary["error"]
     assert summary["stop"] == "empty_batches"
     assert summary["empty_batches"] == 3 and summary["lost"] == 0

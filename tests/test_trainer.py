@@ -366,8 +366,8 @@ def test_a_single_rank_checkpoint_resumes_on_two_ranks(tmp_path):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_later_versions_are_written_as_save_pretrained_writes_them(tmp_path, tied):
-    """After the first full save, a version gets the same files: the small ones byte for byte,
-    the weights under the same names with the new values (tied embeddings or not)."""
+    """After the first full save, a version gets the same files byte for byte as a full save of
+    its weights would write, the weights' new values included (tied embeddings or not)."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -394,16 +394,31 @@ def test_later_versions_are_written_as_save_pretrained_writes_them(tmp_path, tie
     written, full = sorted(tmp_path.joinpath("v2").iterdir()), sorted(tmp_path.joinpath("full").iterdir())
     assert [entry.name for entry in written] == [entry.name for entry in full]
     for mine, theirs in zip(written, full):
+        assert mine.read_bytes() == theirs.read_bytes(), mine.name
         if mine.suffix == ".safetensors":
-            ours, reference = load_file(mine), load_file(theirs)
-            assert sorted(ours) == sorted(reference)
-            assert all(torch.equal(ours[name], reference[name]) for name in ours)
-            first = load_file(tmp_path / "v1" / mine.name)
+            ours, first = load_file(mine), load_file(tmp_path / "v1" / mine.name)
             assert not any(torch.equal(ours[name], first[name]) for name in ours)
-        else:
-            assert mine.read_bytes() == theirs.read_bytes(), mine.name
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "v2")
     assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), model.state_dict().values()))
+
+
+def test_a_version_in_another_dtype_is_written_in_full(tmp_path):
+    """The learned header holds for one dtype and shape per tensor: a state dict in another dtype
+    (or shape) is written by save_pretrained, and reads back as given."""
+    import torch
+    from safetensors.torch import load_file
+
+    from rlorch.model import build_model, build_tokenizer
+    from rlorch.trainer.publish import HFWriter
+
+    model = build_model(build_tokenizer())
+    writer = HFWriter(model, None)
+    writer.write(tmp_path / "v1", {name: tensor.clone() for name, tensor in model.state_dict().items()})
+    halved = {name: tensor.to(torch.bfloat16) for name, tensor in model.state_dict().items()}
+    writer.write(tmp_path / "v2", halved)
+    written = load_file(tmp_path / "v2" / "model.safetensors")
+    assert {tensor.dtype for tensor in written.values()} == {torch.bfloat16}
+    assert all(torch.equal(written[name], halved[name]) for name in written)
 
 
 @pytest.mark.slow

@@ -316,6 +316,13 @@ class CpuEngineConfig:
         _require(self.threads >= 1, "inference.cpu.threads", "must be >= 1")
 
 
+def engine_max_batch(config) -> int:
+    """A CPU engine's ``--max-batch``: ``inference.cpu.max_batch``, or where it is unset a lone
+    engine's share of a step, all of ``rollout.batch_size`` (a run's launcher resolves it per
+    engine before: :mod:`rlorch.launch.placement`)."""
+    return config.inference.cpu.max_batch or config.rollout.batch_size
+
+
 @dataclass
 class InferenceConfig:
     backend: InferenceBackend = InferenceBackend.cpu

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from rlorch.config.schema import InferenceBackend
+from rlorch.config.schema import InferenceBackend, engine_max_batch
 from rlorch.serve.arguments import API_KEY_ENV  # noqa: F401  (the launchers and the client read it here)
 
 
@@ -21,7 +21,7 @@ def _cpu_command(config, *, model_path: Path, port: int, host: str) -> list[str]
             "--parent-pid", str(os.getpid()), "--model-path", str(model_path),
             "--dtype", config.model.dtype, "--implementation", config.model.implementation,
             "--threads", str(inference.cpu.threads),
-            "--max-batch", str(inference.cpu.max_batch or config.rollout.batch_size),
+            "--max-batch", str(engine_max_batch(config)),
             "--seed", str(config.run.seed), "--transfer-timeout", f"{inference.transfer_timeout:g}",
             *inference.launch_args]
 

@@ -5,7 +5,7 @@ Invariants kept here rather than in a dashboard:
   re-queued as a prompt (the ledger checks ``lost`` = 0);
 - the rollouts of a batch are on disk before the trainer is handed the batch;
 - at train.steps admission stops, in-flight work finishes and is persisted with the checkpoint;
-- after train.max_empty_batches batch-worths in a row with nothing trainable the run stops, saying
+- after train.max_empty_batches batch-worths in a row with no reward spread the run stops, saying
   why (a solved task ends ``converged`` once held-out accuracy agrees);
 - the first step after a resume admits at most (S + 1) * B rollouts, else the run fails.
 """

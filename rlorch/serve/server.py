@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 
 from aiohttp import web
 
+from rlorch.config.schema import engine_max_batch
 from rlorch.jsonlines import dumps
 from rlorch.lifecycle import cancel_and_wait
 from rlorch.serve.arguments import API_KEY_ENV, DTYPES, launched_parser
@@ -563,10 +564,9 @@ def serve_command(config, *, host: str, port: int, weight_version: str = "0",
                   parent: Optional[int] = None, api_key: Optional[str] = None, min_step_time: float = 0.0) -> int:
     """``rlorch serve``: run the CPU engine the composed ``config`` describes until SIGINT/SIGTERM
     (or until process ``parent`` is gone); the exit status (2 for a bad model path)."""
-    # Unset, a lone engine decodes a whole step's rollouts together (the run's launcher sets it).
     return serve_model(config.model.path, host=host, port=port, dtype=config.model.dtype,
                        implementation=config.model.implementation, threads=config.inference.cpu.threads,
-                       max_batch=config.inference.cpu.max_batch or config.rollout.batch_size, seed=config.run.seed,
+                       max_batch=engine_max_batch(config), seed=config.run.seed,
                        transfer_timeout=config.inference.transfer_timeout, weight_version=weight_version,
                        parent=parent, api_key=api_key, min_step_time=min_step_time)
 
