@@ -21,8 +21,9 @@ or after ``--max-steps``.
 Contenders run alternately, seed by seed (the order rotates each seed): this checkout's rlorch,
 optionally an earlier revision of it (``--baseline REF``, checked out into a temporary worktree
 and run from there), and TRL when ``--trl-python`` names an interpreter that has it. Every run's
-directory and console output go to a temporary folder, or to ``--keep DIR``, where they stay (a
-run that missed 100% names its own).
+directory and console output go to a temporary folder, removed at the end, or to ``--keep DIR``,
+where they stay; a run that missed 100% names its own, and a failed TRL run ends the bench with
+the end of its error output.
 
 TRL is an optional extra, never installed in CI:
     python3 -m venv --system-site-packages .venv-trl && .venv-trl/bin/pip install -e ".[trl]"
@@ -102,7 +103,8 @@ def run_trl(python: str, root: Path, seed: int, max_steps: int) -> dict:
                                 stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=REPO,
                                 env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"})
     if result.returncode:
-        raise SystemExit(f"the TRL run of seed {seed} exited with {result.returncode}: see {errors}")
+        tail = "\n".join(errors.read_text(errors="replace").splitlines()[-20:])
+        raise SystemExit(f"the TRL run of seed {seed} exited with {result.returncode} ({errors}):\n{tail}")
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     for record in figures["evals"]:
         record["at_s"] = record.pop("epoch") - started

@@ -230,9 +230,8 @@ class TrainSink:
         """The empty-batch guard: once ``max_empty_batches`` batch-worths of finished rollouts in
         a row had no reward spread to learn from (no group with a signal in between; batches may
         still have trained on groups kept earlier), the verdict and the message the run ends with;
-        else None. A verdict
-        other than ``solved`` waits for ``failure_window`` batch-worths when that is longer (one
-        pass over a data set: hard prompts may all score 0 for a while)."""
+        else None. A verdict other than ``solved`` waits for ``failure_window`` batch-worths when
+        that is longer (one pass over a data set: hard prompts may all score 0 for a while)."""
         empty = self.totals.consecutive_empty
         if empty < max_empty_batches:
             return None
