@@ -404,6 +404,25 @@ def test_arrivals_join_a_running_batch_without_changing_greedy_outputs(server):
     assert together == alone
 
 
+def test_a_prompt_shared_by_a_group_is_prefilled_once_and_decodes_as_it_does_alone(server):
+    """GRPO sends each prompt G times: the batch prefills each distinct prompt once and copies its
+    KV cache rows, and every copy decodes as that prompt does on its own (greedy tokens, logprobs)."""
+    greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 6}
+    prompts = [PROMPT, [9, 10, 11]]
+    alone = [generate(server, input_ids=prompt, sampling_params=greedy, return_logprob=True) for prompt in prompts]
+    before = stats(server)
+    grouped = generate(server, input_ids=prompts, sampling_params={**greedy, "n": 4}, return_logprob=True)
+    after = stats(server)
+    assert after["sequences"] - before["sequences"] == 8
+    assert after["prefill_rows"] - before["prefill_rows"] == 2
+    assert len(grouped) == 8
+    for index, answer in enumerate(grouped):
+        own = alone[index // 4]
+        assert answer["output_ids"] == own["output_ids"]
+        assert [lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]] == pytest.approx(
+            [lp for lp, _, _ in own["meta_info"]["output_token_logprobs"]], abs=1e-5)
+
+
 def test_health_generate_waits_behind_a_pause_and_fails_when_it_outlasts_the_probe(server, monkeypatch):
     from rlorch.serve import server as server_module
 
