@@ -378,14 +378,11 @@ class Batcher:
         return out.logits[:, -1]
 
 
-def _distinct(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+def _distinct(prompts: list[list[int]]) -> tuple[list[tuple[int, ...]], list[int]]:
     """The distinct prompts in first-seen order, and for each input the index of its own."""
-    first: dict[tuple[int, ...], int] = {}
-    row_of = [first.setdefault(tuple(prompt), len(first)) for prompt in prompts]
-    distinct = [None] * len(first)
-    for prompt, row in zip(prompts, row_of):
-        distinct[row] = prompt
-    return distinct, row_of
+    row: dict[tuple[int, ...], int] = {}
+    row_of = [row.setdefault(tuple(prompt), len(row)) for prompt in prompts]
+    return list(row), row_of
 
 
 def _select(rows: _Rows, keep: list[int]) -> None:
