@@ -48,6 +48,25 @@ def test_forked_process_is_a_session_leader_that_signals_reach(tmp_path):
             os.kill(process.pid, signal.SIGKILL)
 
 
+def test_a_child_that_crashes_in_native_code_leaves_its_python_stack_in_its_log(tmp_path):
+    """A segfault in a forked rank (in a collective, say) otherwise shows only as -11 in its
+    exit status: the child's log gets every thread's Python stack."""
+    log = tmp_path / "serve.log"
+    process = forkserver.spawn([sys.executable, "-m", "rlorch.cli", "serve", "--port", "0",
+                                "--parent-pid", str(os.getpid())], log_path=str(log), env=dict(os.environ))
+    try:
+        deadline = time.monotonic() + 60
+        while not (log.exists() and "listening on" in log.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(process.pid, signal.SIGSEGV)
+        assert process.wait(60) == -signal.SIGSEGV
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert "Fatal Python error: Segmentation fault" in text and "rlorch/cli.py" in text, text[-2000:]
+
+
 def test_other_commands_start_the_ordinary_way(tmp_path):
     process = forkserver.spawn([sys.executable, "-c", "print('plain')"], log_path=str(tmp_path / "plain.log"),
                                env=dict(os.environ))

@@ -304,6 +304,7 @@ def _child(request: dict, ready: int) -> None:
     """In the forked child: become the requested ``python -m`` process, then exit. The fork
     server answers with the pid only once the child leads its own session (``ready`` closed),
     so signalling its process group right away reaches it, as with ``Popen``."""
+    import faulthandler
     import runpy
     import signal
 
@@ -326,6 +327,9 @@ def _child(request: dict, ready: int) -> None:
     sys.stdin = open(0, closefd=False)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
+    # A crash in native code (a segfault in a collective, say) leaves every thread's Python stack
+    # in the log rather than a bare signal number in the parent's exit status.
+    faulthandler.enable(sys.stderr)
     sys.argv = [request["module"], *request["argv"][1:]]
     code = 0
     try:

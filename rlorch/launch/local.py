@@ -57,7 +57,7 @@ class LocalLauncher:
         port = free_port() if port is None else port
         log = log_dir / f"server-{index}.log"
         command = server_command(config, model_path=model_path, port=port)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **env, API_KEY_ENV: api_key}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **env, API_KEY_ENV: api_key}
         shown = list(command)
         if config.inference.backend is InferenceBackend.sglang:
             # SGLang does not watch its orchestrator: the guard takes it down with it.
@@ -71,7 +71,7 @@ class LocalLauncher:
 
     def start_trainer(self, command: list[str], *, env: dict[str, str], log: Path, workers: Path) -> Launched:
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
-               ORCHESTRATOR_PID_ENV: str(os.getpid()), **env}
+               "PYTHONFAULTHANDLER": "1", ORCHESTRATOR_PID_ENV: str(os.getpid()), **env}
         ranks = standalone_ranks(command)
         if ranks is None:
             process = forkserver.spawn(command, log_path=str(log), env=env)
