@@ -12,6 +12,9 @@ import threading
 import time
 import urllib.request
 
+import pytest
+
+from rlorch.config.compose import compose
 from rlorch.launch import forkserver
 
 
@@ -48,23 +51,31 @@ def test_forked_process_is_a_session_leader_that_signals_reach(tmp_path):
             os.kill(process.pid, signal.SIGKILL)
 
 
-def test_a_child_that_crashes_in_native_code_leaves_its_python_stack_in_its_log(tmp_path):
-    """A segfault in a forked rank (in a collective, say) otherwise shows only as -11 in its
-    exit status: the child's log gets every thread's Python stack."""
-    log = tmp_path / "serve.log"
-    process = forkserver.spawn([sys.executable, "-m", "rlorch.cli", "serve", "--port", "0",
-                                "--parent-pid", str(os.getpid())], log_path=str(log), env=dict(os.environ))
+@pytest.mark.parametrize("forked", [True, False])
+def test_an_engine_that_crashes_in_native_code_leaves_its_python_stack_in_its_log(monkeypatch, tmp_path, model_dir,
+                                                                                  forked):
+    """A segfault in a launched process (a rank in a collective, say) otherwise shows only as -11
+    in its exit status: its log gets every thread's Python stack, whether the fork server
+    started it or it was launched the ordinary way (``RLORCH_FORKSERVER=0``)."""
+    from rlorch.launch.local import LocalLauncher
+
+    if not forked:
+        monkeypatch.setenv("RLORCH_FORKSERVER", "0")
+    config = compose([f"model.path={model_dir}", "inference.cpu.threads=1"])
+    launched = LocalLauncher().start_server(config, 0, model_path=model_dir, api_key="k", log_dir=tmp_path, env={})
+    process = launched.handle
+    assert isinstance(process, forkserver.Forked) == forked
     try:
         deadline = time.monotonic() + 60
-        while not (log.exists() and "listening on" in log.read_text()) and time.monotonic() < deadline:
+        while "listening on" not in launched.log.read_text() and time.monotonic() < deadline:
             time.sleep(0.1)
         os.kill(process.pid, signal.SIGSEGV)
         assert process.wait(60) == -signal.SIGSEGV
     finally:
         if process.poll() is None:
             os.kill(process.pid, signal.SIGKILL)
-    text = log.read_text()
-    assert "Fatal Python error: Segmentation fault" in text and "rlorch/cli.py" in text, text[-2000:]
+    text = launched.log.read_text()
+    assert "Fatal Python error: Segmentation fault" in text and "rlorch/serve/server.py" in text, text[-2000:]
 
 
 def test_other_commands_start_the_ordinary_way(tmp_path):

@@ -32,6 +32,10 @@ from rlorch.launch.trainer_command import rank_env, standalone_ranks
 from rlorch.lifecycle import ORCHESTRATOR_PID_ENV, kill_group, process_alive
 
 WORKER_MODULE = b"rlorch.trainer.fsdp"
+CHILD_ENV = {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+"""What every launched process gets unless the caller says otherwise: its log written as it goes,
+and a crash in native code (a segfault in a collective, say) leaving every thread's Python stack
+there (a process the fork server starts enables the same itself)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -57,7 +61,7 @@ class LocalLauncher:
         port = free_port() if port is None else port
         log = log_dir / f"server-{index}.log"
         command = server_command(config, model_path=model_path, port=port)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **env, API_KEY_ENV: api_key}
+        env = {**os.environ, **CHILD_ENV, **env, API_KEY_ENV: api_key}
         shown = list(command)
         if config.inference.backend is InferenceBackend.sglang:
             # SGLang does not watch its orchestrator: the guard takes it down with it.
@@ -70,8 +74,8 @@ class LocalLauncher:
         return Launched("server", index, f"127.0.0.1:{port}", log, handle=process)
 
     def start_trainer(self, command: list[str], *, env: dict[str, str], log: Path, workers: Path) -> Launched:
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
-               "PYTHONFAULTHANDLER": "1", ORCHESTRATOR_PID_ENV: str(os.getpid()), **env}
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **CHILD_ENV,
+               ORCHESTRATOR_PID_ENV: str(os.getpid()), **env}
         ranks = standalone_ranks(command)
         if ranks is None:
             process = forkserver.spawn(command, log_path=str(log), env=env)
