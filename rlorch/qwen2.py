@@ -114,7 +114,8 @@ class Qwen2Attention(nn.Module):
         self.o_proj = _Linear(self.heads * self.head_dim, hidden, bias=False)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: Optional[torch.Tensor], cache: Optional[KVCache]) -> torch.Tensor:
+                mask: Optional[torch.Tensor], cache: Optional[KVCache],
+                packing: Optional["Packing"] = None) -> torch.Tensor:
         batch, length, _ = hidden.shape
         shape = (batch, length, -1, self.head_dim)
         query = self.q_proj(hidden).view(shape).transpose(1, 2)
@@ -127,6 +128,8 @@ class Qwen2Attention(nn.Module):
         groups = self.heads // self.kv_heads
         if groups > 1:
             key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        if packing is not None:
+            return self.o_proj(packing.attend(query, key, value, self.head_dim ** -0.5))
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
                                              is_causal=mask is None and length > 1, scale=self.head_dim ** -0.5)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
@@ -152,8 +155,8 @@ class Qwen2DecoderLayer(nn.Module):
         self.input_layernorm = Qwen2RMSNorm(config["hidden_size"], config["rms_norm_eps"])
         self.post_attention_layernorm = Qwen2RMSNorm(config["hidden_size"], config["rms_norm_eps"])
 
-    def forward(self, hidden, cos, sin, mask, cache):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, mask, cache)
+    def forward(self, hidden, cos, sin, mask, cache, packing=None):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, mask, cache, packing)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -252,15 +255,57 @@ class Qwen2ForCausalLM(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(past, past + length, device=input_ids.device).expand(batch, length)
         cos, sin = self._rope(position_ids, hidden.dtype)
-        mask = None
+        mask, packing = None, None
         if attention_mask is not None or past:
             mask = _attention_mask(attention_mask, batch, past, length, input_ids.device)
+        elif batch == 1 and cache is None:
+            packing = Packing.of(position_ids[0])
         for layer in self.model.layers:
-            hidden = layer(hidden, cos, sin, mask, cache)
+            hidden = layer(hidden, cos, sin, mask, cache, packing)
         hidden = self.model.norm(hidden)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         return CausalLMOutput(logits=self.lm_head(hidden))
+
+
+class Packing:
+    """Sequences back to back in one row, found as transformers finds them: ``position_ids``
+    restart at 0 where a sequence starts. Attention stays within each sequence: the row's
+    queries, keys and values are laid out one sequence a row, right-padded, for one causal
+    attention call (a real query never sees the padding after it), and the real positions are
+    read back into the row. Only the attention call sees padding; every other layer runs on the
+    row's real tokens alone."""
+
+    def __init__(self, gather: torch.Tensor, scatter: torch.Tensor) -> None:
+        self.gather = gather
+        """``[sequences, longest]``: the row position of each padded slot (padding reads position 0)."""
+        self.scatter = scatter
+        """``[row length]``: each row position's slot in the flattened padded layout."""
+
+    @classmethod
+    def of(cls, position_ids: torch.Tensor) -> Optional["Packing"]:
+        """The packing of a row's ``position_ids`` (1-D), or None when it holds one sequence."""
+        starts = torch.nonzero(position_ids == 0).flatten()
+        if starts.numel() <= 1:
+            return None
+        ends = torch.cat([starts[1:], starts.new_tensor([position_ids.numel()])])
+        lengths = ends - starts
+        longest = int(lengths.max())
+        offsets = torch.arange(longest, device=position_ids.device)
+        gather = torch.where(offsets < lengths[:, None], starts[:, None] + offsets, 0)
+        sequence = torch.cumsum((position_ids == 0).long(), 0) - 1
+        return cls(gather, sequence * longest + position_ids)
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+        """Causal attention of ``[1, heads, length, head_dim]`` tensors within each sequence;
+        returns ``[1, length, heads * head_dim]``."""
+        def laid_out(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor[0][:, self.gather].transpose(0, 1)  # [sequences, heads, longest, head_dim]
+
+        out = F.scaled_dot_product_attention(laid_out(query), laid_out(key), laid_out(value), is_causal=True,
+                                             scale=scale)
+        flat = out.transpose(1, 2).reshape(-1, out.shape[1] * out.shape[3])
+        return flat[self.scatter].unsqueeze(0)
 
 
 def _attention_mask(attention_mask: Optional[torch.Tensor], batch: int, past: int, length: int,

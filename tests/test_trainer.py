@@ -261,15 +261,19 @@ def test_read_batch_rejects_malformed_lines(tmp_path, change, message):
 
 
 def test_micro_batches_pad_and_fill_to_the_same_count():
-    from rlorch.trainer.batch import Sequence, micro_batches
+    from rlorch.trainer.batch import Sequence, rank_share
 
     sequences = [Sequence([5, 6, 7], [0, 1, 1], [0.0, -1.0, -2.0], 1.0, 1.0),
                  Sequence([5, 6], [0, 1], [0.0, -1.0], -1.0, 0.0)]
-    micros = micro_batches(sequences, size=1, count=3, pad_id=0)
-    assert [m.tokens.tolist() for m in micros] == [[[5, 6, 7]], [[5, 6]], [[0, 0]]]
-    assert micros[2].mask.sum() == 0  # filler for a rank short of data trains nothing
-    both = micro_batches(sequences, size=2, count=1, pad_id=0)[0]
+    micros = rank_share(sequences * 2, 1, 2, max_tokens=None, size=1, pad_id=0)
+    assert [m.tokens.tolist() for m in micros] == [[[5, 6]], [[5, 6]]]
+    alone = rank_share(sequences, 0, 1, max_tokens=None, size=1, pad_id=0)
+    assert [m.tokens.tolist() for m in alone] == [[[5, 6, 7]], [[5, 6]]]
+    short = rank_share(sequences[:1], 1, 2, max_tokens=None, size=1, pad_id=0)
+    assert short[0].mask.sum() == 0 and short[0].sequences == 0  # filler for a rank short of data
+    both = rank_share(sequences, 0, 1, max_tokens=None, size=2, pad_id=0)[0]
     assert both.tokens.tolist() == [[5, 6, 7], [5, 6, 0]] and both.mask.tolist() == [[0, 1, 1], [0, 1, 0]]
+    assert both.advantages.tolist() == [[1.0, 1.0, 1.0], [-1.0, -1.0, 0.0]]
 
 
 def _one_step_weights(root: Path, *overrides: str) -> tuple[dict, dict]:
@@ -436,6 +440,27 @@ def test_loss_aggregation_is_the_same_on_two_ranks_as_on_one(tmp_path, agg):
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
     token_mean, _ = _one_step_weights(tmp_path / "token", "trainer.fsdp.nproc=1", "trainer.fsdp.micro_batch_size=1")
     assert token_mean["loss"] != pytest.approx(one["loss"], rel=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+def test_token_budgets_on_two_ranks_give_one_ranks_padded_step(tmp_path, agg):
+    """The five sequences packed into passes of at most 12 tokens, balanced over two ranks, give
+    the loss and gradient norm of one rank's padded micro-batches, and the step records count
+    the positions run: the real tokens only, where padding made one rank's passes longer."""
+    agg_key = f"trainer.loss_agg={agg}"
+    padded, _ = _one_step_weights(tmp_path / "padded", "trainer.fsdp.nproc=1", agg_key)
+    one, _ = _one_step_weights(tmp_path / "one", "trainer.fsdp.nproc=1", agg_key,
+                               "trainer.fsdp.max_tokens_per_micro_batch=12")
+    two, _ = _one_step_weights(tmp_path / "two", "trainer.fsdp.nproc=2", agg_key,
+                               "trainer.fsdp.max_tokens_per_micro_batch=12")
+    for packed in (one, two):
+        assert packed["loss"] == pytest.approx(padded["loss"], rel=1e-5)
+        assert packed["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-5)
+        assert packed["entropy"] == pytest.approx(padded["entropy"], rel=1e-5)
+    real = sum(len(line["tokens"]) for line in map(json.loads, RunDir(tmp_path / "one").batch(1).read_text().splitlines()))
+    assert one["positions"] == real < padded["positions"]
+    assert two["positions"] <= real + 2  # at most one 2-token filler pass
 
 
 @pytest.mark.slow

@@ -430,7 +430,19 @@ class FsdpConfig:
     device: str = "auto"
     """auto (cuda when available), cpu or cuda."""
     micro_batch_size: int = 16
-    """Sequences per forward/backward pass."""
+    """Sequences per forward/backward pass, each a row padded to the longest, when
+    max_tokens_per_micro_batch is empty."""
+    max_tokens_per_micro_batch: Optional[int] = None
+    """Token budget of a forward/backward pass: each minibatch's sequences are packed back to
+    back into rows of at most this many tokens (no padding; attention stays within each
+    sequence), balanced so every rank runs the same number of passes with near-equal tokens.
+    Bounds a pass's activations whatever the completion lengths; set it at least to the longest
+    sequence (prompt + rollout.max_new_tokens): a longer one gets a pass of its own. Empty:
+    micro_batch_size sequences a pass."""
+    logit_chunk_rows: int = 1024
+    """Trained positions whose logits exist at once: the output layer, logprobs and entropies
+    are computed this many rows at a time and recomputed in the backward, never as a
+    [positions, vocabulary] tensor (1024 rows of a 151,936-token vocabulary: 0.6 GiB a copy)."""
     gpus: list[int] = field(default_factory=list)
     """GPU ids for the trainer processes on this node (nproc of them); empty: the ones after
     the servers' (see rlorch.launch.placement)."""
@@ -449,6 +461,9 @@ class FsdpConfig:
         _require(self.device in ("auto", "cpu", "cuda"), "trainer.fsdp.device",
                  f"must be one of auto, cpu, cuda (got {self.device!r})")
         _require(self.micro_batch_size >= 1, "trainer.fsdp.micro_batch_size", "must be >= 1")
+        _require(self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 2,
+                 "trainer.fsdp.max_tokens_per_micro_batch", "must be >= 2 tokens (or empty: micro_batch_size)")
+        _require(self.logit_chunk_rows >= 1, "trainer.fsdp.logit_chunk_rows", "must be >= 1")
         _require(self.nnodes >= 1, "trainer.fsdp.nnodes", "must be >= 1")
         _require(0 <= self.node_rank < self.nnodes, "trainer.fsdp.node_rank",
                  f"must be in [0, trainer.fsdp.nnodes={self.nnodes})")

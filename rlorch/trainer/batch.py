@@ -1,7 +1,11 @@
-"""Reading a shipped batch file and cutting it into padded micro-batches.
+"""Reading a shipped batch file and cutting it into micro-batches.
 
 Every rank reads the whole file (it is small next to the model) so all ranks agree on the
-global token count without a collective; rank ``r`` trains rollouts ``r, r + W, r + 2W, ...``.
+global token count, and on every rank's share, without a collective. A minibatch is cut either
+by count (``trainer.fsdp.micro_batch_size`` sequences a pass, one padded row each; rank ``r``
+trains rollouts ``r, r + W, ...``) or by tokens (``trainer.fsdp.max_tokens_per_micro_batch``:
+sequences packed back to back into one row a pass, balanced across ranks, so no position is
+padding and every rank does the same work).
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -93,39 +98,142 @@ def read_batch(path: Path, vocab_size: int) -> list[Sequence]:
 
 @dataclass
 class MicroBatch:
+    """One forward/backward pass: ``[rows, positions]`` tensors, either padded (one sequence a
+    row, right-padded) or packed (every sequence of the pass in one row, back to back)."""
+
     tokens: torch.Tensor
-    """[n, len] right-padded (causal attention never looks at the padding after a token)."""
+    """[rows, len]; padding after a sequence (causal attention never looks at it)."""
     mask: torch.Tensor
     behaviour: torch.Tensor
     advantages: torch.Tensor
+    """[rows, len]: each token carries its sequence's advantage (0 on padding)."""
     versions: torch.Tensor
-    """[n, len] per-token policy versions (NO_VERSION where none is known)."""
+    """[rows, len] per-token policy versions (NO_VERSION where none is known)."""
+    segments: torch.Tensor
+    """[rows, len]: the index of each position's sequence within this micro-batch (padding
+    takes its row's), for aggregations per sequence."""
+    sequences: int
+    """Real sequences in this micro-batch (0 for a filler)."""
+    lengths: Optional[list[int]] = None
+    """Packed: the lengths of the sequences in the row, in order (their positions restart at
+    0 and attention stays within each). None: padded rows."""
+
+    @property
+    def positions(self) -> int:
+        """Positions the model runs over (real tokens plus padding)."""
+        return self.tokens.numel()
+
+    def position_ids(self) -> Optional[torch.Tensor]:
+        """Packed: ``[1, len]`` positions restarting at every sequence; padded: None (0..len-1)."""
+        if self.lengths is None:
+            return None
+        return torch.cat([torch.arange(length) for length in self.lengths]).unsqueeze(0)
 
 
-def micro_batches(sequences: list[Sequence], size: int, count: int, pad_id: int) -> list[MicroBatch]:
-    """Exactly ``count`` micro-batches of at most ``size`` sequences.
+def _filler(pad_id: int) -> Sequence:
+    """An all-masked sequence for a rank short of data: it runs the collectives, trains nothing."""
+    return Sequence([pad_id, pad_id], [0, 0], [0.0, 0.0], 0.0, 0.0)
 
-    Every rank must run the same number of forward/backward passes (FSDP all-gathers are
-    collectives), so a rank short of data gets all-masked filler that contributes nothing.
-    """
-    filler = Sequence([pad_id, pad_id], [0, 0], [0.0, 0.0], 0.0, 0.0)
-    out = []
-    for index in range(count):
-        chunk = sequences[index * size:(index + 1) * size] or [filler]
-        length = max(len(s.tokens) for s in chunk)
-        out.append(MicroBatch(
-            tokens=_padded([s.tokens for s in chunk], length, pad_id, torch.long),
-            mask=_padded([s.loss_mask for s in chunk], length, 0, torch.float32),
-            behaviour=_padded([s.logprobs for s in chunk], length, 0.0, torch.float32),
-            advantages=torch.tensor([s.advantage for s in chunk]),
-            versions=_padded([s.versions if s.versions is not None else [] for s in chunk], length,
-                             NO_VERSION, torch.long)))
-    return out
+
+def rank_share(chunk: list[Sequence], rank: int, world: int, *, max_tokens: Optional[int], size: int,
+               pad_id: int) -> list[MicroBatch]:
+    """Rank ``rank``'s micro-batches of a minibatch: packed rows of at most ``max_tokens``
+    tokens (:func:`plan_by_tokens`) when a budget is set, else padded micro-batches of at most
+    ``size`` sequences (:func:`plan_by_count`). Every rank gets the same number (FSDP's
+    all-gathers are collectives): a rank short of data gets all-masked fillers."""
+    if max_tokens:
+        plan = plan_by_tokens([len(s.tokens) for s in chunk], world, max_tokens)[rank]
+        return [packed([chunk[index] for index in members], pad_id) for members in plan]
+    plan = plan_by_count(len(chunk), world, size)[rank]
+    return [padded([chunk[index] for index in members], pad_id) for members in plan]
+
+
+def padded(chunk: list[Sequence], pad_id: int) -> MicroBatch:
+    """``chunk`` one sequence a row, right-padded to the longest (a filler row when empty)."""
+    real = len(chunk)
+    chunk = chunk or [_filler(pad_id)]
+    length = max(len(s.tokens) for s in chunk)
+    return MicroBatch(
+        tokens=_padded([s.tokens for s in chunk], length, pad_id, torch.long),
+        mask=_padded([s.loss_mask for s in chunk], length, 0, torch.float32),
+        behaviour=_padded([s.logprobs for s in chunk], length, 0.0, torch.float32),
+        advantages=_padded([[s.advantage] * len(s.tokens) for s in chunk], length, 0.0, torch.float32),
+        versions=_padded([s.versions if s.versions is not None else [] for s in chunk], length,
+                         NO_VERSION, torch.long),
+        segments=torch.arange(len(chunk)).unsqueeze(-1).expand(len(chunk), length).contiguous(),
+        sequences=real)
+
+
+def packed(chunk: list[Sequence], pad_id: int) -> MicroBatch:
+    """``chunk`` back to back in one row (a filler row when empty)."""
+    real = len(chunk)
+    chunk = chunk or [_filler(pad_id)]
+
+    def row(values, dtype) -> torch.Tensor:
+        return torch.tensor([value for part in values for value in part], dtype=dtype).unsqueeze(0)
+
+    return MicroBatch(
+        tokens=row([s.tokens for s in chunk], torch.long),
+        mask=row([s.loss_mask for s in chunk], torch.float32),
+        behaviour=row([s.logprobs for s in chunk], torch.float32),
+        advantages=row([[s.advantage] * len(s.tokens) for s in chunk], torch.float32),
+        versions=row([s.versions if s.versions is not None else [NO_VERSION] * len(s.tokens) for s in chunk],
+                     torch.long),
+        segments=row([[index] * len(s.tokens) for index, s in enumerate(chunk)], torch.long),
+        sequences=real, lengths=[len(s.tokens) for s in chunk])
 
 
 def _padded(rows: list[list], length: int, fill, dtype: torch.dtype) -> torch.Tensor:
     """``[len(rows), length]``: each row right-padded with ``fill`` (one tensor built at once)."""
     return torch.tensor([row + [fill] * (length - len(row)) for row in rows], dtype=dtype)
+
+
+def plan_by_count(count: int, ranks: int, size: int) -> list[list[list[int]]]:
+    """Per rank, its micro-batches as lists of sequence indices: rank ``r`` takes sequences
+    ``r, r + W, ...`` in micro-batches of at most ``size``; every rank gets as many micro-batches
+    as the fullest (empty lists are fillers)."""
+    per_rank = max(1, math.ceil(math.ceil(count / ranks) / size))
+    plans = []
+    for rank in range(ranks):
+        mine = list(range(rank, count, ranks))
+        plans.append([mine[index * size:(index + 1) * size] for index in range(per_rank)])
+    return plans
+
+
+def plan_by_tokens(lengths: list[int], ranks: int, budget: int) -> list[list[list[int]]]:
+    """Per rank, its micro-batches as lists of sequence indices, at most ``budget`` tokens each
+    (a sequence longer than the budget alone in one), the same number on every rank and with
+    near-equal tokens, so the ranks step in lockstep without waiting on each other.
+
+    The fewest micro-batches a rank can take (``K``) is found by trying ``K = 1, 2, ...``: the
+    sequences, longest first, each go to the lightest of the ``ranks * K`` bins (longest
+    processing time first); ``K`` holds when no bin overflows. Bins are dealt to the ranks in
+    turn, heaviest first, so every rank's total is close to the mean too."""
+    order = sorted(range(len(lengths)), key=lambda index: (-lengths[index], index))
+    per_rank = max(1, math.ceil(sum(lengths) / (ranks * budget)))
+    while True:
+        bins = _longest_first(order, lengths, ranks * per_rank, budget)
+        if bins is not None:
+            break
+        per_rank += 1
+    bins.sort(key=lambda members: -sum(lengths[index] for index in members))
+    return [[sorted(members) for members in bins[rank::ranks]] for rank in range(ranks)]
+
+
+def _longest_first(order: list[int], lengths: list[int], count: int, budget: int) -> Optional[list[list[int]]]:
+    """``order`` (longest first) into ``count`` bins, each into the lightest; None when a bin
+    would pass ``budget`` with more than one sequence."""
+    import heapq
+
+    bins: list[list[int]] = [[] for _ in range(count)]
+    heap = [(0, slot) for slot in range(count)]
+    for index in order:
+        load, slot = heapq.heappop(heap)
+        if load and load + lengths[index] > budget:
+            return None
+        bins[slot].append(index)
+        heapq.heappush(heap, (load + lengths[index], slot))
+    return bins
 
 
 def minibatch_slices(count: int, minibatches: int) -> list[slice]:

@@ -29,10 +29,10 @@ from rlorch.model import resolve_model_path
 from rlorch.rundir.layout import PUBLISHED, RunDir, load_config, write_json_atomic
 from rlorch.trainer import checkpoint, lora
 from rlorch.trainer.broadcast import Broadcaster, plan
-from rlorch.trainer.batch import BatchError, micro_batches, minibatch_slices, read_batch
+from rlorch.trainer import head
+from rlorch.trainer.batch import BatchError, MicroBatch, minibatch_slices, rank_share, read_batch
 from rlorch.trainer.checkpoint import CheckpointError
-from rlorch.trainer.loss import (LossStats, MismatchStats, aggregate, policy_loss, reference_kl, token_entropy,
-                                 token_logprobs)
+from rlorch.trainer.loss import LossStats, MismatchStats, aggregate, policy_loss, reference_kl
 from rlorch.trainer.optimizer import make_optimizer
 from rlorch.trainer.publish import HFWriter, TokenizerFiles, clear_staging, discard_newer, prune, publish
 from rlorch.trainer.schedule import lr_factor
@@ -154,21 +154,28 @@ def uses_fsdp(world: int, dtype: str) -> bool:
 
 
 def _sharded(model, device, dtype: str):
-    """``model`` with each decoder layer and the root as FSDP2 units over every rank when
-    :func:`uses_fsdp` says so, under ``model.dtype``'s mixed-precision policy."""
-    world = dist.get_world_size()
-    if uses_fsdp(world, dtype):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    """``model`` placed for training over every rank (:func:`place`)."""
+    return place(model, device, dtype, dist.get_world_size())
 
-        mesh = init_device_mesh(device.type, (world,))
-        policy = mixed_precision(dtype) or MixedPrecisionPolicy()
-        # Only the root casts its output (the logits): a layer's stays in the compute dtype
-        # for the next one (and for the final norm and head, which the root computes).
-        inner = dataclasses.replace(policy, output_dtype=None)
-        for layer in _decoder_layers(model):
-            fully_shard(layer, mesh=mesh, mp_policy=inner)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+
+def place(model, device, dtype: str, world: int):
+    """``model`` with each decoder layer and the root as FSDP2 units over ``world`` ranks when
+    :func:`uses_fsdp` says so, under ``model.dtype``'s mixed-precision policy (FSDP2 moves the
+    shards to the mesh's device); otherwise (one float32 rank) the plain module, moved to
+    ``device``."""
+    if not uses_fsdp(world, dtype):
+        return model.to(device)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    policy = mixed_precision(dtype) or MixedPrecisionPolicy()
+    # Only the root casts its output (the logits): a layer's stays in the compute dtype
+    # for the next one (and for the final norm and head, which the root computes).
+    inner = dataclasses.replace(policy, output_dtype=None)
+    for layer in _decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=inner)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
@@ -176,7 +183,7 @@ def load_model(config, path, device):
     """The model as trained: float32 master weights whatever ``model.dtype`` is (mixed precision
     computes in it), with LoRA adapters when ``model.lora.rank > 0``; rlorch's own Qwen2 or
     transformers' as ``model.implementation`` resolves (:func:`rlorch.model.uses_native`)."""
-    model = _from_pretrained(config, path, device)
+    model = head.install(_from_pretrained(config, path, device))
     if config.model.lora.rank:
         model = lora.wrap(model, config.model.lora)
     return model
@@ -199,7 +206,7 @@ def build_reference(config, path: str, device) -> Optional[torch.nn.Module]:
     sharded like the policy and never published. None at 0: no copy is kept."""
     if not config.trainer.kl_coef:
         return None
-    reference = _from_pretrained(config, path, device)
+    reference = head.install(_from_pretrained(config, path, device))
     reference.requires_grad_(False)
     return _sharded(reference.eval(), device, config.model.dtype)
 
@@ -288,8 +295,8 @@ def train_step(worker: Worker, step: int) -> dict:
     for part in minibatch_slices(len(sequences), trainer.minibatches):
         chunk = sequences[part]
         tokens = sum(sum(s.loss_mask) for s in chunk)
-        count = max(1, math.ceil(math.ceil(len(chunk) / worker.world) / trainer.fsdp.micro_batch_size))
-        plan.append((micro_batches(chunk[worker.rank::worker.world], trainer.fsdp.micro_batch_size, count, pad_id),
+        plan.append((rank_share(chunk, worker.rank, worker.world, max_tokens=trainer.fsdp.max_tokens_per_micro_batch,
+                                size=trainer.fsdp.micro_batch_size, pad_id=pad_id),
                      Counts(tokens, len(chunk))))
     model.train()
     probe = ProximalProbe(mismatch=MismatchStats(), version=step - 1)
@@ -311,7 +318,8 @@ def train_step(worker: Worker, step: int) -> dict:
             worker.optimizer.step()
         loss_sum += part_loss / len(plan)
         stats = stats.merge(part_stats)
-    summed = _all_reduce(stats.as_tensor().tolist() + [loss_sum] + probe.sums(), worker.device)
+    positions = float(sum(micro.positions for micros, _ in plan for micro in micros))
+    summed = _all_reduce(stats.as_tensor().tolist() + [loss_sum, positions] + probe.sums(), worker.device)
     maxima = _all_reduce([stats.ratio_max, probe.mismatch.max_abs], worker.device, "max")
     width = len(stats.as_tensor())
     merged = type(stats).from_tensor(torch.tensor(summed[:width]), maxima[0])
@@ -319,8 +327,9 @@ def train_step(worker: Worker, step: int) -> dict:
     # ref_kl only with a reference: its absence says no reference was kept.
     reference = {"ref_kl": merged.ref_kl_sum / max(merged.tokens, 1.0)} if worker.reference is not None else {}
     return {"step": step, "loss": summed[width], "grad_norm": sum(norms) / len(norms), **merged.summary(),
-            **reference, **probe.summary(summed[width + 1:], maxima[1]), "minibatches": len(plan), "skipped_updates": skipped, "lr": lr,
+            **reference, **probe.summary(summed[width + 2:], maxima[1]), "minibatches": len(plan), "skipped_updates": skipped, "lr": lr,
             "tokens": int(sum(c.tokens for _, c in plan)), "sequences": len(sequences),
+            "positions": int(summed[width + 1]),
             "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "step_s": time.perf_counter() - started}
 
@@ -368,16 +377,33 @@ class ProximalProbe:
 def _proximal_pass(worker: Worker, micros: list, probe: ProximalProbe) -> list:
     """Logprobs of ``micros`` under the weights before any update of this batch (run before the
     first update), each recorded in ``probe``."""
-    temperature = worker.config.rollout.temperature
     prox = []
     with torch.no_grad():
         for micro in micros:
-            tokens = micro.tokens.to(worker.device)
-            logits = worker.model(input_ids=tokens).logits
-            logp = token_logprobs(logits, tokens, temperature)
-            probe.add(worker, micro, logp, token_entropy(logits, temperature))
+            logp, entropy = _scores(worker, worker.model, micro, entropy=True)
+            probe.add(worker, micro, logp, entropy)
             prox.append(logp)
     return prox
+
+
+def scores(model, micro: MicroBatch, *, temperature: float, chunk_rows: int, device,
+           entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``model``'s logprob of every trained token of ``micro`` at the sampling ``temperature``
+    (and the entropy of its distribution when asked), ``[rows, positions]`` with 0 elsewhere.
+    The output layer runs over the trained positions only, ``chunk_rows`` at a time
+    (:mod:`rlorch.trainer.head`); a packed row's positions restart at each sequence."""
+    request = head.request_for(micro.mask, micro.tokens, temperature=temperature, entropy=entropy,
+                               chunk_rows=chunk_rows, device=device)
+    position_ids = micro.position_ids()
+    with head.scoring(request):
+        out = model(input_ids=micro.tokens.to(device), use_cache=False,
+                    position_ids=None if position_ids is None else position_ids.to(device)).logits
+    return out[..., 0], out[..., 1] if entropy else None
+
+
+def _scores(worker: Worker, model, micro: MicroBatch, *, entropy: bool):
+    return scores(model, micro, temperature=worker.config.rollout.temperature,
+                  chunk_rows=worker.config.trainer.fsdp.logit_chunk_rows, device=worker.device, entropy=entropy)
 
 
 @dataclass(frozen=True)
@@ -396,33 +422,27 @@ def _accumulate(worker: Worker, micros: list, counts: Counts, proximal: list, pr
     A micro-batch without proximal logprobs runs on the proximal weights themselves (the first
     minibatch): its detached logprobs are the proximal ones, recorded in ``probe``."""
     trainer, device = worker.config.trainer, worker.device
-    temperature = worker.config.rollout.temperature
     loss_sum, stats = 0.0, LossStats()
     for micro, prox in zip(micros, proximal):
-        tokens, mask = micro.tokens.to(device), micro.mask.to(device)
-        logits = worker.model(input_ids=tokens).logits
-        logp = token_logprobs(logits, tokens, temperature)
-        entropy = None
+        mask, segments = micro.mask.to(device), micro.segments.to(device)
+        counted = dict(agg=trainer.loss_agg, tokens=max(counts.tokens, 1), sequences=max(counts.sequences, 1),
+                       segments=segments)
+        logp, entropy = _scores(worker, worker.model, micro, entropy=prox is None or bool(trainer.entropy_coef))
         if prox is None:
             prox = logp.detach()
-            with torch.set_grad_enabled(bool(trainer.entropy_coef)):
-                entropy = token_entropy(logits, temperature)
             probe.add(worker, micro, prox, entropy.detach())
         loss, micro_stats = policy_loss(
             logp, micro.behaviour.to(device), mask, micro.advantages.to(device),
             correction=trainer.correction, clip_eps=trainer.clip_eps, is_cap=trainer.is_cap,
-            prox=prox, normalizer=max(counts.tokens, 1), agg=trainer.loss_agg, sequences=max(counts.sequences, 1))
+            prox=prox, normalizer=counted["tokens"], agg=trainer.loss_agg, sequences=counted["sequences"],
+            segments=segments)
         if trainer.entropy_coef:
-            if entropy is None:
-                entropy = token_entropy(logits, temperature)
-            loss = loss - trainer.entropy_coef * aggregate(entropy, mask, trainer.loss_agg, tokens=max(counts.tokens, 1),
-                                                           sequences=max(counts.sequences, 1))
+            loss = loss - trainer.entropy_coef * aggregate(entropy, mask, **counted)
         if worker.reference is not None:
             with torch.no_grad():
-                ref_logp = token_logprobs(worker.reference(input_ids=tokens).logits, tokens, temperature)
+                ref_logp, _ = _scores(worker, worker.reference, micro, entropy=False)
             kl = reference_kl(logp, ref_logp, trainer.kl_estimator)
-            loss = loss + trainer.kl_coef * aggregate(kl, mask, trainer.loss_agg, tokens=max(counts.tokens, 1),
-                                                      sequences=max(counts.sequences, 1))
+            loss = loss + trainer.kl_coef * aggregate(kl, mask, **counted)
             micro_stats.ref_kl_sum = float((kl.detach() * mask).sum())
         # FSDP averages gradients over ranks; scaling by the world size keeps the global token mean.
         (loss * worker.world).backward()

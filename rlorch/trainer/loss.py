@@ -1,8 +1,10 @@
 """The policy loss: a token-level clipped policy-gradient objective with off-policy correction.
 
-Pure functions on tensors. Shapes: ``[batch, seq]`` per-token tensors aligned with the input
-tokens (position ``t`` holds the logprob of token ``t`` given tokens ``< t``), ``[batch]``
-advantages (one group-normalised advantage per rollout, shared by all its tokens).
+Pure functions on tensors. Shapes: ``[rows, seq]`` per-token tensors aligned with the input
+tokens (position ``t`` holds the logprob of token ``t`` given tokens ``< t``); advantages either
+``[rows]`` (one per row: a padded row is one rollout) or ``[rows, seq]`` (each token its
+rollout's: a packed row holds several). Per-sequence aggregation reads which sequence each
+position belongs to from ``segments`` (``[rows, seq]``; default: a sequence a row).
 
 Aggregation (``trainer.loss_agg``, :data:`AGGREGATIONS`) is exact across micro-batches and
 ranks: every term is a sum over this micro-batch's rows divided by a count of the whole
@@ -170,23 +172,29 @@ LOSSES = {Correction.decoupled: _decoupled, Correction.tis: _tis, Correction.non
 Only ``decoupled`` reads ``prox``."""
 
 
-def _token_mean(per_token, mask, tokens, sequences):
+def _token_mean(per_token, mask, tokens, sequences, segments):
     return (per_token * mask).sum() / tokens
 
 
-def _seq_mean_token_sum(per_token, mask, tokens, sequences):
+def _seq_mean_token_sum(per_token, mask, tokens, sequences, segments):
     return (per_token * mask).sum() / sequences
 
 
-def _seq_mean_token_mean(per_token, mask, tokens, sequences):
-    # A row without trained tokens (filler for a rank short of data) adds 0, not 0/0.
-    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / sequences
+def _seq_mean_token_mean(per_token, mask, tokens, sequences, segments):
+    if segments is None:
+        # A row without trained tokens (filler for a rank short of data) adds 0, not 0/0.
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / sequences
+    count = int(segments.max()) + 1 if segments.numel() else 0
+    ids = segments.reshape(-1)
+    sums = per_token.new_zeros(count).index_add(0, ids, (per_token * mask).reshape(-1))
+    lengths = mask.new_zeros(count).index_add(0, ids, mask.reshape(-1))
+    return (sums / lengths.clamp(min=1.0)).sum() / sequences
 
 
 AGGREGATIONS = {LossAgg.token_mean: _token_mean, LossAgg.seq_mean_token_sum: _seq_mean_token_sum,
                 LossAgg.seq_mean_token_mean: _seq_mean_token_mean}
-"""One aggregation per ``trainer.loss_agg``: ``(per_token [b, s], mask [b, s], tokens, sequences)
--> scalar``, where ``tokens`` and ``sequences`` count the whole minibatch:
+"""One aggregation per ``trainer.loss_agg``: ``(per_token [b, s], mask [b, s], tokens, sequences,
+segments [b, s] or None) -> scalar``, where ``tokens`` and ``sequences`` count the whole minibatch:
 
 * ``token_mean``: sum over every masked token / the minibatch's masked tokens (DAPO);
 * ``seq_mean_token_sum``: the same sum / the minibatch's sequences (Dr. GRPO: a normaliser that
@@ -196,20 +204,22 @@ AGGREGATIONS = {LossAgg.token_mean: _token_mean, LossAgg.seq_mean_token_sum: _se
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: LossAgg = LossAgg.token_mean, *,
-              tokens: Optional[float] = None, sequences: Optional[float] = None) -> torch.Tensor:
+              tokens: Optional[float] = None, sequences: Optional[float] = None,
+              segments: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``per_token`` over ``mask`` aggregated per ``agg``; the counts default to this
-    micro-batch's (masked tokens, rows)."""
+    micro-batch's (masked tokens, rows); ``segments`` says which sequence each position is
+    (default: one a row)."""
     mask = mask.to(per_token.dtype)
     tokens = float(tokens) if tokens is not None else max(mask.sum().item(), 1.0)
     sequences = float(sequences) if sequences is not None else max(float(mask.shape[0]), 1.0)
-    return AGGREGATIONS[LossAgg(agg)](per_token, mask, tokens, sequences)
+    return AGGREGATIONS[LossAgg(agg)](per_token, mask, tokens, sequences, segments)
 
 
 def policy_loss(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
                 advantages: torch.Tensor, *, correction: Correction, clip_eps: float, is_cap: float,
                 prox: Optional[torch.Tensor] = None, normalizer: Optional[float] = None,
-                agg: LossAgg = LossAgg.token_mean,
-                sequences: Optional[float] = None) -> tuple[torch.Tensor, LossStats]:
+                agg: LossAgg = LossAgg.token_mean, sequences: Optional[float] = None,
+                segments: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, LossStats]:
     """The loss of one micro-batch (its share of the minibatch's ``agg``) and its stats.
 
     ``prox`` is required for ``decoupled`` (no gradient flows through it). ``normalizer`` (the
@@ -217,11 +227,12 @@ def policy_loss(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
     """
     mask = mask.to(logp.dtype)
     behaviour = behaviour.to(logp.dtype)
-    adv = advantages.to(logp.dtype).unsqueeze(-1).expand_as(logp)
+    adv = advantages.to(logp.dtype)
+    adv = adv.unsqueeze(-1).expand_as(logp) if adv.dim() == 1 else adv
     if prox is not None:
         prox = prox.detach().to(logp.dtype)
     per_token, clipped, capped = LOSSES[Correction(correction)](logp, behaviour, prox, adv, clip_eps, is_cap)
-    loss = aggregate(per_token, mask, agg, tokens=normalizer, sequences=sequences)
+    loss = aggregate(per_token, mask, agg, tokens=normalizer, sequences=sequences, segments=segments)
     return loss, _stats(logp.detach(), behaviour, mask, clipped, capped)
 
 
