@@ -89,7 +89,7 @@ async def bench(args: argparse.Namespace) -> dict:
                 version += 1
                 state = perturb(model, version)
                 started = time.perf_counter()
-                path = publish(run, version, writer, state)
+                path = publish(run, version, lambda target: writer.write(target, state))
                 figures["write"].append(time.perf_counter() - started)
                 started = time.perf_counter()
                 await pool.reload(str(path), version)

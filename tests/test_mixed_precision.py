@@ -22,16 +22,15 @@ def one_rank():
 def test_bf16_computes_in_bf16_and_keeps_fp32_weights_gradients_and_optimizer_state(one_rank):
     from rlorch.config.compose import compose
     from rlorch.model import ensure_default_model
-    from rlorch.trainer.fsdp import _decoder_layers, _sharded, load_model, uses_fsdp
+    from rlorch.trainer.fsdp import _decoder_layers, build_model, uses_fsdp
 
     config = compose(["model.dtype=bfloat16"])
     assert uses_fsdp(1, "bfloat16") and not uses_fsdp(1, "float32")
-    model = load_model(config, ensure_default_model(), torch.device("cpu"))
+    model = build_model(config, ensure_default_model(), torch.device("cpu"), 1)
     seen = []
     for layer in _decoder_layers(model):
         layer.mlp.down_proj.register_forward_hook(
             lambda module, args, out: seen.append((module.weight.dtype, args[0].dtype, out.dtype)))
-    model = _sharded(model, torch.device("cpu"), "bfloat16")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     logits = model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits
     logits.log_softmax(-1)[..., 3].sum().backward()

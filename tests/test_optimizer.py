@@ -95,12 +95,11 @@ def test_a_single_rank_checkpoints_state_is_dcps_own_without_its_lookups(model_d
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     from rlorch.trainer import checkpoint
-    from rlorch.trainer.fsdp import checkpoint_activations, load_model
+    from rlorch.trainer.fsdp import build_model
 
-    overrides = ["model.lora.rank=4"] if wrap == "lora" else []
-    model = load_model(compose([f"model.path={model_dir}", *overrides]), model_dir, torch.device("cpu"))
-    if wrap == "activation_checkpointing":
-        checkpoint_activations(model)
+    overrides = {"lora": ["model.lora.rank=4"], "activation_checkpointing": ["trainer.activation_checkpointing=true"],
+                 "plain": []}[wrap]
+    model = build_model(compose([f"model.path={model_dir}", *overrides]), model_dir, torch.device("cpu"), 1)
     optimizer = make_optimizer((p for p in model.parameters() if p.requires_grad), lr=1e-3, weight_decay=0.0,
                                sharded=False)
     assert checkpoint.plain_state_dicts(model, optimizer) is None  # no optimizer state yet: DCP makes it

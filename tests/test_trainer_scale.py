@@ -201,3 +201,102 @@ def test_the_output_layer_outside_a_scoring_block_gives_plain_logits_and_the_sta
         logits = model(input_ids=ids).logits
     assert logits.shape == (1, 4, model.config.vocab_size)
     assert set(model.state_dict()) == names and model.lm_head.weight is model.model.embed_tokens.weight or not model.tied
+
+
+@pytest.fixture
+def one_rank():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_version_streamed_tensor_by_tensor_equals_the_whole_state_dict_written_at_once(one_rank, tmp_path):
+    """bf16 makes the model FSDP2 units even on one rank: its versions are gathered, cast and
+    written one tensor at a time. The files hold the tensors the whole gathered state dict
+    holds, bit for bit; cut into shards, they load as one model in rlorch's Qwen2 and in
+    transformers."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from rlorch.config.compose import compose
+    from rlorch.qwen2 import Qwen2ForCausalLM
+    from rlorch.rundir.layout import RunDir, save_config
+    from rlorch.trainer.fsdp import build_worker, served_state, streams, write_weights
+    from rlorch.trainer.publish import StreamedHF
+
+    run = RunDir(tmp_path / "run").make()
+    config = compose(["model.dtype=bfloat16", "trainer.fsdp.device=cpu"])
+    save_config(config, run.config)
+    worker = build_worker(config, run, torch.device("cpu"), None)
+    assert streams(worker)
+    write_weights(worker, tmp_path / "streamed")
+    whole = served_state(worker)
+    streamed = load_file(str(tmp_path / "streamed" / "model.safetensors"))
+    assert set(streamed) == set(whole) - ({"lm_head.weight"} if worker.model.tied else set())
+    assert all(streamed[name].dtype == torch.bfloat16 and torch.equal(streamed[name], whole[name]) for name in streamed)
+    assert json_of(tmp_path / "streamed" / "config.json")["dtype"] == "bfloat16"
+
+    sharded = StreamedHF(tmp_path / "sharded", worker.writer.tokenizer.source, worker.writer.tokenizer, torch.bfloat16,
+                         shard_bytes=64 * 1024)
+    for name, tensor in whole.items():
+        sharded.add(name, tensor)
+    sharded.close()
+    files = sorted(path.name for path in (tmp_path / "sharded").glob("*.safetensors"))
+    assert len(files) > 1 and (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    native = Qwen2ForCausalLM.from_pretrained(tmp_path / "sharded", dtype=torch.bfloat16).state_dict()
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "sharded", dtype=torch.bfloat16).state_dict()
+    for name in streamed:
+        assert torch.equal(native[name], whole[name]) and torch.equal(hf[name], whole[name]), name
+
+
+def json_of(path):
+    import json
+
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("implementation", ["native", "hf"])
+def test_a_sharded_model_loaded_from_its_own_rows_equals_one_loaded_whole(one_rank, implementation):
+    """Sharded (bf16 on one rank here; two ranks in tests/test_trainer.py), the model is built on
+    the meta device and each rank reads only its rows of the checkpoint: its parameters, its
+    rebuilt rotary buffers and its forward equal a model loaded whole."""
+    from rlorch.config.compose import compose
+    from rlorch.model import ensure_default_model
+    from rlorch.trainer import loading
+    from rlorch.trainer.fsdp import _from_pretrained, build_model, place
+
+    path = ensure_default_model()
+    config = compose(["model.dtype=bfloat16", f"model.implementation={implementation}"])
+    model = build_model(config, path, torch.device("cpu"), 1)
+    assert loading.meta_skeleton(path, native=implementation == "native") is not None
+    whole = head.install(_from_pretrained(path, implementation == "native", torch.float32))
+    for (name, mine), (_, theirs) in zip(model.state_dict().items(), whole.state_dict().items()):
+        assert torch.equal(mine.full_tensor() if hasattr(mine, "full_tensor") else mine, theirs), name
+    for name, buffer in whole.named_buffers():
+        assert torch.equal(dict(model.named_buffers())[name], buffer), name
+    ids = torch.tensor([[1, 5, 9, 13, 17]])
+    whole = place(whole, torch.device("cpu"), "bfloat16", 1)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, whole(input_ids=ids).logits)
+
+
+def test_a_checkpoint_missing_a_tensor_is_named(one_rank, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from rlorch.config.compose import compose
+    from rlorch.model import ensure_default_model
+    from rlorch.trainer.fsdp import build_model
+
+    broken = tmp_path / "model"
+    shutil.copytree(ensure_default_model(), broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    tensors.pop("model.norm.weight")
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        build_model(compose(["model.dtype=bfloat16"]), broken, torch.device("cpu"), 1)

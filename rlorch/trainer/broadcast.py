@@ -91,11 +91,19 @@ class Broadcaster:
         """Offer version ``step`` and broadcast it (rebuilding the group first when the
         orchestrator asks); False (said in the log) when it did not go through, so the caller
         publishes it to disk instead."""
+        names = list(state)
+        if not self.offer(step, names, [state[n].dtype for n in names], [list(state[n].shape) for n in names]):
+            return False
+        return self.transmit(step, (state[n] for n in names), last=True)
+
+    def offer(self, step: int, names: list[str], dtypes: list, shapes: list[list[int]]) -> bool:
+        """Offer version ``step`` (SGLang's names, dtypes and shapes) and wait for the answer,
+        rebuilding the group first when the orchestrator asks; True once every engine is
+        receiving: the tensors must then follow, in ``names``' order (:meth:`transmit`). False
+        (said in the log): nothing is sent, the version goes by disk."""
         if not self.joined:
             return False
-        names = list(state)
-        offer = {"names": names, "dtypes": [dtype_name(state[n].dtype) for n in names],
-                 "shapes": [list(state[n].shape) for n in names],
+        offer = {"names": names, "dtypes": [dtype_name(dtype) for dtype in dtypes], "shapes": shapes,
                  "group_name": self.spec.group_name if self.group is not None else None}
         write_json_atomic(self.run.offer_for(step), offer)
         marks = [self.run.offer_mark(step, "receiving"), self.run.offer_mark(step, "refused")]
@@ -104,6 +112,7 @@ class Broadcaster:
             if not self.regroup(int(json.loads(answer.read_text())["world_size"])):
                 self.run.offer_for(step).unlink(missing_ok=True)
                 self.log(f"version {step} goes by disk (the weight group was not rebuilt)")
+                self._forget_before(step)
                 return False
             answer = _wait_any(marks, self.timeout)
         if answer is None or answer.suffix == ".refused" or self.group is None:
@@ -114,16 +123,23 @@ class Broadcaster:
                          f"version {step} goes by disk, the next one rebuilds the group")
             else:
                 self.log(f"the engines refused version {step} over the group; it goes by disk")
+            self._forget_before(step)
             return False
+        return True
+
+    def transmit(self, step: int, tensors, *, last: bool) -> bool:
+        """Broadcast the next of the offered tensors (all of them with ``last``); False (said in
+        the log) when the group failed: the group is dropped (the next version rebuilds it)."""
         try:
-            broadcast(self.group, [state[n].to(self.device) for n in names])
+            broadcast(self.group, [tensor.to(self.device) for tensor in tensors])
         except Exception as err:  # a transport error or the group's timeout
             self.run.offer_for(step).unlink(missing_ok=True)
             self.group = None
+            self._forget_before(step)
             self.log(f"broadcast of version {step} failed ({err}); version {step} goes by disk, "
                      "the next one rebuilds the group")
             return False
-        finally:
+        if last:
             self._forget_before(step)
         return True
 

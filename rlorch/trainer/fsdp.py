@@ -29,12 +29,12 @@ from rlorch.model import resolve_model_path
 from rlorch.rundir.layout import PUBLISHED, RunDir, load_config, write_json_atomic
 from rlorch.trainer import checkpoint, lora
 from rlorch.trainer.broadcast import Broadcaster, plan
-from rlorch.trainer import head
+from rlorch.trainer import head, loading, streaming
 from rlorch.trainer.batch import BatchError, MicroBatch, minibatch_slices, rank_share, read_batch
 from rlorch.trainer.checkpoint import CheckpointError
 from rlorch.trainer.loss import LossStats, MismatchStats, aggregate, policy_loss, reference_kl
 from rlorch.trainer.optimizer import make_optimizer
-from rlorch.trainer.publish import HFWriter, TokenizerFiles, clear_staging, discard_newer, prune, publish
+from rlorch.trainer.publish import HFWriter, StreamedHF, TokenizerFiles, clear_staging, discard_newer, prune, publish
 from rlorch.trainer.schedule import lr_factor
 
 POLL_SECONDS = 0.01
@@ -106,9 +106,10 @@ def _setup_distributed(device_setting: str):
 
 
 def _decoder_layers(model) -> list:
-    """The repeated blocks HF marks as not-to-split (``_no_split_modules``): one FSDP unit each."""
+    """The repeated blocks HF marks as not-to-split (``_no_split_modules``): one FSDP unit each
+    (found by class, also once FSDP2 has subclassed them)."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    return [module for module in model.modules() if type(module).__name__ in names]
+    return [module for module in model.modules() if any(cls.__name__ in names for cls in type(module).__mro__)]
 
 
 def checkpoint_activations(model) -> None:
@@ -153,11 +154,6 @@ def uses_fsdp(world: int, dtype: str) -> bool:
     return world > 1 or mixed_precision(dtype) is not None
 
 
-def _sharded(model, device, dtype: str):
-    """``model`` placed for training over every rank (:func:`place`)."""
-    return place(model, device, dtype, dist.get_world_size())
-
-
 def place(model, device, dtype: str, world: int):
     """``model`` with each decoder layer and the root as FSDP2 units over ``world`` ranks when
     :func:`uses_fsdp` says so, under ``model.dtype``'s mixed-precision policy (FSDP2 moves the
@@ -179,36 +175,53 @@ def place(model, device, dtype: str, world: int):
     return model
 
 
-def load_model(config, path, device):
-    """The model as trained: float32 master weights whatever ``model.dtype`` is (mixed precision
-    computes in it), with LoRA adapters when ``model.lora.rank > 0``; rlorch's own Qwen2 or
-    transformers' as ``model.implementation`` resolves (:func:`rlorch.model.uses_native`)."""
-    model = head.install(_from_pretrained(config, path, device))
-    if config.model.lora.rank:
-        model = lora.wrap(model, config.model.lora)
-    return model
+def build_model(config, path, device, world: int, *, reference: bool = False) -> torch.nn.Module:
+    """The policy, or with ``reference`` the frozen reference policy, loaded and placed for
+    training over ``world`` ranks, its output layer scoring tokens in chunks (:mod:`.head`).
 
-
-def _from_pretrained(config, path, device) -> torch.nn.Module:
+    The policy keeps float32 master weights whatever ``model.dtype`` is (mixed precision
+    computes in it), with LoRA adapters when ``model.lora.rank > 0`` and activation checkpointing
+    as configured. The reference is kept in ``model.dtype`` itself: FSDP would compute in it
+    anyway, so its logprobs are the same for half the memory. Either is rlorch's own Qwen2 or
+    transformers' as ``model.implementation`` resolves (:func:`rlorch.model.uses_native`).
+    Sharded without LoRA, it is loaded once: built on the meta device and sharded, each rank
+    reads only its own rows of the checkpoint (:mod:`rlorch.trainer.loading`)."""
     from rlorch.model import uses_native
-    from rlorch.qwen2 import Qwen2ForCausalLM
 
-    if uses_native(config.model.implementation, Path(path), lora=bool(config.model.lora.rank), device=device.type):
-        return Qwen2ForCausalLM.from_pretrained(Path(path), dtype=torch.float32)
-    from transformers import AutoModelForCausalLM
+    placed_as = "float32" if reference else config.model.dtype
+    weights = getattr(torch, config.model.dtype) if reference else torch.float32
+    lora_rank = 0 if reference else config.model.lora.rank
+    native = uses_native(config.model.implementation, Path(path), lora=bool(config.model.lora.rank), device=device.type)
+    skeleton = (loading.meta_skeleton(path, native=native)
+                if uses_fsdp(world, placed_as) and not lora_rank else None)
+    model = head.install(skeleton.to(weights) if skeleton is not None else _from_pretrained(path, native, weights))
+    if reference:
+        model.requires_grad_(False)
+        model.eval()
+    else:
+        if lora_rank:
+            model = lora.wrap(model, config.model.lora)
+        if config.trainer.activation_checkpointing:
+            checkpoint_activations(model)
+    model = place(model, device, placed_as, world)
+    return loading.materialise(model, path, device) if skeleton is not None else model
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
-
-def build_reference(config, path: str, device) -> Optional[torch.nn.Module]:
+def build_reference(config, path, device, world: int = 1) -> Optional[torch.nn.Module]:
     """The reference policy for ``trainer.kl_coef > 0``: the initial weights, loaded from the
     model path (so a resumed run gets the very same ones without checkpointing them), frozen,
     sharded like the policy and never published. None at 0: no copy is kept."""
-    if not config.trainer.kl_coef:
-        return None
-    reference = head.install(_from_pretrained(config, path, device))
-    reference.requires_grad_(False)
-    return _sharded(reference.eval(), device, config.model.dtype)
+    return build_model(config, path, device, world, reference=True) if config.trainer.kl_coef else None
+
+
+def _from_pretrained(path, native: bool, dtype: torch.dtype) -> torch.nn.Module:
+    if native:
+        from rlorch.qwen2 import Qwen2ForCausalLM
+
+        return Qwen2ForCausalLM.from_pretrained(Path(path), dtype=dtype)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 
 def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
@@ -216,17 +229,15 @@ def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
     rank, world = dist.get_rank(), dist.get_world_size()
     path = resolve_model_path(config.model.path) if rank == 0 else None
     path = _broadcast(path)
-    model = load_model(config, path, device)
-    if config.trainer.activation_checkpointing:
-        checkpoint_activations(model)
+    model = build_model(config, path, device, world)
     sharded = uses_fsdp(world, config.model.dtype)
-    model = _sharded(model, device, config.model.dtype)
     # Frozen weights (LoRA's base) get no optimizer state.
     optimizer = make_optimizer((p for p in model.parameters() if p.requires_grad), lr=config.trainer.lr,
                                weight_decay=config.trainer.weight_decay, sharded=sharded)
     tokenizer = TokenizerFiles(path) if rank == 0 else None
     worker = Worker(config, run, model, optimizer, tokenizer, HFWriter(lora.base_model(model), tokenizer), device,
-                    rank, world, sharded=sharded, reference=build_reference(config, path, device))
+                    rank, world, sharded=sharded,
+                    reference=build_reference(config, path, device, world))
     if resume is not None:
         worker.step, optimizer_steps = checkpoint.load(resume, model, optimizer,
                                                        trainable_only=bool(config.model.lora.rank))
@@ -489,8 +500,42 @@ def cast(state: dict, dtype: torch.dtype) -> dict:
     return out
 
 
+def streams(worker: Worker) -> bool:
+    """Whether versions go out tensor by tensor (:mod:`rlorch.trainer.streaming`): whenever the
+    weights are sharded or on an accelerator. One CPU rank's weights are on the host already (a
+    version is a copy of them, handed off beside the next step), and LoRA merges its adapters
+    over the whole state dict."""
+    return (worker.sharded or worker.device.type != "cpu") and not worker.config.model.lora.rank
+
+
+def _served_tensors(worker: Worker):
+    return streaming.served_tensors(worker.model, getattr(torch, worker.config.model.dtype), worker.rank)
+
+
+def _write_stream(worker: Worker, target: Path, tensors) -> None:
+    """Rank 0: an HF directory of ``tensors`` into ``target`` as they come."""
+    out = StreamedHF(target, worker.writer.tokenizer.source, worker.writer.tokenizer,
+                     getattr(torch, worker.config.model.dtype))
+    for name, tensor in tensors:
+        out.add(name, tensor)
+    out.close()
+
+
+def _streamed(worker: Worker, consume: Callable) -> object:
+    """Collective: every rank gathers the served tensors; rank 0's ``consume`` takes them on the
+    hand-off thread as they come and its result is returned there (None elsewhere)."""
+    if worker.rank != 0:
+        for _ in _served_tensors(worker):
+            pass
+        return None
+    return streaming.stream(_served_tensors(worker), consume, worker.hand_off_thread)
+
+
 def write_weights(worker: Worker, target: Path) -> None:
     """Collective: the HF checkpoint of the current weights into ``target`` (rank 0 writes)."""
+    if streams(worker):
+        _streamed(worker, lambda tensors: _write_stream(worker, target, tensors))
+        return
     state = served_state(worker)
     if worker.rank == 0:
         worker.writer.write(target, state)
@@ -508,13 +553,17 @@ def own_copy(model, state: dict) -> dict:
 
 
 def publish_version(worker: Worker, step: int, *, last: bool = False) -> None:
-    """Hand version ``step`` to the engines on rank 0's hand-off thread, so the next step trains
-    meanwhile: broadcast when a group is up, else (or when the broadcast fails) publish to disk;
-    the last version always goes to disk as well, and is waited for.
+    """Hand version ``step`` to the engines: broadcast when a group is up, else (or when the
+    broadcast fails) publish to disk; the last version always goes to disk as well, and is
+    waited for. Versions are handed off one at a time and in order (the previous hand-off is
+    finished, and its error raised, before the next starts).
 
-    Versions are handed off one at a time and in order (the previous hand-off is finished, and
-    its error raised, before the next starts); the state dict is a copy taken now, so training
-    on does not change what is handed off."""
+    Tensor by tensor (:func:`streams`), the hand-off is done when this returns. Otherwise it
+    runs on rank 0's hand-off thread while the next step trains, from a copy of the state taken
+    now, so training on does not change what is handed off."""
+    if streams(worker):
+        _publish_streamed(worker, step, last)
+        return
     state = served_state(worker)
     if not worker.sharded:
         state = own_copy(worker.model, state)
@@ -527,6 +576,50 @@ def publish_version(worker: Worker, step: int, *, last: bool = False) -> None:
         dist.barrier()
 
 
+def _publish_streamed(worker: Worker, step: int, last: bool) -> None:
+    """Collective: version ``step`` streamed to the group or the disk. A broadcast that fails
+    part-way has sent tensors nobody kept: the ranks then gather the version again, for the disk."""
+    if worker.rank == 0:
+        wait_handed_off(worker)
+    offer = streaming.offer_of(worker.model, getattr(torch, worker.config.model.dtype))
+    delivered = _streamed(worker, lambda tensors: _deliver(worker, step, tensors, offer, last))
+    if not _broadcast(delivered if worker.rank == 0 else None):
+        _streamed(worker, lambda tensors: _to_disk_streamed(worker, step, tensors))
+
+
+def _deliver(worker: Worker, step: int, tensors, offer: tuple, last: bool) -> bool:
+    """Rank 0, on the hand-off thread: broadcast ``tensors`` if the engines take version ``step``
+    over the group, and write them to disk when they do not or when it is the ``last``; whether
+    the version reached the engines one way or the other."""
+    broadcaster = worker.broadcaster
+    if broadcaster is None or not broadcaster.offer(step, *offer):
+        _to_disk_streamed(worker, step, tensors)
+        return True
+    sent = _broadcast_each(broadcaster, step, tensors, len(offer[0]))
+    if last:
+        _to_disk_streamed(worker, step, sent)
+        return True
+    for _ in sent:
+        pass
+    return broadcaster.group is not None
+
+
+def _broadcast_each(broadcaster: Broadcaster, step: int, tensors, count: int):
+    """``tensors`` passed on after each is broadcast; after a failure (the broadcaster drops its
+    group) they are passed on unsent."""
+    for index, (name, tensor) in enumerate(tensors, start=1):
+        if broadcaster.group is not None:
+            broadcaster.transmit(step, [tensor], last=index == count)
+        yield name, tensor
+
+
+def _to_disk_streamed(worker: Worker, step: int, tensors) -> None:
+    """Rank 0: version ``step`` published to ``weights/`` from ``tensors``, the oldest beyond the
+    kept ones pruned."""
+    publish(worker.run, step, lambda target: _write_stream(worker, target, tensors))
+    prune(worker.run, worker.config.trainer.keep_weight_versions)
+
+
 def _hand_off(worker: Worker, step: int, state: dict, last: bool) -> None:
     sent = worker.broadcaster is not None and worker.broadcaster.send(step, state)
     if not sent or last:
@@ -535,7 +628,7 @@ def _hand_off(worker: Worker, step: int, state: dict, last: bool) -> None:
 
 def _to_disk(worker: Worker, step: int, state: dict) -> None:
     """Rank 0: version ``step`` published to ``weights/``, the oldest beyond the kept ones pruned."""
-    publish(worker.run, step, worker.writer, state)
+    publish(worker.run, step, lambda target: worker.writer.write(target, state))
     prune(worker.run, worker.config.trainer.keep_weight_versions)
 
 
@@ -552,13 +645,21 @@ def publish_on_request(worker: Worker) -> None:
     server restarted while the current version went over the weight group only catches up
     when no other server is left to receive the next one (the request says which version it
     needs; a newer one serves as well: its responses are stamped with what it loaded)."""
-    state = served_state(worker)
     if worker.rank == 0:
         wait_handed_off(worker)
+    needed = None
+    if worker.rank == 0:
         newest = max((version for version, _ in worker.run.published_weights()), default=-1)
-        if worker.step > 0 and newest < worker.step:
-            _to_disk(worker, worker.step, state)
-            _log(worker, f"version {worker.step} published to disk on the orchestrator's request")
+        needed = worker.step > 0 and newest < worker.step
+    if _broadcast(needed):
+        if streams(worker):
+            _streamed(worker, lambda tensors: _to_disk_streamed(worker, worker.step, tensors))
+        else:
+            state = served_state(worker)
+            if worker.rank == 0:
+                _to_disk(worker, worker.step, state)
+        _log(worker, f"version {worker.step} published to disk on the orchestrator's request")
+    if worker.rank == 0:
         worker.run.publish_request.unlink(missing_ok=True)
     if worker.world > 1:
         dist.barrier()

@@ -11,7 +11,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -156,8 +156,9 @@ def _learn_layout(target: Path, state_dict: dict) -> Optional[_Layout]:
                    weights_file=weights[0].name, names=names, metadata=metadata)
 
 
-def publish(run: RunDir, step: int, writer: HFWriter, state_dict: dict) -> Path:
-    """Rank 0: write version ``step`` into ``weights/step_N`` and mark it PUBLISHED.
+def publish(run: RunDir, step: int, write: Callable[[Path], None]) -> Path:
+    """Rank 0: version ``step`` written by ``write(directory)`` into ``weights/step_N``, marked
+    PUBLISHED.
 
     A version directory left by an earlier life of the run (a resume re-trains steps after its
     checkpoint) is replaced: it belongs to a trajectory that no longer exists.
@@ -165,7 +166,7 @@ def publish(run: RunDir, step: int, writer: HFWriter, state_dict: dict) -> Path:
     final = run.weights_for(step)
     staging = run.weights / f"{STAGING_PREFIX}{step_name(step)}"
     shutil.rmtree(staging, ignore_errors=True)
-    writer.write(staging, state_dict)
+    write(staging)
     fsync_tree(staging)
     if final.exists():
         stale = run.weights / f"{STAGING_PREFIX}stale-{step_name(step)}"
@@ -176,6 +177,73 @@ def publish(run: RunDir, step: int, writer: HFWriter, state_dict: dict) -> Path:
     fsync_dir(run.weights)
     mark(final, PUBLISHED)
     return final
+
+
+SHARD_BYTES = 2 * 1024 ** 3
+"""The largest safetensors file a streamed version writes; a larger model gets HF's sharded
+layout (``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``)."""
+
+
+class StreamedHF:
+    """An HF directory written tensor by tensor as the trainer's ranks gather them: at most one
+    shard's tensors (:data:`SHARD_BYTES`) are on the host at once, never the whole model.
+
+    The config and generation config are the source model directory's (the trained model keeps
+    its architecture), with ``dtype`` set to the tensors'; the tokenizer's files are copied. A
+    tied output layer (``tie_word_embeddings``) is left out, as ``save_pretrained`` leaves it."""
+
+    def __init__(self, target: Path, source: Path, tokenizer, dtype: torch.dtype, *,
+                 shard_bytes: int = SHARD_BYTES) -> None:
+        import json
+
+        self.target, self.source, self.tokenizer, self.dtype = Path(target), Path(source), tokenizer, dtype
+        self.shard_bytes = shard_bytes
+        self.tied = bool(json.loads((self.source / "config.json").read_text()).get("tie_word_embeddings", False))
+        self.target.mkdir(parents=True, exist_ok=True)
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self.tied and name == "lm_head.weight":
+            return
+        host = tensor.detach().to("cpu").contiguous()
+        size = host.numel() * host.element_size()
+        if self.pending and self.pending_bytes + size > self.shard_bytes:
+            self._flush()
+        self.pending[name] = host
+        self.pending_bytes += size
+        self.total_bytes += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self.pending, str(self.target / f".shard-{len(self.shards) + 1}"), metadata={"format": "pt"})
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        """The last shard, the index (several shards), config and tokenizer files."""
+        import json
+
+        if self.pending or not self.shards:
+            self._flush()
+        count = len(self.shards)
+        names = (["model.safetensors"] if count == 1
+                 else [f"model-{index:05d}-of-{count:05d}.safetensors" for index in range(1, count + 1)])
+        for index, name in enumerate(names, start=1):
+            os.rename(self.target / f".shard-{index}", self.target / name)
+        if count > 1:
+            weight_map = {tensor: file for file, members in zip(names, self.shards) for tensor in members}
+            (self.target / "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, indent=2, sort_keys=True))
+        for name in ("config.json", "generation_config.json"):
+            if (self.source / name).is_file():
+                shutil.copyfile(self.source / name, self.target / name)
+        _set_config_dtype(self.target / "config.json", str(self.dtype).removeprefix("torch."))
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(self.target)
 
 
 def prune(run: RunDir, keep: int) -> list[Path]:
