@@ -200,7 +200,31 @@ def test_the_output_layer_outside_a_scoring_block_gives_plain_logits_and_the_sta
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     assert logits.shape == (1, 4, model.config.vocab_size)
-    assert set(model.state_dict()) == names and model.lm_head.weight is model.model.embed_tokens.weight or not model.tied
+    assert set(model.state_dict()) == names and model.tied and model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("implementation", ["native", "hf"])
+def test_a_tied_embedding_adds_its_rows_into_the_output_layers_dense_gradient(implementation):
+    """The tied input embedding's gradient comes sparse (no second vocabulary-sized buffer) and
+    lands in the output layer's dense gradient: the sum equals the all-dense gradient, with
+    nothing trained and with tokens trained."""
+    grads = {}
+    for sparse in (False, True):
+        model = _tiny(implementation)
+        embedding = model.get_input_embeddings() if implementation == "hf" else model.model.embed_tokens
+        assert embedding.sparse and embedding.weight is head.output_layer(model).weight
+        embedding.sparse = sparse
+        for trained in (True, False):
+            micro = padded(_sequences(model.config.vocab_size), 0)
+            if not trained:
+                micro.mask.zero_()
+            model.zero_grad(set_to_none=True)
+            _, loss = _micro_loss(model, micro, LossAgg.token_mean)
+            loss.backward()
+            grads[sparse, trained] = embedding.weight.grad
+    for trained in (True, False):
+        assert not grads[True, trained].is_sparse
+        torch.testing.assert_close(grads[True, trained], grads[False, trained], rtol=1e-6, atol=1e-7)
 
 
 @pytest.fixture

@@ -439,10 +439,11 @@ class FsdpConfig:
     Bounds a pass's activations whatever the completion lengths; set it at least to the longest
     sequence (prompt + rollout.max_new_tokens): a longer one gets a pass of its own. Empty:
     micro_batch_size sequences a pass."""
-    logit_chunk_rows: int = 1024
+    logit_chunk_rows: int = 256
     """Trained positions whose logits exist at once: the output layer, logprobs and entropies
     are computed this many rows at a time and recomputed in the backward, never as a
-    [positions, vocabulary] tensor (1024 rows of a 151,936-token vocabulary: 0.6 GiB a copy)."""
+    [positions, vocabulary] tensor (256 rows of a 151,936-token vocabulary: 0.15 GiB a copy, at
+    most three copies at once)."""
     gpus: list[int] = field(default_factory=list)
     """GPU ids for the trainer processes on this node (nproc of them); empty: the ones after
     the servers' (see rlorch.launch.placement)."""

@@ -33,8 +33,8 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-DEFAULT_CHUNK_ROWS = 1024
-"""Rows of logits alive at once: 1024 x 151,936 float32 is 0.6 GiB a copy."""
+DEFAULT_CHUNK_ROWS = 256
+"""Rows of logits alive at once: 256 x 151,936 float32 is 0.15 GiB a copy."""
 
 
 @dataclass(frozen=True)
@@ -91,9 +91,21 @@ def output_layer(model) -> torch.nn.Module:
 
 
 def install(model) -> torch.nn.Module:
-    """Give ``model``'s output layer the scoring forward (in place; returns ``model``)."""
+    """Give ``model``'s output layer the scoring forward (in place; returns ``model``).
+
+    An input embedding tied to the output layer (one weight, as Qwen2.5 up to 3B has) then
+    gives a sparse gradient (the rows of the tokens looked up), where a dense one would put a
+    second vocabulary-sized gradient beside the weight's own for the length of the backward.
+    The output layer's dense gradient always reaches the shared weight first (it is computed
+    last in the forward, so first in the backward; with nothing trained its gradient is zeros,
+    never absent), so the sparse rows are added into a dense gradient in place."""
     head = output_layer(model)
     head.forward = types.MethodType(_head_forward, head)
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embedding is None:
+        embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if isinstance(embedding, torch.nn.Embedding) and embedding.weight is head.weight:
+        embedding.sparse = True
     return model
 
 
@@ -114,23 +126,36 @@ def token_scores(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     return out.index_put((request.rows, request.positions), torch.stack([logp, entropy], dim=-1))
 
 
-def _chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-           temperature: float, entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Logprobs of ``targets`` (and entropies) of one chunk of rows, as token_logprobs and
-    token_entropy compute them (dividing by 1.0 is exact, so it is skipped)."""
+def _shifted_logits(hidden, weight, bias, temperature) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's logits (float32, divided by the sampling temperature) less each row's maximum,
+    and their ``exp`` (a second buffer)."""
     logits = F.linear(hidden, weight, bias).float()
     if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
+        logits.div_(temperature)
+    logits.sub_(logits.amax(dim=-1, keepdim=True))
+    return logits, logits.exp()
+
+
+def _chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+           temperature: float, entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Logprobs of ``targets`` (and entropies) of one chunk of rows, in the arithmetic of
+    token_logprobs and token_entropy (the same values for the same logits), holding at most
+    three ``rows x vocab`` buffers at once."""
+    logits = F.linear(hidden, weight, bias).float()
+    if temperature > 0 and temperature != 1.0:
+        logits.div_(temperature)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     if not entropy:
         return logp, None
-    log_softmax = torch.log_softmax(logits, dim=-1)
-    return logp, -(log_softmax.exp() * log_softmax).sum(-1)
+    log_probs = torch.log_softmax(logits, dim=-1)
+    del logits
+    return logp, -log_probs.exp().mul_(log_probs).sum(-1)
 
 
 class _ChunkedScores(torch.autograd.Function):
     """Head, logprob and entropy over row chunks; the backward recomputes each chunk's logits
-    (nothing of size ``rows x vocab`` is kept between forward and backward)."""
+    and writes their gradient in place of them (nothing of size ``rows x vocab`` is kept between
+    forward and backward, and at most three such buffers exist at once: two in the backward)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk_rows, entropy):
@@ -138,53 +163,94 @@ class _ChunkedScores(torch.autograd.Function):
         count = hidden.shape[0]
         logp = torch.zeros(count, dtype=torch.float32, device=hidden.device)
         ent = torch.zeros(count, dtype=torch.float32, device=hidden.device)
-        for start in range(0, count, chunk_rows):
-            stop = min(start + chunk_rows, count)
+        for start, stop in _chunks(count, chunk_rows):
             chunk_logp, chunk_ent = _chunk(hidden[start:stop], weight, bias, targets[start:stop], temperature, entropy)
             logp[start:stop] = chunk_logp
             if chunk_ent is not None:
                 ent[start:stop] = chunk_ent
-        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.save_for_backward(hidden, weight, bias, targets, ent)
         ctx.settings = (temperature, chunk_rows, entropy)
         return logp, ent
 
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
-        hidden, weight, bias, targets = ctx.saved_tensors
+        hidden, weight, bias, targets, ent = ctx.saved_tensors
         temperature, chunk_rows, entropy = ctx.settings
-        with_entropy = entropy and grad_ent is not None
+        grad_ent = grad_ent if entropy else None
         # Gradients for every input that asks for one, zeros included: each rank's collectives
         # (FSDP's reduce-scatter) must see the same parameters whether or not it trained a token.
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
-        wanted = [grad is not None for grad in (grad_hidden, grad_weight, grad_bias)]
-        for start in range(0, hidden.shape[0], chunk_rows):
-            stop = min(start + chunk_rows, hidden.shape[0])
-            with torch.enable_grad():
-                inputs = [hidden[start:stop].detach().requires_grad_(wanted[0]),
-                          weight.detach().requires_grad_(wanted[1]),
-                          None if bias is None else bias.detach().requires_grad_(wanted[2])]
-                chunk_logp, chunk_ent = _chunk(*inputs, targets[start:stop], temperature, with_entropy)
-                outputs, grads = [], []
-                if grad_logp is not None:
-                    outputs.append(chunk_logp)
-                    grads.append(grad_logp[start:stop])
-                if with_entropy:
-                    outputs.append(chunk_ent)
-                    grads.append(grad_ent[start:stop])
-                asked = [tensor for tensor, want in zip(inputs, wanted) if want]
-                if not outputs or not asked:
-                    continue
-                found = iter(torch.autograd.grad(outputs, asked, grads))
-            if wanted[0]:
-                grad_hidden[start:stop] = next(found)
-            if wanted[1]:
-                grad_weight += next(found)
-            if wanted[2]:
-                grad_bias += next(found)
+        grad_bias = (torch.zeros_like(bias, dtype=torch.float32)
+                     if bias is not None and ctx.needs_input_grad[2] else None)
+        if grad_logp is not None or grad_ent is not None:
+            for start, stop in _chunks(hidden.shape[0], chunk_rows):
+                rows = hidden[start:stop]
+                grad_logits = _logits_grad(rows, weight, bias, targets[start:stop], temperature,
+                                           None if grad_logp is None else grad_logp[start:stop],
+                                           None if grad_ent is None else (grad_ent[start:stop], ent[start:stop]))
+                if grad_bias is not None:
+                    grad_bias += grad_logits.sum(0)
+                grad_logits = grad_logits.to(weight.dtype)
+                if grad_hidden is not None:
+                    grad_hidden[start:stop] = _rows_times(grad_logits, weight)
+                if grad_weight is not None:
+                    _add_product(grad_weight, grad_logits.t(), rows)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def _logits_grad(hidden, weight, bias, targets, temperature, grad_logp, grad_entropy) -> torch.Tensor:
+    """d(loss)/d(logits) of one chunk (float32), given the loss's gradients with respect to the
+    chunk's logprobs and (``(gradient, entropy)``) entropies. With ``q = softmax(z)``:
+    ``dlog q_t/dz = onehot(t) - q`` and ``dH/dz = -q (log q + H)``; the chain through the
+    temperature divides by it."""
+    shifted, probs = _shifted_logits(hidden, weight, bias, temperature)
+    total = probs.sum(dim=-1, keepdim=True)
+    probs.div_(total)
+    if grad_entropy is not None:
+        gradient, entropy = grad_entropy
+        # shifted - log(total) is log q: the buffer becomes -g_H q (log q + H).
+        out = shifted.sub_(total.log()).add_(entropy.unsqueeze(-1)).mul_(probs).mul_(-gradient.unsqueeze(-1))
+        if grad_logp is not None:
+            out.sub_(probs.mul_(grad_logp.unsqueeze(-1)))
+    else:
+        del shifted
+        out = probs.mul_(-grad_logp.unsqueeze(-1))
+    if grad_logp is not None:
+        out.scatter_add_(-1, targets.unsqueeze(-1), grad_logp.unsqueeze(-1))
+    if temperature > 0 and temperature != 1.0:
+        out.div_(temperature)
+    return out
+
+
+def _chunks(count: int, most: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of near-equal chunks of at most ``most`` rows covering ``count`` rows
+    (no short last chunk: see :func:`_rows_times`)."""
+    parts = max(1, -(-count // most))
+    bounds = [round(index * count / parts) for index in range(parts + 1)]
+    return [(bounds[index], bounds[index + 1]) for index in range(parts) if bounds[index + 1] > bounds[index]]
+
+
+MIN_GEMM_ROWS = 16
+"""Rows below which a CPU BLAS multiplies a matrix by a 150k-long dimension with a kernel that
+accumulates about ten times less accurately (measured: 1e-5 against 1e-6 relative)."""
+
+
+def _rows_times(rows: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """``rows @ matrix``, a short chunk padded with zero rows to :data:`MIN_GEMM_ROWS`."""
+    count = rows.shape[0]
+    if count >= MIN_GEMM_ROWS:
+        return rows @ matrix
+    return (F.pad(rows, (0, 0, 0, MIN_GEMM_ROWS - count)) @ matrix)[:count]
+
+
+def _add_product(accumulator: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+    """``accumulator += left @ right`` (float32), in place when the operands are float32 too."""
+    if left.dtype == accumulator.dtype and right.dtype == accumulator.dtype:
+        accumulator.addmm_(left, right)
+    else:
+        accumulator += left @ right

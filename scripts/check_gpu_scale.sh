@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# One prepared check of the trainer at Qwen2.5-0.5B's full shape (24 layers, vocabulary 151,936,
+# random weights) on the lent GPU machine: one bfloat16 training step of 4 x (200 + 4096) tokens
+# in one packed row (scripts/bench_trainer_scale.py --skip-before), printing its peak GPU memory
+# and tokens/s; PASS within 5 minutes, else FAIL and a non-zero exit.
+#
+# That machine has torch and transformers but none of rlorch's other dependencies and no
+# network: they travel as wheels in .gpu-wheels/ (git-ignored), made here first by
+# scripts/gpu_wheels.sh, and the device run names .gpu-wheels in `carry`.
+#
+# Without a CUDA device (a dry run, e.g. here): checks that the wheels are complete and small
+# enough to travel, creates a 2-layer model directory and prints the analytic work ratios; exit 0.
+# Usage: bash scripts/gpu_wheels.sh && bash scripts/check_gpu_scale.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+wheels=.gpu-wheels
+packages=(hydra-core omegaconf antlr4-python3-runtime orjson)
+limit_mib=64
+budget_s=300
+
+check_wheels() {
+    local missing=0 name file
+    for name in "${packages[@]}"; do
+        file=$(ls "$wheels"/"${name//-/_}"-*.whl 2>/dev/null | head -1 || true)
+        if [[ -z $file ]]; then echo "wheels: $name missing from $wheels/"; missing=1; else echo "wheels: $(basename "$file")"; fi
+    done
+    [[ $missing == 0 ]] || { echo "FAIL: make them with: bash scripts/gpu_wheels.sh"; exit 1; }
+    local kib
+    kib=$(du -sk "$wheels" | cut -f1)
+    echo "wheels: $kib KiB in all (limit $limit_mib MiB a device call, the whole tree included)"
+    (( kib < limit_mib * 1024 )) || { echo "FAIL: $wheels is over $limit_mib MiB"; exit 1; }
+    # Each resolves, from the folder alone, for the GPU machine's CPython 3.12 on x86-64.
+    python3 -m pip install -q --dry-run --no-index --no-deps --find-links "$wheels" --only-binary=:all: \
+        --python-version 3.12 --implementation cp --platform manylinux_2_17_x86_64 \
+        --target "$(mktemp -d)" "${packages[@]}"
+    echo "wheels: all resolve for cp312 x86-64"
+}
+
+install_rlorch() {
+    if ! python3 -m pip install -q --no-index --find-links "$wheels" "${packages[@]}"; then
+        local site
+        site=$(mktemp -d)
+        python3 -m pip install -q --no-index --no-deps --target "$site" "$wheels"/*.whl
+        export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    python3 -m pip install -q --no-deps --no-build-isolation -e . \
+        || echo "editable install failed: rlorch runs from the checkout (PYTHONPATH)"
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    python3 -c 'import rlorch, rlorch.trainer.fsdp, rlorch.config.compose, torch, transformers
+print("rlorch from", rlorch.__path__[0], "| torch", torch.__version__, "| transformers", transformers.__version__)'
+}
+
+if ! python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    echo "no CUDA device: dry mode"
+    check_wheels
+    python3 scripts/bench_trainer_scale.py --layers 2 --no-measure
+    echo "dry mode: wheels complete, model directory and analytic figures made; nothing measured"
+    exit 0
+fi
+
+python3 -c 'import torch; print("cuda:", torch.cuda.get_device_name(0), "torch", torch.__version__)'
+check_wheels
+install_rlorch
+log=$(mktemp)
+started=$SECONDS
+set +e
+PYTHONUNBUFFERED=1 timeout "$budget_s" python3 scripts/bench_trainer_scale.py --device cuda --dtype bfloat16 \
+    --layers 24 --completion-tokens 4096 --skip-before --timeout "$budget_s" 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
+elapsed=$((SECONDS - started))
+python3 - "$log" "$status" "$elapsed" "$budget_s" <<'PY'
+import json, sys
+log, status, elapsed, budget = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+lines = [line for line in open(log, errors="replace").read().splitlines() if line.startswith("{")]
+result = json.loads(lines[-1]) if lines else {}
+peak, rate = result.get("peak_mib_after"), result.get("tokens_per_s_after")
+print(f"GPU step: {result.get('gpu')}; peak {peak} MiB beyond weights and optimizer "
+      f"({result.get('before_mib_after')} MiB allocated before), {rate} tokens/s, step {result.get('step_s_after')} s; "
+      f"{elapsed} s in all (limit {budget} s)")
+ok = status == 0 and "error" not in result and peak is not None and rate and elapsed <= budget
+if status == 124:
+    print(f"the bench ran past {budget} s")
+print("PASS" if ok else f"FAIL (exit {status}, error: {result.get('error')})")
+sys.exit(0 if ok else 1)
+PY
