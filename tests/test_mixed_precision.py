@@ -50,7 +50,7 @@ def test_served_weights_are_cast_once_per_tensor_and_the_config_names_their_dtyp
     from transformers import AutoModelForCausalLM
 
     from rlorch.model import ensure_default_model
-    from rlorch.trainer.fsdp import cast
+    from rlorch.trainer.handoff import cast
     from rlorch.trainer.publish import HFWriter
 
     model = AutoModelForCausalLM.from_pretrained(ensure_default_model(), dtype=torch.float32)

@@ -321,7 +321,7 @@ def test_minibatches_make_the_corrections_differ_engage_the_clip_and_measure_mis
 def test_a_handed_off_state_dict_does_not_follow_the_next_optimizer_step():
     import torch
 
-    from rlorch.trainer.fsdp import own_copy
+    from rlorch.trainer.handoff import own_copy
 
     model = torch.nn.Linear(3, 2)
     detached = {"other": torch.ones(2)}

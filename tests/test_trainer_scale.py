@@ -249,7 +249,8 @@ def test_a_sharded_version_streamed_tensor_by_tensor_equals_the_whole_state_dict
     from rlorch.config.compose import compose
     from rlorch.qwen2 import Qwen2ForCausalLM
     from rlorch.rundir.layout import RunDir, save_config
-    from rlorch.trainer.fsdp import build_worker, served_state, streams, write_weights
+    from rlorch.trainer.fsdp import build_worker
+    from rlorch.trainer.handoff import served_state, streams, write_weights
     from rlorch.trainer.publish import StreamedHF
 
     run = RunDir(tmp_path / "run").make()

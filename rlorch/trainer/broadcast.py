@@ -23,7 +23,7 @@ The hand-shake, through the run directory, never lets either side wait longer th
 
 4. ``broadcast/publish.request``: a restarted server cannot catch up over the group when no
    live server is left to receive the next version; the trainer, waiting for a batch, then
-   writes its current weights to disk (:func:`rlorch.trainer.fsdp.publish_on_request`).
+   writes its current weights to disk (:func:`rlorch.trainer.handoff.publish_on_request`).
 
 Invariant: a version that was not broadcast is published to disk instead (and the log says so):
 the watcher loads it from there, or skips it for a newer one published meanwhile, and counts

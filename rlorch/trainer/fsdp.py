@@ -16,8 +16,7 @@ import math
 import os
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -28,13 +27,16 @@ from rlorch.lifecycle import orchestrator_pid, watch_parents
 from rlorch.model import resolve_model_path
 from rlorch.rundir.layout import PUBLISHED, RunDir, load_config, write_json_atomic
 from rlorch.trainer import checkpoint, lora
-from rlorch.trainer.broadcast import Broadcaster, plan
-from rlorch.trainer import head, loading, streaming
+from rlorch.trainer.broadcast import plan
+from rlorch.trainer import head, loading
 from rlorch.trainer.batch import BatchError, MicroBatch, minibatch_slices, rank_share, read_batch
 from rlorch.trainer.checkpoint import CheckpointError
 from rlorch.trainer.loss import LossStats, MismatchStats, aggregate, policy_loss, reference_kl
 from rlorch.trainer.optimizer import make_optimizer
-from rlorch.trainer.publish import HFWriter, StreamedHF, TokenizerFiles, clear_staging, discard_newer, prune, publish
+from rlorch.trainer.handoff import publish_asked, publish_on_request, publish_version, wait_handed_off, write_weights
+from rlorch.trainer.publish import HFWriter, TokenizerFiles, clear_staging, discard_newer
+from rlorch.trainer.ranks import all_reduce, from_rank0, say
+from rlorch.trainer.worker import Worker
 from rlorch.trainer.schedule import lr_factor
 
 POLL_SECONDS = 0.01
@@ -49,44 +51,6 @@ MAX_NONFINITE_STEPS = 3
 
 class NonFiniteError(RuntimeError):
     """Training produced non-finite numbers it cannot skip; the message names the step."""
-
-
-@dataclass
-class Worker:
-    """One rank's state: the sharded model, its optimizer and where it is in the run."""
-
-    config: object
-    run: object
-    model: object
-    optimizer: object
-    tokenizer: object
-    writer: HFWriter
-    """Rank 0: writes the HF directories of published versions and checkpoints."""
-    device: object
-    rank: int
-    world: int
-    step: int = 0
-    saved: set = field(default_factory=set)
-    """Checkpoints this life resumed from or wrote; any other one on disk gets overwritten."""
-    sharded: bool = False
-    """Whether the model is FSDP2 units (DTensor parameters): several ranks, or mixed precision."""
-    reference: Optional[torch.nn.Module] = None
-    """With ``trainer.kl_coef > 0``: the initial weights, frozen and sharded like the policy."""
-    broadcaster: Optional[Broadcaster] = None
-    """Rank 0 with ``inference.weight_transfer=distributed``: sends each version to the engines."""
-    handing_off: Optional[Future] = None
-    """Rank 0: the hand-off of the last version (broadcast or disk), running beside the next step."""
-    hand_off_thread: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlorch-publish"))
-    checkpointing: Optional[Future] = None
-    """A single rank's checkpoint being written beside the next steps (:func:`save_checkpoint`)."""
-    checkpoint_thread: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlorch-checkpoint"))
-    nonfinite: int = 0
-    """Consecutive steps that skipped every update for a non-finite gradient."""
-    optimizer_steps: int = 0
-    """Updates taken, minibatches (and skipped ones) included: the learning-rate schedule's
-    position, saved in checkpoints."""
 
 
 def _setup_distributed(device_setting: str):
@@ -228,7 +192,7 @@ def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
     torch.manual_seed(config.run.seed)
     rank, world = dist.get_rank(), dist.get_world_size()
     path = resolve_model_path(config.model.path) if rank == 0 else None
-    path = _broadcast(path)
+    path = from_rank0(path)
     model = build_model(config, path, device, world)
     sharded = uses_fsdp(world, config.model.dtype)
     # Frozen weights (LoRA's base) get no optimizer state.
@@ -248,21 +212,6 @@ def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
     return worker
 
 
-def _broadcast(value):
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _all_reduce(values: list[float], device, op: str = "sum") -> list[float]:
-    """All-reduce a few numbers (on the device: NCCL reduces only device tensors)."""
-    if dist.get_world_size() == 1:
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-    return tensor.tolist()
-
-
 def wait_for_batch(run, step: int, device, asked: Callable[[], bool] = lambda: False,
                    answer: Callable[[], None] = lambda: None) -> bool:
     """Block until batch ``step`` exists (True) or STOP appears first (False); meanwhile, each
@@ -275,7 +224,7 @@ def wait_for_batch(run, step: int, device, asked: Callable[[], bool] = lambda: F
     pause = POLL_SECONDS_ALONE if dist.get_world_size() == 1 else POLL_SECONDS
     while True:
         # Every rank must take the same branch: any rank seeing a file decides for all.
-        has_batch, stop, request = _all_reduce([float(batch.exists()), float(run.stop_file.exists()),
+        has_batch, stop, request = all_reduce([float(batch.exists()), float(run.stop_file.exists()),
                                                 float(asked())], device, "max")
         if has_batch:
             while not batch.exists():
@@ -330,8 +279,8 @@ def train_step(worker: Worker, step: int) -> dict:
         loss_sum += part_loss / len(plan)
         stats = stats.merge(part_stats)
     positions = float(sum(micro.positions for micros, _ in plan for micro in micros))
-    summed = _all_reduce(stats.as_tensor().tolist() + [loss_sum, positions] + probe.sums(), worker.device)
-    maxima = _all_reduce([stats.ratio_max, probe.mismatch.max_abs], worker.device, "max")
+    summed = all_reduce(stats.as_tensor().tolist() + [loss_sum, positions] + probe.sums(), worker.device)
+    maxima = all_reduce([stats.ratio_max, probe.mismatch.max_abs], worker.device, "max")
     width = len(stats.as_tensor())
     merged = type(stats).from_tensor(torch.tensor(summed[:width]), maxima[0])
     rewards = [s.reward for s in sequences]
@@ -462,215 +411,6 @@ def _accumulate(worker: Worker, micros: list, counts: Counts, proximal: list, pr
     return loss_sum, stats
 
 
-def _full_state_dict(model, sharded: bool) -> dict:
-    """Collective: the full (unsharded) state dict on rank 0's CPU, empty elsewhere. An unsharded
-    model is a plain module whose own state dict is that already (on its device)."""
-    if not sharded:
-        return {name: tensor.to("cpu") for name, tensor in model.state_dict().items()}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def served_state(worker: Worker) -> dict:
-    """Collective: the weights engines serve, on rank 0 (empty elsewhere): the full state dict
-    with LoRA adapters merged, under the base model's names, in ``model.dtype`` (tied tensors
-    stay tied). In float32 without LoRA it is the full state dict itself."""
-    state = _full_state_dict(worker.model, worker.sharded)
-    if not state:
-        return state
-    adapters = worker.config.model.lora
-    if adapters.rank:
-        state = lora.merged(state, adapters.alpha / adapters.rank)
-    return cast(state, getattr(torch, worker.config.model.dtype))
-
-
-def cast(state: dict, dtype: torch.dtype) -> dict:
-    """``state`` in ``dtype``; tensors already in it are passed through, and two names of one
-    tensor (tied weights) get one cast tensor."""
-    done: dict[tuple, torch.Tensor] = {}
-    out = {}
-    for name, tensor in state.items():
-        if tensor.is_floating_point() and tensor.dtype != dtype:
-            view = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-            if view not in done:
-                done[view] = tensor.to(dtype)
-            tensor = done[view]
-        out[name] = tensor
-    return out
-
-
-def streams(worker: Worker) -> bool:
-    """Whether versions go out tensor by tensor (:mod:`rlorch.trainer.streaming`): whenever the
-    weights are sharded or on an accelerator. One CPU rank's weights are on the host already (a
-    version is a copy of them, handed off beside the next step), and LoRA merges its adapters
-    over the whole state dict."""
-    return (worker.sharded or worker.device.type != "cpu") and not worker.config.model.lora.rank
-
-
-def _served_tensors(worker: Worker):
-    return streaming.served_tensors(worker.model, getattr(torch, worker.config.model.dtype), worker.rank)
-
-
-def _write_stream(worker: Worker, target: Path, tensors) -> None:
-    """Rank 0: an HF directory of ``tensors`` into ``target`` as they come."""
-    out = StreamedHF(target, worker.writer.tokenizer.source, worker.writer.tokenizer,
-                     getattr(torch, worker.config.model.dtype))
-    for name, tensor in tensors:
-        out.add(name, tensor)
-    out.close()
-
-
-def _streamed(worker: Worker, consume: Callable) -> object:
-    """Collective: every rank gathers the served tensors; rank 0's ``consume`` takes them on the
-    hand-off thread as they come and its result is returned there (None elsewhere)."""
-    if worker.rank != 0:
-        for _ in _served_tensors(worker):
-            pass
-        return None
-    return streaming.stream(_served_tensors(worker), consume, worker.hand_off_thread)
-
-
-def write_weights(worker: Worker, target: Path) -> None:
-    """Collective: the HF checkpoint of the current weights into ``target`` (rank 0 writes)."""
-    if streams(worker):
-        _streamed(worker, lambda tensors: _write_stream(worker, target, tensors))
-        return
-    state = served_state(worker)
-    if worker.rank == 0:
-        worker.writer.write(target, state)
-
-
-def own_copy(model, state: dict) -> dict:
-    """``state`` with every tensor that shares storage with the live (unsharded) model cloned.
-    On one rank the full state dict of weights already on the CPU is the parameters themselves,
-    which the next optimizer step changes in place while the hand-off still reads them; an
-    offloaded tensor is already a copy and is kept as it is. (Across ranks the full state dict
-    is gathered into new tensors.)"""
-    live = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-    return {name: tensor.clone() if tensor.untyped_storage().data_ptr() in live else tensor
-            for name, tensor in state.items()}
-
-
-def publish_version(worker: Worker, step: int, *, last: bool = False) -> None:
-    """Hand version ``step`` to the engines: broadcast when a group is up, else (or when the
-    broadcast fails) publish to disk; the last version always goes to disk as well, and is
-    waited for. Versions are handed off one at a time and in order (the previous hand-off is
-    finished, and its error raised, before the next starts).
-
-    Tensor by tensor (:func:`streams`), the hand-off is done when this returns. Otherwise it
-    runs on rank 0's hand-off thread while the next step trains, from a copy of the state taken
-    now, so training on does not change what is handed off."""
-    if streams(worker):
-        _publish_streamed(worker, step, last)
-        return
-    state = served_state(worker)
-    if not worker.sharded:
-        state = own_copy(worker.model, state)
-    if worker.rank == 0:
-        wait_handed_off(worker)
-        worker.handing_off = worker.hand_off_thread.submit(_hand_off, worker, step, state, last)
-        if last:
-            wait_handed_off(worker)
-    if worker.world > 1:
-        dist.barrier()
-
-
-def _publish_streamed(worker: Worker, step: int, last: bool) -> None:
-    """Collective: version ``step`` streamed to the group or the disk. A broadcast that fails
-    part-way has sent tensors nobody kept: the ranks then gather the version again, for the disk."""
-    if worker.rank == 0:
-        wait_handed_off(worker)
-    offer = streaming.offer_of(worker.model, getattr(torch, worker.config.model.dtype))
-    delivered = _streamed(worker, lambda tensors: _deliver(worker, step, tensors, offer, last))
-    if not _broadcast(delivered if worker.rank == 0 else None):
-        _streamed(worker, lambda tensors: _to_disk_streamed(worker, step, tensors))
-
-
-def _deliver(worker: Worker, step: int, tensors, offer: tuple, last: bool) -> bool:
-    """Rank 0, on the hand-off thread: broadcast ``tensors`` if the engines take version ``step``
-    over the group, and write them to disk when they do not or when it is the ``last``; whether
-    the version reached the engines one way or the other."""
-    broadcaster = worker.broadcaster
-    if broadcaster is None or not broadcaster.offer(step, *offer):
-        _to_disk_streamed(worker, step, tensors)
-        return True
-    sent = _broadcast_each(broadcaster, step, tensors, len(offer[0]))
-    if last:
-        _to_disk_streamed(worker, step, sent)
-        return True
-    for _ in sent:
-        pass
-    return broadcaster.group is not None
-
-
-def _broadcast_each(broadcaster: Broadcaster, step: int, tensors, count: int):
-    """``tensors`` passed on after each is broadcast; after a failure (the broadcaster drops its
-    group) they are passed on unsent."""
-    for index, (name, tensor) in enumerate(tensors, start=1):
-        if broadcaster.group is not None:
-            broadcaster.transmit(step, [tensor], last=index == count)
-        yield name, tensor
-
-
-def _to_disk_streamed(worker: Worker, step: int, tensors) -> None:
-    """Rank 0: version ``step`` published to ``weights/`` from ``tensors``, the oldest beyond the
-    kept ones pruned."""
-    publish(worker.run, step, lambda target: _write_stream(worker, target, tensors))
-    prune(worker.run, worker.config.trainer.keep_weight_versions)
-
-
-def _hand_off(worker: Worker, step: int, state: dict, last: bool) -> None:
-    sent = worker.broadcaster is not None and worker.broadcaster.send(step, state)
-    if not sent or last:
-        _to_disk(worker, step, state)
-
-
-def _to_disk(worker: Worker, step: int, state: dict) -> None:
-    """Rank 0: version ``step`` published to ``weights/``, the oldest beyond the kept ones pruned."""
-    publish(worker.run, step, lambda target: worker.writer.write(target, state))
-    prune(worker.run, worker.config.trainer.keep_weight_versions)
-
-
-def publish_asked(worker: Worker) -> bool:
-    """Rank 0: the orchestrator asks for the current weights on disk (``publish_request``) and
-    no hand-off is under way (one that is may yet put them there)."""
-    return (worker.rank == 0 and worker.run.publish_request.exists()
-            and (worker.handing_off is None or worker.handing_off.done()))
-
-
-def publish_on_request(worker: Worker) -> None:
-    """Collective: publish the current weights (version ``worker.step``) to disk unless a
-    version at least that new is there already; rank 0 then clears the request. This is how a
-    server restarted while the current version went over the weight group only catches up
-    when no other server is left to receive the next one (the request says which version it
-    needs; a newer one serves as well: its responses are stamped with what it loaded)."""
-    if worker.rank == 0:
-        wait_handed_off(worker)
-    needed = None
-    if worker.rank == 0:
-        newest = max((version for version, _ in worker.run.published_weights()), default=-1)
-        needed = worker.step > 0 and newest < worker.step
-    if _broadcast(needed):
-        if streams(worker):
-            _streamed(worker, lambda tensors: _to_disk_streamed(worker, worker.step, tensors))
-        else:
-            state = served_state(worker)
-            if worker.rank == 0:
-                _to_disk(worker, worker.step, state)
-        _log(worker, f"version {worker.step} published to disk on the orchestrator's request")
-    if worker.rank == 0:
-        worker.run.publish_request.unlink(missing_ok=True)
-    if worker.world > 1:
-        dist.barrier()
-
-
-def wait_handed_off(worker: Worker) -> None:
-    if worker.handing_off is not None:
-        pending, worker.handing_off = worker.handing_off, None
-        pending.result()
-
-
 def save_checkpoint(worker: Worker, step: int, *, wait: bool = False) -> None:
     """Checkpoint step ``step`` (once per life), one checkpoint at a time and in order.
 
@@ -719,7 +459,7 @@ def run_loop(worker: Worker) -> None:
                               answer=lambda: publish_on_request(worker)):
             if worker.step > 0:  # step 0 is the base model: nothing to save
                 save_checkpoint(worker, worker.step, wait=True)
-            _log(worker, f"STOP after step {worker.step}")
+            say(worker, f"STOP after step {worker.step}")
             return
         record = train_step(worker, step)
         _check_finite(worker, step, record)
@@ -732,7 +472,7 @@ def run_loop(worker: Worker) -> None:
             started = time.perf_counter()
             publish_version(worker, step, last=step == last)
             record["publish_s"] = time.perf_counter() - started
-        _log(worker, " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
+        say(worker, " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
         if step == first:  # after the first step, which does not need it, not on its way
             checkpoint.import_dcp_in_background()
         if step % config.trainer.checkpoint_every == 0 or step == last:
@@ -749,7 +489,7 @@ def _check_finite(worker: Worker, step: int, record: dict) -> None:
                              f"(every update skipped); check trainer.lr and the rewards")
     shards = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in worker.model.parameters()]
     finite = all_finite(shards)
-    if _all_reduce([0.0 if finite else 1.0], worker.device, "max")[0] > 0:
+    if all_reduce([0.0 if finite else 1.0], worker.device, "max")[0] > 0:
         raise NonFiniteError(f"step {step}: the weights hold non-finite values; version {step} is not published")
 
 
@@ -762,11 +502,6 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
         return True
     norms = torch._foreach_norm(present, float("inf"))
     return bool(torch.stack([norm.float() for norm in norms]).isfinite().all())
-
-
-def _log(worker: Worker, message: str) -> None:
-    if worker.rank == 0:
-        print(f"[trainer] {message}", flush=True)
 
 
 def _watch_orchestrator(run: RunDir) -> None:
@@ -799,7 +534,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             run.make()
             clear_staging(run)
             discard_newer(run, worker.step)
-            worker.broadcaster = plan(config, run, device, log=lambda message: _log(worker, message))
+            worker.broadcaster = plan(config, run, device, log=lambda message: say(worker, message))
             write_json_atomic(run.trainer_ready, {"step": worker.step, "world_size": worker.world,
                                                       "device": str(device), "pid": os.getpid()})
             if worker.broadcaster is not None:
