@@ -47,7 +47,8 @@ def new_run_dir(config: Config) -> RunDir:
         while root.exists():
             root = root.with_name(f"{root.name.split('.')[0]}.{suffix}")
             suffix += 1
-    return RunDir(root).make()
+    # Absolute: processes forked by a shared fork server work in that server's directory.
+    return RunDir(root.absolute()).make()
 
 
 def run_training(config: Config, overrides: list[str]) -> int:
@@ -103,6 +104,9 @@ def _resume(checkpoint: str, overrides: list[str]) -> int:
     from rlorch.config.keys import check_overrides
     from rlorch.rundir.targets import continues_converged, finished_run, locate_checkpoint, run_root
 
+    # Absolute, as a new run's directory is (processes forked by a shared fork server work in
+    # that server's directory).
+    checkpoint = str(Path(checkpoint).absolute())
     try:
         check_overrides(overrides)
         # The lock first: a run still going prunes its checkpoints, so nothing of it is read

@@ -368,7 +368,7 @@ def signal_twice_midrun_then_resume(tmp: Path, sig: signal.Signals = signal.SIGI
 
     def twice() -> None:
         os.kill(run.pid, sig)
-        time.sleep(0.3)      # the second signal lands during the shutdown the first one started
+        time.sleep(0.3)      # the second signal lands during the shutdown the first one started (no state shows it)
         os.kill(run.pid, sig)
 
     code = strike(run, out, when=lambda: trainer_steps(run_dir) >= 2, what="two trainer steps", fault=twice)

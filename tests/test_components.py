@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-
+from helpers import hang, wait_until_async
 from rlorch.orchestrator.dispatcher import Dispatcher, GenerationFailed
 from rlorch.orchestrator.gate import CapacityGate
 from rlorch.trainer.advantages import group_advantages
@@ -215,7 +215,7 @@ def test_dispatcher_times_out_a_hung_request_and_retries_it():
     async def hangs_once(prompt: Prompt):
         calls.append(prompt.group_id)
         if len(calls) == 1:
-            await asyncio.sleep(3600)
+            await hang()
         return [rollout(prompt.group_id, 1.0, [[0, 1]])]
 
     dispatcher = run_until_ready(hangs_once, prompts=1, request_timeout=0.2)
@@ -299,7 +299,7 @@ def test_watcher_alarms_when_the_version_stalls(tmp_path):
 
     async def scenario():
         await watcher.start()
-        await asyncio.sleep(0.4)
+        await wait_until_async(lambda: watcher.error is not None, 10, "the watcher to alarm")
         await watcher.stop()
 
     asyncio.run(scenario())

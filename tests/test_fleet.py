@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from helpers import hang, wait_until_async
 from rlorch.inference.client import SGLangEngine
 from rlorch.inference.control import ControlHTTP
 from rlorch.inference.pool import EnginePool
@@ -60,7 +61,8 @@ def test_a_pause_cuts_a_running_generation_which_resumes_under_the_new_version()
         try:
             params = SamplingParams(max_new_tokens=100, temperature=1.0)
             running = asyncio.ensure_future(pool.generate_batch([GroupRequest([1, 2, 3], params, 1, "g")]))
-            await asyncio.sleep(0.2)
+            await wait_until_async(lambda: fleet.engines[0].running, 30, "the generation to start")
+            await asyncio.sleep(0.02)   # tokens are counted by time generated: a few of the 100 (0.5 s)
             await pool.reload("/weights/step_1", 1)
             [[generation]] = await running
             return generation
@@ -90,13 +92,15 @@ def test_completion_lengths_are_long_tailed_and_capped_and_stragglers_are_slower
 def test_the_control_client_reads_chunked_and_read_to_close_answers_and_bounds_concurrency():
     async def scenario():
         on_wire, most = 0, 0
+        release = asyncio.Event()   # the /y calls are held until as many as the bound are on the wire
 
         async def handle(reader, writer):
             nonlocal on_wire, most
             request = await reader.readuntil(b"\r\n\r\n")
             on_wire += 1
             most = max(most, on_wire)
-            await asyncio.sleep(0.05)
+            if b"/y" in request:
+                await release.wait()
             on_wire -= 1
             if b"/chunked" in request:
                 writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{\"a\r\n5\r\n\": 1}\r\n0\r\n\r\n")
@@ -111,7 +115,10 @@ def test_the_control_client_reads_chunked_and_read_to_close_answers_and_bounds_c
         try:
             chunked = await control.request("127.0.0.1", port, "GET", "/chunked", timeout=5)
             closed = await control.request("127.0.0.1", port, "POST", "/x", body=b"{}", timeout=5)
-            await asyncio.gather(*(control.request("127.0.0.1", port, "GET", "/y", timeout=5) for _ in range(10)))
+            calls = asyncio.gather(*(control.request("127.0.0.1", port, "GET", "/y", timeout=5) for _ in range(10)))
+            await wait_until_async(lambda: on_wire >= 3, 5, "three calls on the wire")
+            release.set()
+            await calls
             return chunked, closed, most
         finally:
             control.close()
@@ -128,7 +135,7 @@ def test_a_control_call_past_its_deadline_is_an_unavailable_server():
 
     async def scenario():
         async def handle(reader, writer):
-            await asyncio.sleep(5)
+            await hang()
 
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         engine = SGLangEngine(f"127.0.0.1:{server.sockets[0].getsockname()[1]}", control_timeout=0.3)
@@ -140,7 +147,7 @@ def test_a_control_call_past_its_deadline_is_an_unavailable_server():
             await engine.close()
             server.close()
 
-    message = run(scenario())
+    message = run(asyncio.wait_for(scenario(), 30))
     assert message and "/pause_generation" in message and "TimeoutError" in message
 
 

@@ -14,6 +14,7 @@ import urllib.request
 
 import pytest
 
+from helpers import wait_answering, wait_until
 from rlorch.config.compose import compose
 from rlorch.launch import forkserver
 
@@ -94,19 +95,6 @@ def _memory(pid: int) -> dict[str, int]:
     return fields
 
 
-def _ready(address: str, process, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process.poll() is None, "the forked engine exited before it was ready"
-        try:
-            with urllib.request.urlopen(f"http://{address}/health_generate", timeout=30) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.05)
-    raise AssertionError(f"the forked engine at {address} was not ready in {timeout:.0f}s")
-
-
 def _greedy(address: str) -> dict:
     payload = {"input_ids": [5, 6, 7, 8], "return_logprob": True,
                "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
@@ -129,7 +117,7 @@ def test_an_engine_forked_from_the_server_shares_its_imports_and_serves_like_one
                                 "inference.cpu.threads=1"],
                                log_path=str(tmp_path / "serve.log"), env=dict(os.environ))
     try:
-        _ready(f"127.0.0.1:{port}", process)
+        wait_answering(f"http://127.0.0.1:{port}/health_generate", process, what="the forked engine")
         memory = _memory(process.pid)
         assert memory["Shared_Dirty"] > 100_000 and memory["Shared_Dirty"] > memory["Private_Dirty"], memory
         forked = _greedy(f"127.0.0.1:{port}")
@@ -201,9 +189,9 @@ def test_a_trainer_and_an_engine_asked_for_early_are_forked_after_their_own_impo
              threading.Thread(target=ask, args=("engine", [sys.executable, "-m", "rlorch.serve.server", "--help"])),
              threading.Thread(target=ask, args=("trainer", [sys.executable, "-m", "rlorch.trainer.fsdp", "--help"]))]
     try:
-        for thread in asked:
-            thread.start()
-            time.sleep(0.15)
+        for count, thread in enumerate(asked, 1):
+            thread.start()    # the next is asked once this one's request is on its way
+            wait_until(lambda: server.spawned == count, 30, f"request {count} sent")
         for thread in asked:
             thread.join(120)
     finally:
@@ -282,11 +270,13 @@ def test_a_shared_server_forks_for_every_run_and_tells_each_only_of_its_own_exit
                                 "--parent-pid", str(os.getpid())], log=str(tmp_path / "s.log"),
                                env=dict(os.environ), cwd=str(tmp_path))
         second.close()
-        time.sleep(0.5)
-        assert serving.poll() is None and os.path.exists(f"/proc/{serving.pid}")
-        os.kill(serving.pid, signal.SIGKILL)
+        # Once the server has forked and reaped a later request, it has read the closed connection
+        # too (each pass of its loop reads every connection that is ready): had it stopped that
+        # client's child, the child would be gone by then.
         again = first.spawn(command, log=str(tmp_path / "c.log"), env=dict(os.environ), cwd=str(tmp_path))
         assert again.wait(120) == 0 and server.poll() is None  # a client gone is not the server's end
+        assert serving.poll() is None and os.path.exists(f"/proc/{serving.pid}")
+        os.kill(serving.pid, signal.SIGKILL)
     finally:
         server.terminate()
         assert server.wait(30) == 0

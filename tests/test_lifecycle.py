@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from helpers import hang
 from rlorch.lifecycle import gather_all
 
 
@@ -22,7 +23,7 @@ def test_the_first_failure_cancels_the_siblings_before_it_propagates():
 
     async def sibling(name: str) -> None:
         try:
-            await asyncio.sleep(10)
+            await hang()
             finished.append(name)
         except asyncio.CancelledError:
             cancelled.append(name)
@@ -34,7 +35,7 @@ def test_the_first_failure_cancels_the_siblings_before_it_propagates():
 
     async def scenario() -> None:
         with pytest.raises(ConnectionError, match="engine gone"):
-            await gather_all(sibling("a"), failing(), sibling("b"))
+            await asyncio.wait_for(gather_all(sibling("a"), failing(), sibling("b")), 30)
         # Nothing is left running once the call has failed.
         assert sorted(cancelled) == ["a", "b"]
 

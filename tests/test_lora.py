@@ -104,13 +104,13 @@ def _train(run_dir, *overrides: str) -> tuple[dict, list[dict]]:
     import subprocess
     import sys
 
-    from helpers import read_metrics, read_run
+    from helpers import of_kind, read_metrics, read_run
 
     done = subprocess.run([sys.executable, "-m", "rlorch.cli", "train", f"run.dir={run_dir}", "run.progress=false",
                            "run.report=false", *overrides], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     summary, _ = read_run(run_dir)
-    return summary, [r for r in read_metrics(run_dir) if r["kind"] == "eval"]
+    return summary, of_kind(read_metrics(run_dir), "eval")
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 import helpers
-from helpers import read_metrics
+from helpers import of_kind, read_metrics
 from rlorch.cli import app
 from rlorch.config.compose import compose
 from rlorch.config.schema import ConfigError
@@ -29,10 +29,6 @@ def train(run_dir: Path, *overrides: str) -> tuple[int, dict, list[dict]]:
     """A fast sim run with its progress lines on: exit code, summary and every record."""
     code, summary, _ = helpers.train(run_dir, *FAST, *overrides, progress=True)
     return code, summary, read_metrics(run_dir)
-
-
-def steps_of(records: list[dict]) -> list[dict]:
-    return [r for r in records if r["kind"] == "step"]
 
 
 # progress and the end-of-run report --------------------------------------------------------------
@@ -62,7 +58,7 @@ def test_progress_off_prints_no_step_lines(tmp_path, capsys):
 def test_summary_holds_the_report_figures_and_every_step_its_idle_shares(tmp_path):
     code, summary, records = train(tmp_path / "run", "train.steps=10", "run.report=false")
     assert code == 0
-    steps = steps_of(records)
+    steps = of_kind(records, "step")
     assert summary["reward_mean_first"] == steps[0]["reward_mean"]
     assert summary["reward_mean_last"] == steps[-1]["reward_mean"]
     assert summary["age_max"] == max(r["age_max"] for r in steps)
@@ -357,7 +353,7 @@ def test_the_report_writes_accuracy_in_percent_and_covers_every_life_of_a_resume
     train(run_dir, "train.steps=10", "trainer.checkpoint_every=5", "run.report=false", "eval.every=5")
     assert resume_training(str(run_dir), ["train.steps=14", "run.report=true"]) == 0
     text = (run_dir / "report" / "report.md").read_text()
-    steps = steps_of(read_metrics(run_dir))
+    steps = of_kind(read_metrics(run_dir), "step")
     assert "| steps | 14 |" in text, text
     assert f"| reward first -> last | {steps[0]['reward_mean']:.4g} -> {steps[-1]['reward_mean']:.4g} |" in text, text
     assert "| eval accuracy first -> last | 0.0% -> 0.0% |" in text, text
@@ -399,13 +395,13 @@ def test_completions_cut_by_the_length_limit_are_counted_and_above_a_fifth_named
     _, cut, records = train(tmp_path / "cut", "train.steps=3", "run.report=false", "eval.enabled=false",
                             "rollout.max_new_tokens=3", "inference.sim.tokens=8", "task.params.min_digits=5",
                             "task.params.max_digits=5")
-    assert [r["truncated_share"] for r in steps_of(records)] == [1.0, 1.0, 1.0] and cut["truncated_share"] == 1.0
+    assert [r["truncated_share"] for r in of_kind(records, "step")] == [1.0, 1.0, 1.0] and cut["truncated_share"] == 1.0
     _, fits, records = train(tmp_path / "fits", "train.steps=3", "run.report=false", "eval.enabled=false",
                              "rollout.max_new_tokens=3", "inference.sim.tokens=8")
-    assert [r["truncated_share"] for r in steps_of(records)] == [0.0, 0.0, 0.0] and fits["truncated_share"] == 0.0
+    assert [r["truncated_share"] for r in of_kind(records, "step")] == [0.0, 0.0, 0.0] and fits["truncated_share"] == 0.0
     _, whole, records = train(tmp_path / "whole", "train.steps=3", "run.report=false", "eval.enabled=false",
                               "rollout.max_new_tokens=8", "inference.sim.tokens=8")
-    assert [r["truncated_share"] for r in steps_of(records)] == [0.0, 0.0, 0.0] and whole["truncated_share"] == 0.0
+    assert [r["truncated_share"] for r in of_kind(records, "step")] == [0.0, 0.0, 0.0] and whole["truncated_share"] == 0.0
 
     view = RunView(10)
     view.log({"kind": "start", "time": 0.0, "version": 0})

@@ -38,7 +38,7 @@ class Packs:
     async def __call__(self, prompts: list[Prompt]) -> list[list[Rollout]]:
         self.calls.append([p.group_id for p in prompts])
         if len(self.calls) <= self.hang_first:
-            await asyncio.sleep(3600)
+            await helpers.hang()
         await self.hold.wait()
         if self.fail_always or len(self.calls) <= self.fail_first:
             raise ConnectionError("engine died")

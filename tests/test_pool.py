@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from helpers import wait_until_async
 from rlorch.config.schema import Config, ConfigError, InferenceBackend
 from rlorch.inference.client import EngineError, SGLangEngine
 from rlorch.inference.servers import LaunchError, start_engines
@@ -360,7 +361,8 @@ def test_a_request_waits_for_a_dead_server_that_will_be_restarted_and_fails_at_o
                           diagnose=lambda name: None if server.alive else "a exited with status -9")
         pool.restartable = lambda name: True
         waiting = asyncio.create_task(pool.generate(PROMPT, SamplingParams(max_new_tokens=2), "r0"))
-        await asyncio.sleep(0.3)
+        await wait_until_async(lambda: pool.health()["servers_dead"] == 1 or waiting.done(), 10, "the server dead")
+        await asyncio.sleep(0.3)    # a window in which the request must not fail: what it must not do, not a state
         assert not waiting.done() and pool.health()["servers_dead"] == 1
         server.alive = True
         pool.restarted("a")

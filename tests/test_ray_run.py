@@ -21,6 +21,7 @@ import pytest
 pytest.importorskip("ray")
 sys.path.insert(0, str(Path(__file__).parent))
 import faults  # noqa: E402
+from helpers import records_of  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 RAY = ["run.launcher=ray", "inference=cpu", "inference.num_servers=2", "run.progress=false", "run.report=false",
@@ -35,12 +36,6 @@ def _server_pids(run_dir: Path) -> list[int]:
     return [s["pid"] for s in json.loads((run_dir / "servers.json").read_text())]
 
 
-def _periodic(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    return [r for r in records if r.get("kind") == "periodic"]
-
-
 def test_a_killed_server_actor_is_restarted_rejoins_and_nothing_is_lost(tmp_path):
     run_dir = tmp_path / "run"
     run = faults.Run("train", *RAY, f"run.dir={run_dir}", "train.steps=2000")
@@ -50,7 +45,7 @@ def test_a_killed_server_actor_is_restarted_rejoins_and_nothing_is_lost(tmp_path
         assert b"ray::" in Path(f"/proc/{actor}/cmdline").read_bytes()
         os.kill(actor, signal.SIGKILL)
         faults.wait_for(lambda: any(r["engines_server_restarts"] >= 1 and r["engines_servers_up"] == 2
-                                    and r["engines_servers_dead"] == 0 for r in _periodic(run_dir)), 300,
+                                    and r["engines_servers_dead"] == 0 for r in records_of(run_dir, "periodic")), 300,
                         "the restarted server back in rotation")
         steps = faults.trainer_steps(run_dir)
         faults.wait_for(lambda: faults.trainer_steps(run_dir) >= steps + 2, 300, "two more steps")

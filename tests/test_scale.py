@@ -14,12 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 import faults  # noqa: E402
-
-
-def _periodic(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    return [r for r in records if r.get("kind") == "periodic"]
+from helpers import records_of  # noqa: E402
 
 
 def _scale(run_dir: Path, n: int) -> None:
@@ -55,12 +50,12 @@ def test_a_fleet_grows_from_one_to_three_and_shrinks_back_with_nothing_lost(tmp_
         faults.wait_for(lambda: faults.trainer_steps(run_dir) >= 2, 300, "two trainer steps")
         _scale(run_dir, 3)
         faults.wait_for(lambda: any(r["engines_servers"] == 3 and r["engines_servers_up"] == 3
-                                    for r in _periodic(run_dir)), 300, "three servers up")
+                                    for r in records_of(run_dir, "periodic")), 300, "three servers up")
         grown = faults.trainer_steps(run_dir)
         fleet = faults.wait_for(lambda: len(_fleet(run_dir)) == 3 and _fleet(run_dir), 30, "servers.json of three")
         faults.wait_for(lambda: faults.trainer_steps(run_dir) >= grown + 2, 300, "two steps on three servers")
         _scale(run_dir, 1)
-        faults.wait_for(lambda: _periodic(run_dir)[-1]["engines_servers"] == 1, 300, "back to one server")
+        faults.wait_for(lambda: records_of(run_dir, "periodic")[-1]["engines_servers"] == 1, 300, "back to one server")
         shrunk_fleet = faults.wait_for(lambda: len(_fleet(run_dir)) == 1 and _fleet(run_dir), 30, "servers.json of one")
         shrunk = faults.trainer_steps(run_dir)
         faults.wait_for(lambda: faults.trainer_steps(run_dir) >= shrunk + 2, 300, "two steps on one server")
@@ -74,10 +69,9 @@ def test_a_fleet_grows_from_one_to_three_and_shrinks_back_with_nothing_lost(tmp_
     assert summary["lost"] == 0 and summary["servers_dead"] == 0, summary
     assert summary["admitted"] == (summary["trained"] + summary["filtered"] + summary["dropped_stale"]
                                    + summary["persisted_untrained"]), summary
-    sizes = [r["engines_servers"] for r in _periodic(run_dir)]
+    sizes = [r["engines_servers"] for r in records_of(run_dir, "periodic")]
     assert sizes[0] == 1 and 3 in sizes and sizes[-1] == 1
-    steps = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if "\"step\"" in l]
-    assert {r.get("servers") for r in steps if r.get("kind") == "step"} >= {1, 3}
+    assert {r.get("servers") for r in records_of(run_dir, "step")} >= {1, 3}
     assert "rlorch scale: 1 -> 3 servers" in run.output and "rlorch scale: 3 -> 1 servers" in run.output
     assert leftovers == 0
     assert fleet == [0, 1, 2] and shrunk_fleet == [0], (fleet, shrunk_fleet)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from faults import tree_digest
+from helpers import free_port, of_kind, read_metrics, step_count, wait_answering, wait_until
 
 # Admission-side gating bounds what is admitted; observed age may overshoot S when completion
 # times vary. Tests that assert the age bound on real runs use strict mode, which never trains
@@ -35,13 +36,8 @@ def rlorch(env: dict, *args: str, timeout: float = 300) -> subprocess.CompletedP
 
 
 def records(run_dir: Path) -> tuple[dict, list[dict]]:
-    summary = json.loads((run_dir / "summary.json").read_text())
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return summary, lines
-
-
-def steps_of(lines: list[dict]) -> list[dict]:
-    return [r for r in lines if r["kind"] == "step"]
+    """The summary and every record (of all kinds) of a finished run."""
+    return json.loads((run_dir / "summary.json").read_text()), read_metrics(run_dir)
 
 
 @pytest.mark.slow
@@ -54,7 +50,7 @@ def test_train_then_resume_continues_from_the_checkpoint(env, tmp_path):
     assert done.returncode == 0, done.stderr
     summary, lines = records(run_dir)
     assert summary["lost"] == 0 and summary["steps"] == 4
-    step_lines = steps_of(lines)
+    step_lines = of_kind(lines, "step")
     assert all(r["loss"] is not None and r["grad_norm"] is not None for r in step_lines)
     assert (run_dir / "config.yaml").exists() and (run_dir / "rollouts" / "step_000004.jsonl").exists()
 
@@ -77,7 +73,7 @@ def test_train_then_resume_continues_from_the_checkpoint(env, tmp_path):
     again = rlorch(env, "resume", f"checkpoint={run_dir / 'checkpoints' / 'step_000004'}", "train.steps=6")
     assert again.returncode == 0, again.stderr
     summary, lines = records(run_dir)
-    resumed = [r for r in steps_of(lines) if r["step"] > 4]
+    resumed = [r for r in of_kind(lines, "step") if r["step"] > 4]
     assert [r["step"] for r in resumed] == [5, 6]
     assert resumed[0]["admitted"] <= 3 * 16 and max(r["age_max"] for r in resumed) <= 2
     assert summary["lost"] == 0 and summary["steps"] == 6
@@ -89,19 +85,11 @@ def test_sync_preset_trains_on_policy_at_every_step(env, tmp_path):
     done = rlorch(env, "train", "conf=sync", f"run.dir={run_dir}", "train.steps=4", *SMALL)
     assert done.returncode == 0, done.stderr
     _, lines = records(run_dir)
-    steps = steps_of(lines)
+    steps = of_kind(lines, "step")
     assert [r["age_max"] for r in steps] == [0, 0, 0, 0]
     # S=0: every token was sampled from the weights the trainer holds, so the engine's and the
     # trainer's logprobs of it must agree.
     assert all(r["mismatch_tokens"] > 0 and r["mismatch_kl"] < 1e-3 for r in steps), steps
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -109,7 +97,7 @@ def test_mismatch_kl_exposes_an_engine_serving_other_weights(env, tmp_path, pert
     """The engine starts on perturbed weights but claims version 0: step 1's tokens are stamped
     with the trainer's version yet were sampled elsewhere. Once the engine loads the trainer's
     version 1, the mismatch disappears."""
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "rlorch.cli", "serve", f"model.path={perturbed_dir}",
                                "--port", str(port)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
@@ -121,7 +109,7 @@ def test_mismatch_kl_exposes_an_engine_serving_other_weights(env, tmp_path, pert
     finally:
         server.terminate()
         server.communicate(timeout=30)
-    first, second = steps_of(records(run_dir)[1])
+    first, second = of_kind(records(run_dir)[1], "step")
     assert first["mismatch_kl"] > 0.05 and first["mismatch_max"] > 0.5, first
     assert second["mismatch_kl"] < 1e-3, second
 
@@ -132,12 +120,7 @@ def test_interrupted_real_run_resumes_without_losing_rollouts(env, tmp_path):
     command = [sys.executable, "-m", "rlorch.cli", "train", f"run.dir={run_dir}", "train.steps=200",
                "trainer.checkpoint_every=50", "run.shutdown_timeout=20", STRICT, *SMALL]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if metrics.exists() and metrics.read_text().count('"kind": "step"') >= 3:
-            break
-        time.sleep(0.2)
+    wait_until(lambda: process.poll() is not None or step_count(run_dir) >= 3, 180, "three step records")
     process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 143, output
@@ -148,7 +131,7 @@ def test_interrupted_real_run_resumes_without_losing_rollouts(env, tmp_path):
     assert again.returncode == 0, again.stderr
     summary, lines = records(run_dir)
     assert summary["lost"] == 0 and summary["steps"] == stopped_at + 2
-    assert max(r["age_max"] for r in steps_of(lines) if r["step"] > stopped_at) <= 2
+    assert max(r["age_max"] for r in of_kind(lines, "step") if r["step"] > stopped_at) <= 2
 
 
 @pytest.mark.slow
@@ -165,7 +148,7 @@ def test_the_default_run_learns(env, tmp_path):
     assert evals[0]["step"] == 0 and evals[0]["prompts"] >= 90
     assert summary["eval_accuracy_first"] <= 0.1 and summary["eval_accuracy_last"] >= 0.8, evals
     assert summary["status"] in ("completed", "converged") and summary["lost"] == 0
-    measured = [r["mismatch_kl"] for r in steps_of(lines) if r["mismatch_kl"] is not None]
+    measured = [r["mismatch_kl"] for r in of_kind(lines, "step") if r["mismatch_kl"] is not None]
     assert measured and max(measured) < 1e-3
     assert served_answer(env, run_dir, "407=") == "704"
 
@@ -174,24 +157,15 @@ def served_answer(env: dict, run_dir: Path, text: str) -> str:
     """`rlorch serve model.path=RUN_DIR` (the run's newest weights) asked for ``text`` as text,
     greedy, with the run's length limit (3: the model never learned to stop by itself): the text
     request is tokenized as training tokenized the prompt."""
-    import socket
     import urllib.request
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "rlorch.cli", "serve", f"model.path={run_dir}",
                                "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 300  # a loaded machine may take a minute to import and load
-        while True:
-            assert server.poll() is None, server.stderr.read().decode()
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "rlorch serve did not answer /health within 300 s"
-                time.sleep(0.2)
+        # A loaded machine may take a minute to import and load.
+        wait_answering(f"http://127.0.0.1:{port}/health", server, 300, what="rlorch serve",
+                       output=lambda: server.stderr.read().decode())
         body = json.dumps({"text": text, "sampling_params": {"max_new_tokens": 3, "temperature": 0}}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=body,
                                          headers={"Content-Type": "application/json"})
@@ -245,7 +219,7 @@ def test_the_sync_preset_trains_only_age_0_tokens_for_400_steps_past_convergence
                   "rollout.pack_samples=128", timeout=600)
     assert done.returncode == 0, done.stderr
     summary, lines = records(run_dir)
-    steps = steps_of(lines)
+    steps = of_kind(lines, "step")
     solved_at = min(r["step"] for r in lines if r["kind"] == "eval" and r["accuracy"] == 1.0)
     assert len(steps) >= solved_at + 25 and summary["lost"] == 0, (solved_at, len(steps), summary)
     assert any(r["rollouts"] < 128 for r in steps), "no short batch: the run never reached the filtered regime"

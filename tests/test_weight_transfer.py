@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from helpers import wait_answering
 from rlorch.inference.client import EngineError, EngineUnavailable, SGLangEngine
 from rlorch.inference.pool import EnginePool
 from rlorch.orchestrator.watcher import WeightWatcher
@@ -35,16 +36,7 @@ def _serve(model_dir, port: int = 0):
 
 
 def _answering(process, address: str) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + 120
-    while True:
-        assert process.poll() is None and time.monotonic() < deadline, "rlorch serve did not start"
-        try:
-            urllib.request.urlopen(f"http://{address}/health", timeout=2).read()
-            return
-        except OSError:
-            time.sleep(0.1)
+    wait_answering(f"http://{address}/health", process, what="rlorch serve")
 
 
 @pytest.fixture()
