@@ -88,3 +88,16 @@ def pytest_collection_modifyitems(config, items):
         definitions = info.name2fixturedefs.values() if info is not None else ()
         if any(defs and defs[-1].scope == "module" for defs in definitions):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+@pytest.fixture
+def one_rank():
+    """A process group of one rank (gloo) for the test's duration: FSDP2 and the trainer's
+    collectives run in the test's own process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -5,18 +5,7 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
-import torch.distributed as dist
-
-
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_bf16_computes_in_bf16_and_keeps_fp32_weights_gradients_and_optimizer_state(one_rank):

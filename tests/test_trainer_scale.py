@@ -227,17 +227,6 @@ def test_a_tied_embedding_adds_its_rows_into_the_output_layers_dense_gradient(im
         torch.testing.assert_close(grads[True, trained], grads[False, trained], rtol=1e-6, atol=1e-7)
 
 
-@pytest.fixture
-def one_rank():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_a_sharded_version_streamed_tensor_by_tensor_equals_the_whole_state_dict_written_at_once(one_rank, tmp_path):
     """bf16 makes the model FSDP2 units even on one rank: its versions are gathered, cast and
     written one tensor at a time. The files hold the tensors the whole gathered state dict
