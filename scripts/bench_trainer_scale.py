@@ -369,12 +369,14 @@ def worktree(rev: str):
 
 def measure_both(args, model: Path, runs: Path) -> dict:
     total = args.sequences * (PROMPT_TOKENS + args.completion_tokens)
-    both = [f"trainer.activation_checkpointing={str(not args.no_activation_checkpointing).lower()}"]
+    both = [f"trainer.activation_checkpointing={str(not args.no_activation_checkpointing).lower()}", *args.set]
     measured = {}
     if not args.skip_before:
         count_mode = [f"trainer.fsdp.micro_batch_size={args.sequences}", *both]
         if args.baseline == "none":
             measured["before"] = run_variant("before", args, model, runs, REPO, count_mode)
+        elif Path(args.baseline).is_dir():  # a checkout of the earlier code (a machine without git history)
+            measured["before"] = run_variant("before", args, model, runs, Path(args.baseline).resolve(), count_mode)
         else:
             with worktree(args.baseline) as old:
                 measured["before"] = run_variant("before", args, model, runs, old, count_mode)
@@ -439,8 +441,11 @@ def parse_args(argv=None):
     parser.add_argument("--sequences", type=int, default=4)
     parser.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
                         help="the analytic token plan's max_tokens_per_micro_batch")
-    parser.add_argument("--baseline", default="dbca41c", help="git revision of the before code, or none")
+    parser.add_argument("--baseline", default="dbca41c",
+                        help="git revision of the before code, a directory holding a checkout of it, or none")
     parser.add_argument("--skip-before", action="store_true", help="measure the working tree only")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for both variants (e.g. model.implementation=native)")
     parser.add_argument("--no-activation-checkpointing", action="store_true",
                         help="both variants keep every layer's activations (default: recomputed, as the recipe)")
     parser.add_argument("--no-measure", action="store_true", help="create the model, print the analytic part")

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One prepared check of the trainer at Qwen2.5-0.5B's full shape (24 layers, vocabulary 151,936,
 # random weights) on the lent GPU machine: one bfloat16 training step of 4 x (200 + 4096) tokens
-# in one packed row (scripts/bench_trainer_scale.py --skip-before), printing its peak GPU memory
-# and tokens/s; PASS within 5 minutes, else FAIL and a non-zero exit.
+# in one packed row (scripts/bench_trainer_scale.py --skip-before), with rlorch's own Qwen2 as the
+# GSM8K recipe has it, printing its peak GPU memory and tokens/s; PASS within 5 minutes, else
+# FAIL and a non-zero exit.
 #
 # That machine has torch and transformers but none of rlorch's other dependencies and no
 # network: they travel as wheels in .gpu-wheels/ (git-ignored), made here first by
@@ -65,7 +66,8 @@ log=$(mktemp)
 started=$SECONDS
 set +e
 PYTHONUNBUFFERED=1 timeout "$budget_s" python3 scripts/bench_trainer_scale.py --device cuda --dtype bfloat16 \
-    --layers 24 --completion-tokens 4096 --skip-before --timeout "$budget_s" 2>&1 | tee "$log"
+    --layers 24 --completion-tokens 4096 --skip-before --timeout "$budget_s" \
+    --set model.implementation=native 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
 elapsed=$((SECONDS - started))
