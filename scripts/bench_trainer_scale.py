@@ -208,11 +208,21 @@ def print_analytic(figures: dict, budget: int) -> None:
 # --- one measured step, in its own process ---------------------------------------------------
 
 
-def batch_lines(sequences: int, completion: int, seed: int) -> list[dict]:
+def completion_lengths(sequences: int, cap: int, uneven: bool) -> list[int]:
+    """Each measured sequence's completion tokens: ``cap`` each, or (``uneven``) drawn from the
+    recipe's lognormal (median 400, sigma 1.0) and capped at ``cap``, seed 1."""
+    if not uneven:
+        return [cap] * sequences
+    rng = random.Random(SEED + 1)
+    return [min(cap, max(1, round(rng.lognormvariate(math.log(COMPLETION_MEDIAN), COMPLETION_SIGMA))))
+            for _ in range(sequences)]
+
+
+def batch_lines(completions: list[int], seed: int) -> list[dict]:
     """The batch file's lines: random token ids, the completion trained (loss mask 1)."""
     rng = random.Random(seed)
     lines = []
-    for index in range(sequences):
+    for index, completion in enumerate(completions):
         mask = [0] * PROMPT_TOKENS + [1] * completion
         lines.append({
             "group_id": 0, "episode_id": f"bench-{index}", "env": "bench", "origin": "live",
@@ -292,7 +302,8 @@ def measure(spec: dict) -> int:
                       "trainer.weight_decay=0", "rollout.temperature=1.0", *spec["overrides"]])
     run = RunDir(Path(spec["run"])).make()
     save_config(config, run.config)
-    lines = batch_lines(spec["sequences"], spec["completion_tokens"], SEED)
+    completions = completion_lengths(spec["sequences"], spec["completion_tokens"], spec.get("uneven", False))
+    lines = batch_lines(completions, SEED)
     for step in range(1, steps + 1):
         write_atomic(run.batch(step), "".join(json.dumps(line) + "\n" for line in lines).encode())
     device = _setup_distributed(spec["device"])
@@ -307,12 +318,13 @@ def measure(spec: dict) -> int:
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - started
     peak = memory.peak()
-    tokens = spec["sequences"] * (PROMPT_TOKENS + spec["completion_tokens"])
+    tokens = sum(PROMPT_TOKENS + completion for completion in completions)
+    # The old code reports no positions: its one padded micro-batch runs every row to the longest.
+    padded_positions = len(completions) * (PROMPT_TOKENS + max(completions))
     result = {"rlorch": str(Path(rlorch.__file__).parent), "peak_mib": peak / 2**20,
               "before_mib": memory.before / 2**20, "before_kind": "allocated" if device.type == "cuda" else "rss",
               "step_s": elapsed, "timed_step": steps, "tokens": tokens, "trained_tokens": record["tokens"],
-              # Equal lengths: padded and packed rows hold the same positions; the old code does not report them.
-              "positions": record.get("positions", tokens), "tokens_per_s": tokens / elapsed,
+              "positions": record.get("positions", padded_positions), "tokens_per_s": tokens / elapsed,
               "loss": record["loss"], "grad_norm": record["grad_norm"],
               "gradient_mib": sum(p.numel() * 4 for p in worker.model.parameters() if p.requires_grad) / 2**20}
     if device.type == "cuda":
@@ -329,6 +341,7 @@ def run_variant(label: str, args, model: Path, runs: Path, code: Path, overrides
     """``measure`` in a fresh Python process importing rlorch from ``code`` (its cwd too)."""
     spec = {"label": label, "model": str(model), "run": str(runs / label), "device": args.device,
             "dtype": args.dtype, "sequences": args.sequences, "completion_tokens": args.completion_tokens,
+            "uneven": args.uneven,
             "overrides": overrides}
     env = {key: value for key, value in os.environ.items()
            if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RLORCH_CONF_DIR")}
@@ -368,7 +381,8 @@ def worktree(rev: str):
 
 
 def measure_both(args, model: Path, runs: Path) -> dict:
-    total = args.sequences * (PROMPT_TOKENS + args.completion_tokens)
+    total = sum(PROMPT_TOKENS + completion
+                for completion in completion_lengths(args.sequences, args.completion_tokens, args.uneven))
     both = [f"trainer.activation_checkpointing={str(not args.no_activation_checkpointing).lower()}", *args.set]
     measured = {}
     if not args.skip_before:
@@ -390,7 +404,8 @@ def measure_both(args, model: Path, runs: Path) -> dict:
 
 def print_measured(measured: dict, args) -> None:
     print(f"\nMeasured step: {args.layers} layers, vocabulary {VOCAB}, {args.device}, {args.dtype}; "
-          f"{args.sequences} x ({PROMPT_TOKENS} + {args.completion_tokens}) tokens")
+          f"{args.sequences} x ({PROMPT_TOKENS} + {'lognormal completions up to ' if args.uneven else ''}"
+          f"{args.completion_tokens}) tokens")
     print(f"{'variant':<8} {'positions':>9} {'trained':>8} {'before MiB':>10} {'peak MiB':>9} {'step s':>8} "
           f"{'tokens/s':>9}  code")
     for label, row in measured.items():
@@ -400,7 +415,7 @@ def print_measured(measured: dict, args) -> None:
         print(f"{label:<8} {row['positions']:>9} {row['trained_tokens']:>8} {row['before_mib']:>10.0f} "
               f"{row['peak_mib']:>9.0f} {row['step_s']:>8.2f} {row['tokens_per_s']:>9.1f}  {row['rlorch']}")
     print("(peak MiB: beyond the weights and optimizer state present before the step, the step's float32 "
-          f"gradients ({next(iter(measured.values())).get('gradient_mib', 0):.0f} MiB) included; "
+          f"gradients ({max(row.get('gradient_mib', 0) for row in measured.values()):.0f} MiB) included; "
           f"before MiB: {'allocated' if args.device == 'cuda' else 'process RSS'} before the step; activation "
           f"checkpointing {'off' if args.no_activation_checkpointing else 'on'} in both)")
 
@@ -408,7 +423,7 @@ def print_measured(measured: dict, args) -> None:
 def summary(args, figures: dict, measured: dict, budget: int) -> dict:
     out = {"layers": args.layers, "vocab": VOCAB, "device": args.device, "dtype": args.dtype,
            "baseline": None if args.skip_before or args.no_measure else args.baseline, "sequences": args.sequences,
-           "completion_tokens": args.completion_tokens, "budget": budget, "count_micro_batch_size": COUNT_SIZE,
+           "completion_tokens": args.completion_tokens, "uneven": args.uneven, "budget": budget, "count_micro_batch_size": COUNT_SIZE,
            "completion_median": COMPLETION_MEDIAN, "completion_sigma": COMPLETION_SIGMA}
     for cap, entry in figures.items():
         for key, suffix in (("after", ""), ("before", "_before")):
@@ -439,6 +454,8 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--completion-tokens", type=int, default=1024 - PROMPT_TOKENS)
     parser.add_argument("--sequences", type=int, default=4)
+    parser.add_argument("--uneven", action="store_true",
+                        help="completion lengths from the recipe's lognormal, capped at --completion-tokens")
     parser.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
                         help="the analytic token plan's max_tokens_per_micro_batch")
     parser.add_argument("--baseline", default="dbca41c",
