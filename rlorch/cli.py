@@ -192,7 +192,7 @@ def validate_config(
 
     config = _config_or_exit(overrides or [])
     _preflight_or_exit(config)
-    from rlorch.launch.placement import layout_choice, resolve_layout
+    from rlorch.launch.placement import colocation_note, layout_choice, resolve_layout
 
     unresolved, config = config, resolve_layout(config)
     console = Console()
@@ -202,9 +202,9 @@ def validate_config(
         typer.echo(OmegaConf.to_yaml(OmegaConf.structured(config)), nl=False)
     else:
         console.print(config_summary(config))
-        choice = layout_choice(unresolved, config)
-        if choice:
-            console.print(choice, highlight=False)
+        for line in (layout_choice(unresolved, config), colocation_note(unresolved)):
+            if line:
+                console.print(line, highlight=False)
     for warning in run_warnings(config):
         console.print(f"[yellow]warning[/] {warning}", highlight=False)
 
@@ -257,11 +257,15 @@ def serve(
                                           help="Require 'Authorization: Bearer KEY' on every endpoint but /health*."),
     min_step_time: float = typer.Option(0.0, "--min-step-time",
                                         help="Seconds each decoding step takes at least: a slow server, for tests."),
+    device: Optional[str] = typer.Option(None, "--device",
+                                         help="cpu or cuda (default: inference.cpu.device); on cuda the model runs in "
+                                              "model.dtype on the GPU."),
 ) -> None:
-    """Run the CPU inference engine: a real HTTP server speaking SGLang's native API."""
+    """Run rlorch's inference engine: a real HTTP server speaking SGLang's native API, on the CPU
+    or a GPU."""
     from rlorch.serve.server import serve_command
 
-    config = _config_or_exit(overrides or [])
+    config = _config_or_exit(list(overrides or []) + ([f"inference.cpu.device={device}"] if device else []))
     raise typer.Exit(serve_command(config, host=host, port=port, weight_version=weight_version,
                                    parent=parent_pid, api_key=api_key, min_step_time=min_step_time))
 

@@ -15,8 +15,8 @@ from typing import Any, Optional
 
 from rich.console import Console
 
-from rlorch.config.schema import Config, ConfigError
-from rlorch.launch.placement import layout_choice, resolve_layout
+from rlorch.config.schema import Colocate, Config, ConfigError
+from rlorch.launch.placement import colocation_note, layout_choice, resolve_layout
 from rlorch.launch.runlock import RunLock, holds_nothing, set_aside_failed_start
 from rlorch.launch.signals import SignalRelay, startup_summary
 from rlorch.launch.startup import StartupClock
@@ -73,9 +73,9 @@ def run_training(config: Config, overrides: list[str]) -> int:
             save_config(config, run_dir.config)
             _warm_up(config)
             console.print(f"run directory: [bold]{run_dir.root}[/]", highlight=False)
-            choice = layout_choice(unresolved, config)
-            if choice:
-                console.print(choice, highlight=False)
+            for line in (layout_choice(unresolved, config), colocation_note(unresolved)):
+                if line:
+                    console.print(line, highlight=False)
             from rlorch.config.preflight import run_warnings
 
             for warning in run_warnings(config):
@@ -173,7 +173,7 @@ def _heavy_modules(config: Config) -> list[str]:
         return uses_native(implementation, path, lora=lora, device=device)
 
     try:
-        transformers = ((config.inference.backend == InferenceBackend.cpu and not native())
+        transformers = ((config.inference.backend == InferenceBackend.cpu and not native(device=config.inference.cpu.device))
                         or (trainer and not native(lora=bool(config.model.lora.rank), device=trainer_device)))
     except (ConfigError, OSError, ValueError):
         return []  # the child that loads the model reports it
@@ -285,7 +285,12 @@ async def _start_concurrently(config: Config, run_dir: RunDir, policy: PolicyVer
                               clock: StartupClock, phases: Phases) -> tuple[Any, Any]:
     """Start the engines and the trainer at once (each is seconds of imports and model loading,
     independent of the other); return each outcome, an exception for a start that failed, so
-    the caller can stop whatever did start."""
+    the caller can stop whatever did start.
+
+    Colocated, one after the other, so each side sizes itself on what the other left: resident,
+    the engines first (SGLang's static share is of the memory free when it starts), then the
+    trainer; swap, the trainer first (it builds, moves its state to the host, then reports
+    ready), then the engines."""
     from rlorch.backends import start_inference
 
     inference = config.inference
@@ -302,8 +307,17 @@ async def _start_concurrently(config: Config, run_dir: RunDir, policy: PolicyVer
             async with clock.part("trainer"):
                 await trainer.start()
 
-    launched, started = await asyncio.gather(engines(), trainer_start(), return_exceptions=True)
-    return launched, started
+    colocate = config.run.colocate
+    if not colocate.shares:
+        launched, started = await asyncio.gather(engines(), trainer_start(), return_exceptions=True)
+        return launched, started
+    first, second = (trainer_start, engines) if colocate is Colocate.swap else (engines, trainer_start)
+    outcomes = await asyncio.gather(first(), return_exceptions=True)
+    if not isinstance(outcomes[0], BaseException):
+        outcomes += await asyncio.gather(second(), return_exceptions=True)
+    else:
+        outcomes.append(RuntimeError(f"not started: the {first.__name__.removesuffix('_start')} failed to start"))
+    return tuple(outcomes) if first is engines else (outcomes[1], outcomes[0])
 
 
 def _start_step(checkpoint: Optional[Path]) -> int:

@@ -14,42 +14,8 @@
 # Usage: bash scripts/gpu_wheels.sh && bash scripts/check_gpu_scale.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-wheels=.gpu-wheels
-packages=(hydra-core omegaconf antlr4-python3-runtime orjson)
-limit_mib=64
+source scripts/gpu_common.sh
 budget_s=300
-
-check_wheels() {
-    local missing=0 name file
-    for name in "${packages[@]}"; do
-        file=$(ls "$wheels"/"${name//-/_}"-*.whl 2>/dev/null | head -1 || true)
-        if [[ -z $file ]]; then echo "wheels: $name missing from $wheels/"; missing=1; else echo "wheels: $(basename "$file")"; fi
-    done
-    [[ $missing == 0 ]] || { echo "FAIL: make them with: bash scripts/gpu_wheels.sh"; exit 1; }
-    local kib
-    kib=$(du -sk "$wheels" | cut -f1)
-    echo "wheels: $kib KiB in all (limit $limit_mib MiB a device call, the whole tree included)"
-    (( kib < limit_mib * 1024 )) || { echo "FAIL: $wheels is over $limit_mib MiB"; exit 1; }
-    # Each resolves, from the folder alone, for the GPU machine's CPython 3.12 on x86-64.
-    python3 -m pip install -q --dry-run --no-index --no-deps --find-links "$wheels" --only-binary=:all: \
-        --python-version 3.12 --implementation cp --platform manylinux_2_17_x86_64 \
-        --target "$(mktemp -d)" "${packages[@]}"
-    echo "wheels: all resolve for cp312 x86-64"
-}
-
-install_rlorch() {
-    if ! python3 -m pip install -q --no-index --find-links "$wheels" "${packages[@]}"; then
-        local site
-        site=$(mktemp -d)
-        python3 -m pip install -q --no-index --no-deps --target "$site" "$wheels"/*.whl
-        export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
-    fi
-    python3 -m pip install -q --no-deps --no-build-isolation -e . \
-        || echo "editable install failed: rlorch runs from the checkout (PYTHONPATH)"
-    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-    python3 -c 'import rlorch, rlorch.trainer.fsdp, rlorch.config.compose, torch, transformers
-print("rlorch from", rlorch.__path__[0], "| torch", torch.__version__, "| transformers", transformers.__version__)'
-}
 
 if ! python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     echo "no CUDA device: dry mode"

@@ -31,10 +31,17 @@ def gpus_of(records: list[dict]) -> dict[str, str]:
     return {r["role"]: r["env"].get("CUDA_VISIBLE_DEVICES") for r in records if r["role"] != "orchestrator"}
 
 
-def test_one_gpu_cannot_hold_a_server_and_the_trainer():
+def test_one_gpu_without_colocation_cannot_hold_a_server_and_the_trainer():
     with pytest.raises(ConfigError) as err:
-        plan("run.gpus=1")
-    assert err.value.key == "run.gpus" and "need 2" in str(err.value)
+        plan("run.gpus=1", "run.colocate=off")
+    assert err.value.key == "run.gpus" and "need 2" in str(err.value) and "run.colocate=resident" in str(err.value)
+
+
+def test_one_gpu_colocates_the_server_and_the_trainer_by_default():
+    records = plan("run.gpus=1", "run.gpu_memory_gb=80")
+    assert [(r["role"], r["env"].get("CUDA_VISIBLE_DEVICES")) for r in records] == [
+        ("orchestrator", None), ("server-0", "0"), ("trainer", "0")]
+    assert "--mem-fraction-static" in records[1]["command"]
 
 
 def test_one_gpu_holds_the_server_when_the_trainer_runs_on_cpu():

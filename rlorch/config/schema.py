@@ -120,6 +120,20 @@ class TrainerBackend(str, enum.Enum):
         return self is not TrainerBackend.sim
 
 
+class Colocate(str, enum.Enum):
+    """Whether launched servers and the trainer share the node's GPUs (rlorch.launch.colocation)."""
+
+    auto = "auto"
+    off = "off"
+    resident = "resident"
+    swap = "swap"
+
+    @property
+    def shares(self) -> bool:
+        """Set to share (``auto`` decides from the GPUs at placement)."""
+        return self in (Colocate.resident, Colocate.swap)
+
+
 class SimReward(str, enum.Enum):
     random = "random"
     constant = "constant"
@@ -156,6 +170,16 @@ class RunConfig:
     placement_timeout: float = 300.0
     """With ``run.launcher=ray``: seconds a placement group may stay pending (what it asks for and
     what the cluster has free is printed every 10 s) before the run fails naming the request."""
+    colocate: Colocate = Colocate.auto
+    """Launched servers and the trainer on the same GPUs. auto: only when the node has too few
+    GPUs to give one server and one trainer rank their own (one GPU: resident); off: never;
+    resident: both stay on the device all run, the engines sized to what the trainer leaves
+    (inference.memory_fraction), any rollout.max_staleness; swap: rollout.max_staleness=0 only,
+    the engines release their memory while the trainer trains and the trainer moves its state
+    to the host while they generate, for models that do not fit twice (docs/placement.md)."""
+    gpu_memory_gb: Optional[float] = None
+    """GiB of one GPU for sizing a colocated split; empty: measured on the device (total memory),
+    or 80 where no GPU is visible (a --dry-run on a machine without one says it assumed so)."""
 
     def __post_init__(self) -> None:
         _require(self.launcher in ("local", "ray"), "run.launcher", f"must be local or ray (got {self.launcher!r})")
@@ -163,6 +187,7 @@ class RunConfig:
         _require(self.shutdown_timeout > 0, "run.shutdown_timeout", "must be > 0 seconds")
         _require(self.log_every >= 1, "run.log_every", "must be >= 1")
         _require(self.gpus is None or self.gpus >= 0, "run.gpus", "must be >= 0")
+        _require(self.gpu_memory_gb is None or self.gpu_memory_gb > 0, "run.gpu_memory_gb", "must be > 0 GiB")
 
 
 @dataclass
@@ -309,8 +334,12 @@ class CpuEngineConfig:
     (rollout.batch_size / inference.num_servers, rounded up)."""
     threads: int = 1
     """Torch threads per server process."""
+    device: str = "cpu"
+    """Where `rlorch serve` runs its model: cpu, or cuda (the model in model.dtype on the GPU the
+    placement gives the server, sampling in float32; a colocated run shares it with the trainer)."""
 
     def __post_init__(self) -> None:
+        _require(self.device in ("cpu", "cuda"), "inference.cpu.device", f"must be cpu or cuda (got {self.device!r})")
         _require(self.max_batch is None or self.max_batch >= 1, "inference.cpu.max_batch", "must be >= 1 (or null: "
                  "each engine's share of a step)")
         _require(self.threads >= 1, "inference.cpu.threads", "must be >= 1")
@@ -385,6 +414,11 @@ class InferenceConfig:
     max_restarts: int = 3
     """Restarts of each launched server whose process exited (or whose Ray actor died) or that
     was killed for hanging (0: such a server is out of the run)."""
+    memory_fraction: Optional[float] = None
+    """Share of a GPU's free memory a launched server's weights and KV cache take (SGLang's
+    --mem-fraction-static; `rlorch serve` on cuda caps its process at it). Empty: SGLang's own
+    choice, or when colocated what the trainer's estimated need leaves (the --dry-run prints the
+    split)."""
     sim: SimEngineConfig = field(default_factory=SimEngineConfig)
     cpu: CpuEngineConfig = field(default_factory=CpuEngineConfig)
 
@@ -404,6 +438,8 @@ class InferenceConfig:
         _require(self.health_failures >= 1, "inference.health_failures", "must be >= 1")
         _require(self.max_restarts >= 0, "inference.max_restarts", "must be >= 0")
         _require(self.control_concurrency >= 1, "inference.control_concurrency", "must be >= 1")
+        _require(self.memory_fraction is None or 0 < self.memory_fraction < 1, "inference.memory_fraction",
+                 "must be in (0, 1) (or null: sized by the run)")
 
 
 @dataclass
@@ -782,8 +818,34 @@ class Config:
                  "inference.router", "weight_transfer=distributed needs every server's rank in the weight group, "
                                      "which a router hides: use inference.weight_transfer=disk with "
                                      "inference.router, or list the servers in inference.addresses without it")
+        self._check_colocation()
         _require(self.rollout.max_concurrent >= self.rollout.group_size, "rollout.max_concurrent",
                  f"must be >= rollout.group_size ({self.rollout.group_size}): a group is admitted whole")
+
+
+    def _check_colocation(self) -> None:
+        colocate = self.run.colocate
+        if not colocate.shares:
+            return
+        _require(self.inference.backend is not InferenceBackend.sim and not self.inference.addresses
+                 and not self.inference.router, "run.colocate",
+                 f"{colocate.value} shares the node with servers the run launches: use inference=cpu or "
+                 "inference=sglang without inference.addresses and inference.router")
+        _require(not self.inference.distributed, "inference.weight_transfer",
+                 f"distributed cannot run with run.colocate={colocate.value}: NCCL refuses two ranks on one GPU; "
+                 "use inference.weight_transfer=disk")
+        if colocate is Colocate.swap:
+            _require(self.rollout.max_staleness == 0, "run.colocate",
+                     f"swap needs rollout.max_staleness=0 (got {self.rollout.max_staleness}): the engines hold "
+                     "no memory while the trainer trains; use run.colocate=resident for asynchronous training")
+            _require(self.rollout.enforce is not Enforce.ship, "run.colocate",
+                     "swap needs rollout.enforce=admission or strict: ship-side gating generates the next batch "
+                     "while the trainer trains")
+            _require(self.trainer.backend is TrainerBackend.fsdp, "run.colocate",
+                     "swap moves the fsdp trainer's state to the host between steps: use trainer=fsdp")
+            _require(self.trainer.publish_every == 1, "trainer.publish_every",
+                     f"run.colocate=swap needs 1 (got {self.trainer.publish_every}): the engines take their "
+                     "memory back with each step's new version")
 
 
 def _require_finite(section: Any, prefix: str) -> None:

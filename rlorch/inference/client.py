@@ -382,6 +382,20 @@ class SGLangEngine:
     async def resume(self) -> None:
         await self._control("POST", "/continue_generation", {})
 
+    async def flush_cache(self) -> bool:
+        """Whether ``/flush_cache`` flushed (SGLang answers 400 while requests run or wait)."""
+        status, _ = await self._request("POST", "/flush_cache", timeout=self.control_timeout)
+        return status == 200
+
+    async def release_memory_occupation(self, tags: list[str]) -> None:
+        """Release ``tags`` of the server's GPU memory (SGLang: 200 ``null``; the caller must have
+        paused generation and flushed the cache, or SGLang's scheduler dies)."""
+        await self._control("POST", "/release_memory_occupation", {"tags": tags}, expect_json=False)
+
+    async def resume_memory_occupation(self, tags: list[str]) -> None:
+        """Take back ``tags``, each released before (SGLang's scheduler dies on any other)."""
+        await self._control("POST", "/resume_memory_occupation", {"tags": tags}, expect_json=False)
+
     async def reload(self, path: str, version: int) -> None:
         """Load the HF checkpoint at ``path`` as policy ``version``; raise with the server's message."""
         payload = {"model_path": str(path), "load_format": None, "abort_all_requests": False,

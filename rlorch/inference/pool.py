@@ -44,6 +44,13 @@ update. Half, not the first: in a fleet of a thousand the calls themselves take 
 a while to issue and read, and the last server answered is not slow for being last."""
 
 
+RELEASED_TAGS = ["kv_cache", "weights", "cuda_graph"]
+"""What a swap step releases: SGLang 0.5.23's GPU_MEMORY_ALL_TYPES, named so that the resumes
+name exactly these (SGLang's scheduler dies resuming a tag never released)."""
+RESUMED_FIRST = ["weights"]
+"""Resumed before new weights load into them; the rest after (SGLang's and its RL users' order)."""
+
+
 class EnginePool:
     def __init__(self, engines: list[Server], *, request_timeout: float = 300.0, max_retries: int = 3,
                  probe_interval: float = 1.0, name: str = "pool",
@@ -96,6 +103,8 @@ class EnginePool:
         self.group_rebuilds = 0
         self.published: Callable[[], Iterable[tuple[int, Path]]] = lambda: ()
         """The versions the trainer published to disk, (version, HF directory)."""
+        self._released: set[str] = set()
+        """Servers whose memory is released (``run.colocate=swap``, while the trainer trains)."""
         self.request_publish: Callable[[int], None] = lambda version: None
         """Ask the trainer to write its current weights (at least ``version``) to disk."""
         self._publish_requested: set[int] = set()
@@ -354,14 +363,84 @@ class EnginePool:
         if failed:
             raise EngineError("; ".join(str(err) for _, err in failed))
 
+    @property
+    def released(self) -> bool:
+        """Whether the servers' memory is released (between :meth:`release_memory` and the next
+        :meth:`reload`): nothing may generate, probe or restart then."""
+        return bool(self._released)
+
+    async def release_memory(self, flush_timeout: float = 60.0) -> None:
+        """The swap step's first half: every server pauses (its requests in flight come back as
+        aborts and are sent again after the next reload), its cache flushes (``/flush_cache``
+        polled until it answers 200, as SGLang needs the scheduler idle) and it releases
+        :data:`RELEASED_TAGS`. Every server must be in rotation, or be back within the request
+        timeout: a colocated run has no device memory to restart one into later. Raises
+        :class:`EngineError` naming each server that failed and what it answered."""
+        deadline = time.monotonic() + self.request_timeout
+        while any(not self._up[e.name] and e.name not in self._dead for e in self.engines):
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(self.probe_interval)
+        async with self._reload_lock:
+            missing = [f"{e.name} ({self._down_reason.get(e.name, 'down')})" for e in self.engines if not self._up[e.name]]
+            if missing:
+                raise EngineError(f"{self.name}: cannot release memory with servers out of rotation: "
+                                  + "; ".join(missing))
+
+            async def release(engine: Server) -> None:
+                await engine.pause()
+                flush_by = time.monotonic() + flush_timeout
+                while not await engine.flush_cache():
+                    if time.monotonic() > flush_by:
+                        raise EngineError(f"{engine.name} /flush_cache still refused after {flush_timeout:g}s: "
+                                          "requests run or wait")
+                    await asyncio.sleep(0.02)
+                await engine.release_memory_occupation(RELEASED_TAGS)
+                self._released.add(engine.name)
+
+            results = await asyncio.gather(*(release(e) for e in self.engines), return_exceptions=True)
+            failed = [f"{e.name}: {r}" for e, r in zip(self.engines, results) if isinstance(r, BaseException)]
+            if failed:
+                raise EngineError(f"{self.name}: releasing memory failed: " + "; ".join(failed))
+
+    async def _swap_in(self, path: str, version: int) -> None:
+        """The swap step's second half: every released server resumes its weights, loads
+        ``path`` as ``version``, resumes the rest and continues. A server lost meanwhile fails
+        it, named with why."""
+        async with self._reload_lock:
+            lost = [f"{name} ({self._dead.get(name) or self._down_reason.get(name, 'down')})"
+                    for name in sorted(self._released) if not self._up[name]]
+            if lost:
+                raise EngineError(f"{self.name}: lost while its memory was released (run.colocate=swap): "
+                                  + "; ".join(lost))
+
+            async def swap_in(engine: Server) -> None:
+                await engine.resume_memory_occupation(RESUMED_FIRST)
+                await engine.reload(path, version)
+                await engine.resume_memory_occupation([t for t in RELEASED_TAGS if t not in RESUMED_FIRST])
+                self._released.discard(engine.name)
+                await engine.resume()
+
+            engines = [e for e in self.engines if e.name in self._released]
+            results = await asyncio.gather(*(swap_in(e) for e in engines), return_exceptions=True)
+            failed = [f"{e.name}: {r}" for e, r in zip(engines, results) if isinstance(r, BaseException)]
+            if failed:
+                raise EngineError(f"{self.name}: version {version} not swapped in: " + "; ".join(failed))
+            self._version = version
+
     async def reload(self, path: str, version: int) -> None:
         """Pause every live server, load ``path`` as ``version`` on all of them in parallel,
         continue; return once every live server has it, else raise with the servers' messages.
+        After :meth:`release_memory` the servers take their memory back around the load instead.
 
         A server that refuses the checkpoint keeps its previous weights and says so in its
         ``weight_version`` (loading is all-or-nothing), so it stays in rotation; one that stops
         answering is marked down and loads the current checkpoint before it rejoins.
         """
+        if self._released:
+            await self._swap_in(path, version)
+            self._checkpoint = (str(path), version)
+            return
         await self._update(version, lambda engines: self._each(engines, lambda e: e.reload(path, version), settle=True))
         self._checkpoint = (str(path), version)
         if self._awaiting_group:    # they can catch up from this checkpoint now
@@ -555,7 +634,7 @@ class EnginePool:
         row make it suspect. No probe runs while weights load (the servers are paused then)."""
         while True:
             await asyncio.sleep(self.health_interval)
-            live = [] if self._reload_lock.locked() else self._live()
+            live = [] if self._reload_lock.locked() or self._released else self._live()
             answers = await asyncio.gather(*(e.healthy(self.health_timeout) for e in live))
             for engine, ok in zip(live, answers):
                 self._misses[engine.name] = 0 if ok else self._misses[engine.name] + 1
@@ -574,6 +653,8 @@ class EnginePool:
 
         while any(waiting(e) for e in self.engines):
             await asyncio.sleep(self.probe_interval)
+            if self._released:    # a server lost in a swap step fails it; none is brought back into it
+                continue
             for engine in [e for e in self.engines if waiting(e)]:
                 if await self._resumed(engine) and await engine.healthy():
                     await self._rejoin(engine)

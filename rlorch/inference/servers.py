@@ -188,7 +188,8 @@ async def supervise(launcher: Launcher, servers: dict[str, Launched], pool: Engi
             hung = pool.down_for(name) if reason is None else None
             if reason is None and (hung is None or hung <= hang_timeout):
                 continue
-            if reason is not None and restarts[name] < max_restarts:
+            # Released memory (a swap step) leaves no room for a restart: the step fails instead.
+            if reason is not None and restarts[name] < max_restarts and not pool.released:
                 pool.mark_dead(name, reason)
                 await launcher.stop([server], timeout=2.0)
                 restarts[name] += 1

@@ -20,6 +20,11 @@ except launched servers beside a CPU trainer, which take every ``tp_size`` group
 GPUs left over are named by :func:`idle_gpu_warning`; :func:`layout_choice` says what an unset
 count became.
 
+Colocated (:mod:`rlorch.launch.colocation`: ``run.colocate``, or one GPU): servers and trainer
+ranks share GPUs. Server ``i`` takes ids ``i*tp_size ..`` and the trainer ``0 .. nproc-1`` (or
+their pinned lists, which may overlap); an unset ``trainer.fsdp.nproc`` becomes the node's GPUs
+and an unset ``inference.num_servers`` as many ``tp_size`` groups as the node holds.
+
 Plan ids are indices into what the orchestrator sees: with an inherited ``CUDA_VISIBLE_DEVICES``
 (``4,5,6,7``) id ``i`` is its ``i``-th entry, so node 0's children get the physical names
 (:func:`inherited_devices`); the list must be at least ``run.gpus`` long.
@@ -37,7 +42,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
-from rlorch.config.schema import Config, ConfigError, InferenceBackend, TrainerBackend
+from rlorch.config.schema import Colocate, Config, ConfigError, InferenceBackend
+from rlorch.launch.colocation import (ASSUMED_GPU_GIB, GIB, MemorySplit, colocation, launches_gpu_engines, memory_split,
+                                     trains_on_gpu)
 
 
 @dataclass
@@ -48,12 +55,8 @@ class Placement:
     """GPU ids of this node's trainer processes (empty: not placed)."""
 
 
-def _launches_gpu_servers(config: Config) -> bool:
-    return config.inference.backend is InferenceBackend.sglang and not config.inference.addresses
-
-
-def _trains_on_gpu(config: Config) -> bool:
-    return config.trainer.backend is TrainerBackend.fsdp and config.trainer.fsdp.device != "cpu"
+_launches_gpu_servers = launches_gpu_engines
+_trains_on_gpu = trains_on_gpu
 
 
 GPU_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/kfd")
@@ -66,6 +69,28 @@ def has_gpu_driver() -> bool:
     import glob
 
     return any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES)
+
+
+def gpu_memory(config: Config) -> tuple[float, str]:
+    """One GPU's memory in GiB and where the figure comes from: ``run.gpu_memory_gb``, else the
+    first visible device's total, else :data:`rlorch.launch.colocation.ASSUMED_GPU_GIB`."""
+    if config.run.gpu_memory_gb is not None:
+        return config.run.gpu_memory_gb, "run.gpu_memory_gb"
+    if has_gpu_driver():
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory / GIB, "measured"
+    return ASSUMED_GPU_GIB, "assumed: no GPU visible, set run.gpu_memory_gb"
+
+
+def colocated_split(config: Config, gpus: Optional[int] = None) -> Optional[MemorySplit]:
+    """The memory split of a colocated run on this node (None when it does not colocate)."""
+    gpus = layout_gpus(config) if gpus is None else gpus
+    mode = colocation(config, gpus)
+    if not mode.shares or not (launches_gpu_engines(config) and trains_on_gpu(config) and gpus > 0):
+        return None
+    return memory_split(config, mode, gpu_memory(config))
 
 
 def visible_gpus(config: Config) -> int:
@@ -143,7 +168,10 @@ def _counts(config: Config, gpus: int, cores: Optional[int] = None) -> tuple[int
         nproc = len(fsdp.gpus)
     gpu_servers = _launches_gpu_servers(config) and gpus > 0
     gpu_trainer = _trains_on_gpu(config) and gpus > 0
-    if gpu_servers and gpu_trainer:
+    if gpu_servers and gpu_trainer and colocation(config, gpus).shares:
+        nproc = gpus if nproc is None else nproc
+        servers = max(1, gpus // tp) if servers is None else servers
+    elif gpu_servers and gpu_trainer:
         if nproc is None:
             nproc = _half_power_of_two(gpus) if servers is None else max(1, gpus - servers * tp)
         if servers is None:
@@ -185,7 +213,26 @@ def resolve_layout(config: Config, gpus: Optional[int] = None, cores: Optional[i
     resolved = _filled(config, gpus, usable_cores() if cores is None else cores)
     place(resolved, gpus)
     inherited_devices(gpus)
+    split = colocated_split(resolved, gpus)
+    if split is not None:    # auto becomes the mode it chose; the engines' share becomes a flag
+        resolved = replace(resolved, run=replace(resolved.run, colocate=split.mode),
+                           inference=replace(resolved.inference, memory_fraction=split.fraction))
     return resolved
+
+
+def colocation_note(unresolved: Config, gpus: Optional[int] = None) -> Optional[str]:
+    """One line on how a colocated run shares the node (None when it does not colocate)."""
+    gpus = layout_gpus(unresolved) if gpus is None else gpus
+    split = colocated_split(_filled(unresolved, gpus), gpus)
+    if split is not None:
+        chosen = "" if unresolved.run.colocate.shares else f"{gpus} GPU{'s' * (gpus != 1)}, run.colocate=auto: "
+        return chosen + split.describe()
+    mode = colocation(unresolved, gpus)
+    if mode.shares:
+        return (f"colocated ({mode.value}) with nothing on a GPU: the engines and the trainer share this "
+                "machine's cores" + (", the engines releasing their memory while the trainer trains"
+                                     if mode is Colocate.swap else ""))
+    return None
 
 
 def layout_choice(unresolved: Config, resolved: Config, cores: Optional[int] = None) -> Optional[str]:
@@ -225,13 +272,24 @@ def place(config: Config, gpus: int) -> Placement:
     if trainer_ids and len(trainer_ids) != need_trainer:
         raise ConfigError("trainer.fsdp.gpus", f"lists {len(trainer_ids)} GPUs; trainer.fsdp.nproc needs "
                                                f"{need_trainer}")
-    overlap = sorted(set(server_ids) & set(trainer_ids))
-    if overlap:
-        raise ConfigError("inference.gpus", f"GPUs {overlap} are also in trainer.fsdp.gpus")
     for key, ids in (("inference.gpus", server_ids), ("trainer.fsdp.gpus", trainer_ids)):
         bad = [i for i in ids if not 0 <= i < gpus]
         if bad or len(set(ids)) != len(ids):
             raise ConfigError(key, f"GPU ids {ids} must be distinct and in [0, run.gpus={gpus})")
+    size = inference.tp_size
+    if need_servers and need_trainer and colocation(config, gpus).shares:
+        server_ids = server_ids or list(range(need_servers))
+        trainer_ids = trainer_ids or list(range(need_trainer))
+        if max(server_ids + trainer_ids) >= gpus:
+            raise ConfigError("run.gpus", f"{gpus} GPUs are too few even colocated: inference.num_servers="
+                                          f"{server_count} x inference.tp_size={size} servers need {need_servers}, "
+                                          f"trainer.fsdp.nproc={need_trainer} ranks need {need_trainer}")
+        return Placement(servers=[server_ids[i * size:(i + 1) * size] for i in range(server_count)],
+                         trainer=trainer_ids)
+    overlap = sorted(set(server_ids) & set(trainer_ids))
+    if overlap:
+        raise ConfigError("inference.gpus", f"GPUs {overlap} are also in trainer.fsdp.gpus (or set "
+                                            "run.colocate=resident to share them)")
     free = [i for i in range(gpus) if i not in server_ids and i not in trainer_ids]
     if not server_ids:
         server_ids, free = free[:need_servers], free[need_servers:]
@@ -241,8 +299,8 @@ def place(config: Config, gpus: int) -> Placement:
         raise ConfigError("run.gpus", f"{gpus} GPUs are too few: inference.num_servers={server_count} x "
                                       f"inference.tp_size={inference.tp_size} servers and "
                                       f"trainer.fsdp.nproc={need_trainer} trainer processes need "
-                                      f"{need_servers + need_trainer}")
-    size = inference.tp_size
+                                      f"{need_servers + need_trainer} (or set run.colocate=resident to share "
+                                      "them)")
     return Placement(servers=[server_ids[i * size:(i + 1) * size] for i in range(server_count)],
                      trainer=trainer_ids)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from rlorch.config.schema import Config, InferenceBackend, TrainerBackend
-from rlorch.launch.placement import (fill_counts, idle_gpu_warning, inherited_devices, node_trainer_gpus, place,
+from rlorch.launch.placement import (colocation_note, fill_counts, idle_gpu_warning, inherited_devices, node_trainer_gpus, place,
                                      resolve_layout, visible_env, visible_gpus)
 from rlorch.launch.server_command import server_command
 from rlorch.launch.trainer_command import trainer_command
@@ -96,6 +96,9 @@ def print_plan(config: Config, run_dir: Optional[Path] = None) -> None:
         return
     for record in launch_plan(config, run_dir=run_dir):
         print(json.dumps(record))
+    note = colocation_note(config, visible_gpus(config))
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     warning = idle_gpu_warning(config, visible_gpus(config))
     if warning:
         print(f"warning: {warning}", file=sys.stderr)

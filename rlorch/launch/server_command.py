@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from rlorch.config.schema import InferenceBackend, engine_max_batch
+from rlorch.config.schema import Colocate, InferenceBackend, engine_max_batch
 from rlorch.serve.arguments import API_KEY_ENV  # noqa: F401  (the launchers and the client read it here)
 
 
@@ -23,7 +23,8 @@ def _cpu_command(config, *, model_path: Path, port: int, host: str) -> list[str]
             "--threads", str(inference.cpu.threads),
             "--max-batch", str(engine_max_batch(config)),
             "--seed", str(config.run.seed), "--transfer-timeout", f"{inference.transfer_timeout:g}",
-            *inference.launch_args]
+            *(["--device", inference.cpu.device] if inference.cpu.device != "cpu" else []),
+            *memory_args(config), *inference.launch_args]
 
 
 def _sglang_command(config, *, model_path: Path, port: int, host: str) -> list[str]:
@@ -33,8 +34,18 @@ def _sglang_command(config, *, model_path: Path, port: int, host: str) -> list[s
     command = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
                "--host", host, "--port", str(port), "--weight-version", "0", "--dtype", config.model.dtype,
                "--random-seed", str(config.run.seed), "--tp-size", str(config.inference.tp_size),
-               *config.inference.launch_args]
+               *memory_args(config), *config.inference.launch_args]
+    if config.run.colocate is Colocate.swap and "--enable-memory-saver" not in config.inference.launch_args:
+        command.append("--enable-memory-saver")    # without it a release frees nothing
     return command + fp32_attention_args(config)
+
+
+def memory_args(config) -> list[str]:
+    """``--mem-fraction-static`` from ``inference.memory_fraction`` (set, or sized for a colocated
+    run by :mod:`rlorch.launch.colocation`) unless ``inference.launch_args`` give one."""
+    fraction = config.inference.memory_fraction
+    given = any(arg.split("=", 1)[0] == "--mem-fraction-static" for arg in config.inference.launch_args)
+    return [] if fraction is None or given else ["--mem-fraction-static", f"{fraction:g}"]
 
 
 def fp32_attention_args(config) -> list[str]:

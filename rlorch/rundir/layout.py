@@ -111,6 +111,19 @@ class RunDir:
         return self.trainer / "ready"
 
     @property
+    def trainer_offloaded(self) -> Path:
+        """``run.colocate=swap``: the step after which the trainer last moved its state off the
+        device (``{"step": N}``): engines may take their memory back for versions up to N."""
+        return self.trainer / "offloaded"
+
+    def offloaded_step(self) -> int:
+        """The step in :attr:`trainer_offloaded` (-1 before the trainer first offloaded)."""
+        try:
+            return int(json.loads(self.trainer_offloaded.read_text())["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return -1
+
+    @property
     def trainer_workers(self) -> Path:
         return self.trainer / "workers"
 

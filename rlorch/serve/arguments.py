@@ -31,6 +31,9 @@ def launched_parser(*, exit_on_error: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--transfer-timeout", type=float, default=60.0)
     parser.add_argument("--min-step-time", type=float, default=0.0, help="seconds each decoding step takes at least")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model runs")
+    parser.add_argument("--mem-fraction-static", type=float, default=None,
+                        help="on cuda: the share of the device this process may allocate (SGLang's flag)")
     return parser
 
 

@@ -77,8 +77,11 @@ class _Rows:
 class Batcher:
     def __init__(self, model, *, eos_ids: list[int], pad_id: int, max_batch: int, context_len: int,
                  seed: int = 0, weight_version: str = "0", min_step_time: float = 0.0,
-                 decode: Optional[Callable[[list[int]], str]] = None):
+                 decode: Optional[Callable[[list[int]], str]] = None, device: str = "cpu"):
         self.model = model
+        self.device = torch.device(device)
+        """Where the model and its KV cache live; sampling runs on the CPU in float32 either way
+        (its generator and arithmetic are the same on every device)."""
         self.eos_ids = eos_ids
         self.pad_id = pad_id
         self.max_batch = max_batch
@@ -187,6 +190,10 @@ class Batcher:
                 self._no_update_waiting.set()
                 self._wake.set()
         self.counters["weight_updates"] += 1
+
+    def model_lock(self) -> asyncio.Lock:
+        """Held while the model's weights change (a load, a move between devices): no batch runs."""
+        return self._lock
 
     async def run_on_model_thread(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
@@ -344,15 +351,15 @@ class Batcher:
         # Left-padded rows built as lists, one tensor each (per-row tensor writes took ten times
         # as long: 1.6 ms for 128 short prompts, holding the GIL).
         ids = torch.tensor([[self.pad_id] * (width - len(prompt)) + list(prompt) for prompt in prompts],
-                           dtype=torch.long)
+                           dtype=torch.long, device=self.device)
         mask = torch.tensor([[0] * (width - len(prompt)) + [1] * len(prompt) for prompt in prompts],
-                            dtype=torch.long)
+                            dtype=torch.long, device=self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         rows.cache = _new_cache(self.model)
         logits = self._forward(ids, mask, positions, rows.cache)
         self.counters["prefill_rows"] += len(prompts)
         if len(prompts) < len(rows.seqs):
-            index = torch.tensor(row_of)
+            index = torch.tensor(row_of, device=self.device)
             rows.cache.batch_select_indices(index)
             logits, mask, positions = logits[index], mask[index], positions[index]
         rows.mask, rows.positions = mask, positions[:, -1:]
@@ -367,15 +374,17 @@ class Batcher:
             _select(other, other_keep)
             _concat(rows, other)
             last = last + other_last
-        rows.mask = torch.cat([rows.mask, torch.ones((len(rows.seqs), 1), dtype=rows.mask.dtype)], dim=1)
+        rows.mask = torch.cat([rows.mask, rows.mask.new_ones((len(rows.seqs), 1))], dim=1)
         rows.positions = rows.positions + 1
-        logits = self._forward(torch.tensor(last)[:, None], rows.mask, rows.positions, rows.cache)
+        logits = self._forward(torch.tensor(last, device=self.device)[:, None], rows.mask, rows.positions,
+                               rows.cache)
         return sample(logits, [s.params for s in rows.seqs], self._banned(rows.seqs), self._generator)
 
     def _forward(self, ids, mask, positions, cache) -> torch.Tensor:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                          use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
-        return out.logits[:, -1]
+        logits = out.logits[:, -1]
+        return logits if self.device.type == "cpu" else logits.float().cpu()
 
 
 def _distinct(prompts: list[list[int]]) -> tuple[list[tuple[int, ...]], list[int]]:
@@ -388,7 +397,7 @@ def _distinct(prompts: list[list[int]]) -> tuple[list[tuple[int, ...]], list[int
 def _select(rows: _Rows, keep: list[int]) -> None:
     """Drop finished rows from a batch's tensors and cache."""
     if len(keep) < len(rows.seqs):
-        index = torch.tensor(keep)
+        index = torch.tensor(keep, device=rows.mask.device)
         rows.cache.batch_select_indices(index)
         rows.mask, rows.positions = rows.mask[index], rows.positions[index]
         rows.seqs = [rows.seqs[i] for i in keep]

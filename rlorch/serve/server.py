@@ -82,14 +82,16 @@ class CpuServer:
                  weight_version: str = "0", min_step_time: float = 0.0, threads: Optional[int] = None,
                  api_key: Optional[str] = None, body_timeout: float = BODY_TIMEOUT_S,
                  idle_timeout: float = IDLE_TIMEOUT_S, group_timeout: Optional[float] = None,
-                 implementation: str = "auto"):
+                 implementation: str = "auto", device: str = "cpu", memory_fraction: Optional[float] = None):
         """``threads`` sets torch's (process-wide) intra-op threads; ``min_step_time`` throttles
         each decode step (seconds) to emulate a slower engine; ``api_key`` guards every endpoint
         but the health checks; ``body_timeout`` and ``idle_timeout`` bound slow and idle
         connections (seconds); ``group_timeout`` bounds joining a weight group and each transfer
         over it (seconds; default ``rlorch.serve.weight_sync.GROUP_TIMEOUT_S``): a member that
         died mid-broadcast holds the others up at most that long; ``implementation`` is
-        ``model.implementation``."""
+        ``model.implementation``; ``device`` is ``cpu`` or ``cuda`` (the model in ``dtype``
+        there), and on cuda ``memory_fraction`` caps this process's share of the device
+        (``--mem-fraction-static``: a colocated trainer keeps the rest)."""
         import torch
 
         from rlorch.model import uses_native
@@ -103,7 +105,13 @@ class CpuServer:
         self.dtype = getattr(torch, dtype)
         self.tokenizer = load_tokenizer(model_path)
         self._decode_batch = _decode_batch(self.tokenizer)
-        if uses_native(implementation, Path(model_path)):
+        if device != "cpu":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {device!r}: torch sees no CUDA device")
+            if memory_fraction is not None:
+                torch.cuda.set_per_process_memory_fraction(memory_fraction)
+        self.device, self.memory_fraction = device, memory_fraction
+        if uses_native(implementation, Path(model_path), device=device):
             self.model = Qwen2ForCausalLM.from_pretrained(Path(model_path), dtype=self.dtype).eval()
         else:
             from transformers import AutoModelForCausalLM
@@ -112,6 +120,10 @@ class CpuServer:
             hf_logging.set_verbosity_error()
             hf_logging.disable_progress_bar()
             self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).eval()
+        self.model.to(device)
+        from rlorch.serve.memory import MemoryOccupation
+
+        self.memory = MemoryOccupation(self.model, device)
         config = self.model.config
         self.vocab_size = config.vocab_size
         self.context_len = int(getattr(config, "max_position_embeddings", 4096))
@@ -162,6 +174,10 @@ class CpuServer:
             web.get("/v1/models", self.models),
             web.get("/flush_cache", self.flush_cache),
             web.post("/flush_cache", self.flush_cache),
+            web.get("/release_memory_occupation", self.release_memory_occupation),
+            web.post("/release_memory_occupation", self.release_memory_occupation),
+            web.get("/resume_memory_occupation", self.resume_memory_occupation),
+            web.post("/resume_memory_occupation", self.resume_memory_occupation),
         ]
         app.add_routes(routes + self.weight_sync.routes())
         app[BODY_TIMEOUT_KEY] = self.body_timeout
@@ -184,7 +200,7 @@ class CpuServer:
         self.batcher = Batcher(self.model, eos_ids=self._eos_ids(), pad_id=0 if pad is None else pad,
                                max_batch=self.max_batch, context_len=self.context_len, seed=self.seed,
                                weight_version=self.initial_version, min_step_time=self.min_step_time,
-                               decode=self._decode)
+                               decode=self._decode, device=self.device)
         self._scheduler = asyncio.create_task(self.batcher.run(), name="rlorch-batcher")
         self._scheduler.add_done_callback(_log_scheduler_failure)
 
@@ -216,6 +232,8 @@ class CpuServer:
             prompts, params, rids, batched = await asyncio.to_thread(self._parse_generate, body)
         except RequestError as err:
             return _error(str(err))
+        if self.memory.released and not self.batcher.paused:    # held while paused, until memory is back
+            return _error(self.memory.describe())
         loop = asyncio.get_running_loop()
         seqs = []
         for prompt, param, rid in zip(prompts, params, rids):
@@ -359,6 +377,8 @@ class CpuServer:
             body = await json_body(request)
         except RequestError as err:
             return failed(str(err))
+        if "weights" in self.memory.released:
+            return failed(self.memory.describe())
         path, fmt, version = body.get("model_path"), body.get("load_format"), body.get("weight_version")
         if not isinstance(path, str) or not path:
             return failed("model_path must be a non-empty string")
@@ -389,6 +409,8 @@ class CpuServer:
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
+        if self.memory.released:
+            return _error(self.memory.describe())
         self.batcher.resume()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
@@ -453,7 +475,8 @@ class CpuServer:
                 "served_model_name": self.model_path, "host": self.address.rsplit(":", 1)[0],
                 "port": int(self.address.rsplit(":", 1)[1]) if self.address else None,
                 "dtype": str(self.dtype).removeprefix("torch."), "max_running_requests": self.max_batch,
-                "context_length": self.context_len, "random_seed": self.seed, "device": "cpu",
+                "context_length": self.context_len, "random_seed": self.seed, "device": self.device,
+                "mem_fraction_static": self.memory_fraction, "memory_released": sorted(self.memory.released),
                 "skip_tokenizer_init": False, "tp_size": 1, "dp_size": 1}
 
     async def get_server_info(self, request: web.Request) -> web.Response:
@@ -486,6 +509,38 @@ class CpuServer:
         message = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
                    "or waiting requests, the operation will not be performed.)\n")
         return web.Response(text=message, status=400 if busy else 200)
+
+
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        return await self._occupation(request, release=True)
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        return await self._occupation(request, release=False)
+
+    async def _occupation(self, request: web.Request, *, release: bool) -> web.Response:
+        """SGLang's answer: 200 ``null`` on success, 400 ``{"error": {"message"}}`` otherwise."""
+        from rlorch.serve.memory import OccupationError, parse_tags
+
+        def busy() -> Optional[str]:
+            stats = self.batcher.stats()
+            waiting = 0 if self.batcher.paused else stats["num_waiting_reqs"]
+            if stats["num_running_reqs"] or waiting:
+                return f"{stats['num_running_reqs']} running, {waiting} waiting (pause generation first)"
+            return None
+
+        try:
+            body = await json_body(request, empty_ok=True) if request.can_read_body else {}
+            tags = parse_tags(body.get("tags"))
+            async with self.batcher.model_lock():
+                if release:
+                    await self.batcher.run_on_model_thread(lambda: self.memory.release(tags, busy))
+                else:
+                    await self.batcher.run_on_model_thread(lambda: self.memory.resume(tags))
+        except (RequestError, OccupationError) as err:
+            return web.json_response({"error": {"message": str(err)}}, status=400)
+        log.info("%s memory: %s (released now: %s)", "released" if release else "resumed", list(tags),
+                 sorted(self.memory.released))
+        return web.json_response(None)
 
 
 def _log_scheduler_failure(task: asyncio.Task) -> None:
@@ -568,12 +623,14 @@ def serve_command(config, *, host: str, port: int, weight_version: str = "0",
                        implementation=config.model.implementation, threads=config.inference.cpu.threads,
                        max_batch=engine_max_batch(config), seed=config.run.seed,
                        transfer_timeout=config.inference.transfer_timeout, weight_version=weight_version,
-                       parent=parent, api_key=api_key, min_step_time=min_step_time)
+                       parent=parent, api_key=api_key, min_step_time=min_step_time,
+                       device=config.inference.cpu.device, memory_fraction=config.inference.memory_fraction)
 
 
 def serve_model(model_path: Optional[str], *, host: str, port: int, dtype: str, implementation: str, threads: int,
                 max_batch: int, seed: int, transfer_timeout: float, weight_version: str, parent: Optional[int],
-                api_key: Optional[str], min_step_time: float) -> int:
+                api_key: Optional[str], min_step_time: float, device: str = "cpu",
+                memory_fraction: Optional[float] = None) -> int:
     """Run the CPU engine on ``model_path`` (a run directory: its newest weights) until
     SIGINT/SIGTERM (or until process ``parent`` is gone); the exit status (2 for a bad model
     path or an address it cannot bind)."""
@@ -588,7 +645,8 @@ def serve_model(model_path: Optional[str], *, host: str, port: int, dtype: str, 
         return 2
     server = CpuServer(path, dtype=dtype, max_batch=max_batch, seed=seed, weight_version=weight_version,
                        threads=threads, api_key=api_key or None, min_step_time=min_step_time,
-                       group_timeout=transfer_timeout, implementation=implementation)
+                       group_timeout=transfer_timeout, implementation=implementation, device=device,
+                       memory_fraction=memory_fraction)
     try:
         asyncio.run(_serve_until_signal(server, host, port, parent))
     except OSError as err:
@@ -604,7 +662,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     return serve_model(args.model_path, host=args.host, port=args.port, dtype=args.dtype,
                        implementation=args.implementation, threads=args.threads, max_batch=args.max_batch,
                        seed=args.seed, transfer_timeout=args.transfer_timeout, weight_version=args.weight_version,
-                       parent=args.parent_pid, api_key=os.environ.get(API_KEY_ENV), min_step_time=args.min_step_time)
+                       parent=args.parent_pid, api_key=os.environ.get(API_KEY_ENV), min_step_time=args.min_step_time,
+                       device=args.device, memory_fraction=args.mem_fraction_static)
 
 
 if __name__ == "__main__":

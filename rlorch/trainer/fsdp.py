@@ -23,12 +23,13 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from rlorch.config.schema import Colocate
 from rlorch.lifecycle import orchestrator_pid, watch_parents
 from rlorch.model import resolve_model_path
 from rlorch.rundir.layout import PUBLISHED, RunDir, load_config, write_json_atomic
 from rlorch.trainer import checkpoint, lora
 from rlorch.trainer.broadcast import plan
-from rlorch.trainer import head, loading
+from rlorch.trainer import head, loading, offload
 from rlorch.trainer.batch import BatchError, MicroBatch, minibatch_slices, rank_share, read_batch
 from rlorch.trainer.checkpoint import CheckpointError
 from rlorch.trainer.loss import LossStats, MismatchStats, aggregate, policy_loss, reference_kl
@@ -451,16 +452,22 @@ def _append_metrics(run, record: dict) -> None:
 
 
 def run_loop(worker: Worker) -> None:
-    """Train steps ``worker.step + 1 .. train.steps``; checkpoint on STOP and at the end."""
+    """Train steps ``worker.step + 1 .. train.steps``; checkpoint on STOP and at the end. With
+    ``run.colocate=swap`` each step brings the rank's state onto the device first and, once its
+    version is published and its checkpoint written, moves it off again (:mod:`offload`)."""
     config, run = worker.config, worker.run
     first, last = worker.step + 1, config.train.steps
+    swap = config.run.colocate is Colocate.swap
     for step in range(first, last + 1):
         if not wait_for_batch(run, step, worker.device, asked=lambda: publish_asked(worker),
                               answer=lambda: publish_on_request(worker)):
             if worker.step > 0:  # step 0 is the base model: nothing to save
+                if swap:
+                    offload.to_device(worker)
                 save_checkpoint(worker, worker.step, wait=True)
             say(worker, f"STOP after step {worker.step}")
             return
+        onload_s = offload.to_device(worker) if swap else None
         record = train_step(worker, step)
         _check_finite(worker, step, record)
         worker.step = step
@@ -476,7 +483,11 @@ def run_loop(worker: Worker) -> None:
         if step == first:  # after the first step, which does not need it, not on its way
             checkpoint.import_dcp_in_background()
         if step % config.trainer.checkpoint_every == 0 or step == last:
-            save_checkpoint(worker, step, wait=step == last)
+            save_checkpoint(worker, step, wait=step == last or swap)
+        if swap:
+            wait_handed_off(worker)
+            offload_s = offload.to_host(worker, step)
+            say(worker, f"swap: onload {onload_s:.3f}s offload {offload_s:.3f}s")
 
 
 def _check_finite(worker: Worker, step: int, record: dict) -> None:
@@ -535,6 +546,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             clear_staging(run)
             discard_newer(run, worker.step)
             worker.broadcaster = plan(config, run, device, log=lambda message: say(worker, message))
+        if config.run.colocate is Colocate.swap:    # the engines start after this, on what is left
+            offload.to_host(worker, worker.step)
+        if worker.rank == 0:
             write_json_atomic(run.trainer_ready, {"step": worker.step, "world_size": worker.world,
                                                       "device": str(device), "pid": os.getpid()})
             if worker.broadcaster is not None:

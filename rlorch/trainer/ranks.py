@@ -27,3 +27,9 @@ def say(worker, message: str) -> None:
     """Rank 0 prints ``message`` to the trainer's log."""
     if worker.rank == 0:
         print(f"[trainer] {message}", flush=True)
+
+
+def barrier() -> None:
+    """Every rank reaches this point before any goes on (nothing to wait for on one rank)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
