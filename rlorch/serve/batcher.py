@@ -361,7 +361,7 @@ class Batcher:
         if len(prompts) < len(rows.seqs):
             index = torch.tensor(row_of, device=self.device)
             rows.cache.batch_select_indices(index)
-            logits, mask, positions = logits[index], mask[index], positions[index]
+            logits, mask, positions = logits[index.to(logits.device)], mask[index], positions[index]
         rows.mask, rows.positions = mask, positions[:, -1:]
         return sample(logits, [s.params for s in rows.seqs], self._banned(rows.seqs), self._generator)
 
