@@ -80,8 +80,8 @@ class Batcher:
                  decode: Optional[Callable[[list[int]], str]] = None, device: str = "cpu"):
         self.model = model
         self.device = torch.device(device)
-        """Where the model and its KV cache live; sampling runs on the CPU in float32 either way
-        (its generator and arithmetic are the same on every device)."""
+        """Where the model, its KV cache and sampling (in float32, from a generator on the same
+        device) live."""
         self.eos_ids = eos_ids
         self.pad_id = pad_id
         self.max_batch = max_batch
@@ -89,7 +89,7 @@ class Batcher:
         self.weight_version = weight_version
         self.min_step_time = min_step_time
         self._decode_text = decode
-        self._generator = torch.Generator().manual_seed(seed)
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlorch-model")
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []
@@ -361,7 +361,7 @@ class Batcher:
         if len(prompts) < len(rows.seqs):
             index = torch.tensor(row_of, device=self.device)
             rows.cache.batch_select_indices(index)
-            logits, mask, positions = logits[index.to(logits.device)], mask[index], positions[index]
+            logits, mask, positions = logits[index], mask[index], positions[index]
         rows.mask, rows.positions = mask, positions[:, -1:]
         return sample(logits, [s.params for s in rows.seqs], self._banned(rows.seqs), self._generator)
 
@@ -383,8 +383,7 @@ class Batcher:
     def _forward(self, ids, mask, positions, cache) -> torch.Tensor:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                          use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
-        logits = out.logits[:, -1]
-        return logits if self.device.type == "cpu" else logits.float().cpu()
+        return out.logits[:, -1]
 
 
 def _distinct(prompts: list[list[int]]) -> tuple[list[tuple[int, ...]], list[int]]:

@@ -125,7 +125,7 @@ def sample(logits: torch.Tensor, params: list[RequestParams], banned: list[list[
     for row, ids in enumerate(banned):
         if ids:
             logits[row, ids] = float("-inf")
-    temps = torch.tensor([p.temperature for p in params])
+    temps = torch.tensor([p.temperature for p in params], device=logits.device)
     greedy = temps == 0
     scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
     logp = torch.log_softmax(scaled, dim=-1)
@@ -142,12 +142,13 @@ def sample(logits: torch.Tensor, params: list[RequestParams], banned: list[list[
 def _filtered(logp: torch.Tensor, params: list[RequestParams]) -> torch.Tensor:
     """Restrict each row to its top-k / top-p / min-p set and renormalise (the top token stays)."""
     vocab = logp.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
-    top_p = torch.tensor([p.top_p for p in params])
-    min_p = torch.tensor([p.min_p for p in params])
+    device = logp.device
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
     sorted_logp, order = logp.sort(dim=-1, descending=True)
     probs = sorted_logp.exp()
-    keep = torch.arange(vocab)[None, :] < top_k[:, None]
+    keep = torch.arange(vocab, device=device)[None, :] < top_k[:, None]
     keep &= (probs.cumsum(-1) - probs) < top_p[:, None]
     keep &= probs >= min_p[:, None] * probs[:, :1]
     keep[:, 0] = True

@@ -23,16 +23,28 @@ from rlorch.trainer.ranks import barrier
 from rlorch.trainer.worker import Worker
 
 
+_HOST_BUFFERS: dict[tuple[int, str], torch.Tensor] = {}
+"""Pinned host copies of optimizer state, kept across steps: a copy into pinned memory runs at
+the link's speed, and pinning anew each step would cost as much as the copy."""
+
+
+def _to_host(value: torch.Tensor, slot: tuple[int, str]) -> torch.Tensor:
+    buffer = _HOST_BUFFERS.get(slot)
+    if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+        buffer = _HOST_BUFFERS[slot] = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+    return buffer.copy_(value, non_blocking=True)
+
+
 def _move(worker: Worker, device: torch.device) -> None:
     worker.model.to(device)
     if worker.reference is not None:
         worker.reference.to(device)
-    for state in worker.optimizer.state.values():
+    for index, state in enumerate(worker.optimizer.state.values()):
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                state[key] = value.to(device, non_blocking=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+                state[key] = (_to_host(value, (index, key)) if device.type == "cpu"
+                              else value.to(device, non_blocking=True))
+    torch.cuda.synchronize()
 
 
 def to_host(worker: Worker, step: int) -> float:
