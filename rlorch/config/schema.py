@@ -171,12 +171,14 @@ class RunConfig:
     """With ``run.launcher=ray``: seconds a placement group may stay pending (what it asks for and
     what the cluster has free is printed every 10 s) before the run fails naming the request."""
     colocate: Colocate = Colocate.auto
-    """Launched servers and the trainer on the same GPUs. auto: only when the node has too few
-    GPUs to give one server and one trainer rank their own (one GPU: resident); off: never;
-    resident: both stay on the device all run, the engines sized to what the trainer leaves
+    """Servers and the trainer on the same GPUs. auto: only when the node has too few GPUs to give
+    one launched server and one trainer rank their own (one GPU: resident); off: never;
+    resident: both stay on the device all run, launched engines sized to what the trainer leaves
     (inference.memory_fraction), any rollout.max_staleness; swap: rollout.max_staleness=0 only,
     the engines release their memory while the trainer trains and the trainer moves its state
-    to the host while they generate, for models that do not fit twice (docs/placement.md)."""
+    to the host while they generate, for models that do not fit twice (docs/placement.md).
+    Servers at inference.addresses may share the trainer's GPU too: their memory is then sized
+    where they were started (SGLang: --enable-memory-saver for swap)."""
     gpu_memory_gb: Optional[float] = None
     """GiB of one GPU for sizing a colocated split; empty: measured on the device (total memory),
     or 80 where no GPU is visible (a --dry-run on a machine without one says it assumed so)."""
@@ -827,10 +829,9 @@ class Config:
         colocate = self.run.colocate
         if not colocate.shares:
             return
-        _require(self.inference.backend is not InferenceBackend.sim and not self.inference.addresses
-                 and not self.inference.router, "run.colocate",
-                 f"{colocate.value} shares the node with servers the run launches: use inference=cpu or "
-                 "inference=sglang without inference.addresses and inference.router")
+        _require(self.inference.backend is not InferenceBackend.sim and not self.inference.router, "run.colocate",
+                 f"{colocate.value} shares a GPU with inference servers: use inference=cpu or inference=sglang, "
+                 "without inference.router (every server's memory is released and resumed by name)")
         _require(not self.inference.distributed, "inference.weight_transfer",
                  f"distributed cannot run with run.colocate={colocate.value}: NCCL refuses two ranks on one GPU; "
                  "use inference.weight_transfer=disk")

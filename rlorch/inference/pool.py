@@ -423,9 +423,11 @@ class EnginePool:
 
             engines = [e for e in self.engines if e.name in self._released]
             results = await asyncio.gather(*(swap_in(e) for e in engines), return_exceptions=True)
-            failed = [f"{e.name}: {r}" for e, r in zip(engines, results) if isinstance(r, BaseException)]
+            failed = [f"{e.name}: " + ("lost while its memory was released: " if isinstance(r, EngineUnavailable) else "")
+                      + str(r) for e, r in zip(engines, results) if isinstance(r, BaseException)]
             if failed:
-                raise EngineError(f"{self.name}: version {version} not swapped in: " + "; ".join(failed))
+                raise EngineError(f"{self.name}: version {version} not swapped in (run.colocate=swap): "
+                                  + "; ".join(failed))
             self._version = version
 
     async def reload(self, path: str, version: int) -> None:

@@ -273,6 +273,7 @@ class Orchestrator:
                 continue
             self.gate.on_short_batch(self.batch_size - len(batch.rollouts))    # 0 for a full batch
             if self.swap:
+                self.shipping.parked = batch    # until shipped: a failed release leaves it to the checkpoint
                 await self._release_engines()
             await self.shipping.ship(batch)
             await self.trainer.submit(batch)

@@ -35,6 +35,17 @@ and mirrors the tokenizer manager and scheduler behaviour rlorch relies on, as r
   frees the name. ``--refuse-sessions`` refuses every ``/begin_weight_update`` (a server that
   cannot take weights over the group).
 
+- memory occupation, as ``weight_updater.py`` keeps it: ``/release_memory_occupation`` adds its
+  tags (none or ``[]``: ``kv_cache``, ``weights``, ``cuda_graph``) to the released set after
+  asserting the scheduler idle (requests held by a pause do not count), ``/resume_memory_occupation``
+  removes each of its tags and raises on one never released, and both answer 200 ``null``. Where
+  the scheduler's assertion or ``KeyError`` would kill SGLang the stand-in exits (status 3,
+  the reason on stderr), and so it does on a token generated or weights loaded into released
+  memory. ``/flush_cache`` answers 400 while a request runs. ``--refuse-release`` answers every
+  release with a tokenizer-side 400; ``--exit-after-release`` exits once a release is answered
+  (an engine lost while its memory is released). ``/server_info``'s internal state lists the
+  control calls in order (``calls``) and the released tags.
+
 ``--shape 0.5.3`` answers a request aborted while queued the way 0.5.3 did (no
 ``output_token_logprobs``, no ``weight_version``); ``--shape 0.5.5`` omits ``weight_version``
 from ``meta_info``. No lifespan runs (it only builds the OpenAI adapters, which are not used).
@@ -44,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import importlib.abc
 import importlib.machinery
 import random
@@ -143,6 +155,10 @@ class StandInTokenizerManager:
         self.session_open = False
         self.dump_dir = None
         self.refuse_sessions = False
+        self.released: set[str] = set()
+        self.calls: list[str] = []
+        self.refuse_release = False
+        self.exit_after_release = False
 
     def is_ready(self) -> bool:
         return not self.is_pause
@@ -156,7 +172,8 @@ class StandInTokenizerManager:
     async def get_internal_state(self):
         """What ``/server_info`` reports as ``internal_states``: here, the requests the app holds
         and the tokens each has generated, so that tests poll on state instead of sleeping."""
-        return [{"requests": {rid: len(req.output) for rid, req in self.rid_to_state.items()}}]
+        return [{"requests": {rid: len(req.output) for rid, req in self.rid_to_state.items()},
+                 "calls": list(self.calls), "released": sorted(self.released)}]
 
     async def generate_request(self, obj, request=None):
         """One request, or (like TokenizerManager._handle_batch_request without streaming) a batch
@@ -213,6 +230,8 @@ class StandInTokenizerManager:
                 continue
             if self.is_pause:
                 continue
+            if self.released & {"kv_cache", "weights"}:
+                _die(f"generated a token with {sorted(self.released)} released")
             req.output.append(req.rng.randrange(VOCAB))
             self.last_receive_tstamp = time.time()
 
@@ -227,6 +246,7 @@ class StandInTokenizerManager:
             req.aborted = True
 
     async def pause_generation(self, obj):
+        self.calls.append(f"pause:{obj.mode}")
         self.is_pause = True
         self.pause_mode = obj.mode
         self._resumed.clear()
@@ -234,10 +254,14 @@ class StandInTokenizerManager:
             self.abort_request(abort_all=True)
 
     async def continue_generation(self, obj):
+        self.calls.append("continue")
         self.is_pause = False
         self._resumed.set()
 
     async def update_weights_from_disk(self, obj, request=None):
+        self.calls.append("update_weights_from_disk")
+        if "weights" in self.released:
+            _die("loaded weights into released memory")
         if obj.model_path.endswith("missing"):
             return False, f"cannot load {obj.model_path}", 0
         if obj.abort_all_requests:
@@ -251,6 +275,35 @@ class StandInTokenizerManager:
         self.updates += 1
         return True, "Succeeded to update model weights.", 0
 
+
+    def _running(self) -> int:
+        """Requests the scheduler holds: every one that started (an aborted one until it is
+        answered) and, unless paused, every one queued; a pause holds new ones at the tokenizer."""
+        return sum(1 for req in self.rid_to_state.values() if req.started or not self.is_pause)
+
+    async def flush_cache(self, timeout_s: float = 0.0):
+        running = self._running()
+        self.calls.append(f"flush:{'refused' if running else 'ok'}")
+        return types.SimpleNamespace(success=not running, message=f"{running} requests run" if running else "")
+
+    async def release_memory_occupation(self, obj, request=None):
+        tags = obj.tags or ["kv_cache", "weights", "cuda_graph"]
+        self.calls.append(f"release:{','.join(tags)}")
+        if self.refuse_release:
+            raise ValueError("release refused (--refuse-release)")
+        if self._running():
+            _die("release_memory_occupation should be called only when server is idle.")
+        self.released.update(tags)
+        if self.exit_after_release:
+            asyncio.get_running_loop().call_later(0.05, os._exit, 4)
+
+    async def resume_memory_occupation(self, obj, request=None):
+        tags = obj.tags or ["kv_cache", "weights", "cuda_graph"]
+        self.calls.append(f"resume:{','.join(tags)}")
+        for tag in tags:
+            if tag not in self.released:
+                _die(f"KeyError: {tag!r} (resumed, never released)")
+            self.released.remove(tag)
 
     async def init_weights_update_group(self, obj, request=None):
         from sglang.srt.utils.common import init_custom_process_group
@@ -318,6 +371,13 @@ class StandInTokenizerManager:
         return True, "Succeeded to destroy custom process group."
 
 
+def _die(reason: str) -> None:
+    """SGLang's scheduler process dies on this (an assertion or KeyError its loop does not catch),
+    and takes the server with it."""
+    print(f"stand-in: scheduler died: {reason}", file=sys.stderr, flush=True)
+    os._exit(3)
+
+
 def build_app(*, model_path: str, shape: str, token_delay: float, health_timeout: float, tp_size: int = 1):
     """sglang's FastAPI app with the stand-in installed as its global tokenizer manager."""
     install_torchvision_placeholder()
@@ -346,6 +406,8 @@ def main() -> None:
     parser.add_argument("--dump-dir", default=None, help="save each version received over the weight group here")
     parser.add_argument("--refuse-sessions", action="store_true", help="refuse every /begin_weight_update")
     parser.add_argument("--tp-size", type=int, default=1, help="the tensor parallelism /server_info reports")
+    parser.add_argument("--refuse-release", action="store_true", help="answer every release with a 400")
+    parser.add_argument("--exit-after-release", action="store_true", help="exit once a release is answered")
     args = parser.parse_args()
     import uvicorn
 
@@ -355,6 +417,8 @@ def main() -> None:
 
     http_server._global_state.tokenizer_manager.dump_dir = args.dump_dir
     http_server._global_state.tokenizer_manager.refuse_sessions = args.refuse_sessions
+    http_server._global_state.tokenizer_manager.refuse_release = args.refuse_release
+    http_server._global_state.tokenizer_manager.exit_after_release = args.exit_after_release
     from sglang.srt.environ import envs
 
     uvicorn.run(app, host="127.0.0.1", port=args.port, lifespan="off", log_level="warning",

@@ -114,7 +114,8 @@ out = []
 for argv in json.loads(sys.stdin.read()):
     args = prepare_server_args(argv)
     out.append({{k: getattr(args, k) for k in ("model_path", "host", "port", "weight_version", "dtype",
-                                               "random_seed", "tp_size", "mem_fraction_static")}})
+                                               "random_seed", "tp_size", "mem_fraction_static",
+                                               "enable_memory_saver")}})
 print(json.dumps(out))
 """
 
@@ -122,7 +123,8 @@ print(json.dumps(out))
 def test_every_launch_command_parses_with_the_real_server_args(model_dir):
     require_sglang()
     variants = [[], ["model.dtype=bfloat16", "run.seed=7"], ["inference.tp_size=2", "inference.num_servers=2"],
-                ["inference.launch_args=[--mem-fraction-static,0.5]"]]
+                ["inference.launch_args=[--mem-fraction-static,0.5]"],
+                ["run.colocate=swap", "rollout.max_staleness=0", "trainer=fsdp", "inference.memory_fraction=0.4"]]
     commands = []
     for overrides in variants:
         config = compose(["inference=sglang", *overrides])
@@ -134,5 +136,9 @@ def test_every_launch_command_parses_with_the_real_server_args(model_dir):
     assert result.returncode == 0, result.stderr[-3000:]
     parsed = json.loads(result.stdout.strip().splitlines()[-1])
     assert [(p["dtype"], p["random_seed"], p["tp_size"], p["weight_version"]) for p in parsed] == [
-        ("float32", 0, 1, "0"), ("bfloat16", 7, 1, "0"), ("float32", 0, 2, "0"), ("float32", 0, 1, "0")]
+        ("float32", 0, 1, "0"), ("bfloat16", 7, 1, "0"), ("float32", 0, 2, "0"), ("float32", 0, 1, "0"),
+        ("float32", 0, 1, "0")]
     assert parsed[3]["mem_fraction_static"] == 0.5 and parsed[0]["port"] == 30000
+    # A swap run's servers release real memory only with the memory saver on.
+    assert parsed[4]["mem_fraction_static"] == 0.4 and parsed[4]["enable_memory_saver"]
+    assert not any(p["enable_memory_saver"] for p in parsed[:4])
