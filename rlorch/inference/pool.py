@@ -399,7 +399,7 @@ class EnginePool:
                 self._released.add(engine.name)
 
             results = await asyncio.gather(*(release(e) for e in self.engines), return_exceptions=True)
-            failed = [f"{e.name}: {r}" for e, r in zip(self.engines, results) if isinstance(r, BaseException)]
+            failed = [_named(e, r) for e, r in zip(self.engines, results) if isinstance(r, BaseException)]
             if failed:
                 raise EngineError(f"{self.name}: releasing memory failed: " + "; ".join(failed))
 
@@ -423,8 +423,8 @@ class EnginePool:
 
             engines = [e for e in self.engines if e.name in self._released]
             results = await asyncio.gather(*(swap_in(e) for e in engines), return_exceptions=True)
-            failed = [f"{e.name}: " + ("lost while its memory was released: " if isinstance(r, EngineUnavailable) else "")
-                      + str(r) for e, r in zip(engines, results) if isinstance(r, BaseException)]
+            failed = [_named(e, r, "lost while its memory was released: " if isinstance(r, EngineUnavailable) else "")
+                      for e, r in zip(engines, results) if isinstance(r, BaseException)]
             if failed:
                 raise EngineError(f"{self.name}: version {version} not swapped in (run.colocate=swap): "
                                   + "; ".join(failed))
@@ -737,6 +737,12 @@ class EnginePool:
 
     async def close(self) -> None:
         await self.stop()
+
+
+def _named(engine: Server, error: BaseException, what: str = "") -> str:
+    """``error`` led by the server's name (once: the client's errors often start with it)."""
+    text = str(error).removeprefix(f"{engine.name} ").removeprefix(f"{engine.name}: ")
+    return f"{engine.name}: {what}{text}"
 
 
 async def _settle(tasks: list[asyncio.Task]) -> float:
