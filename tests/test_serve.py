@@ -433,3 +433,38 @@ def test_health_generate_waits_behind_a_pause_and_fails_when_it_outlasts_the_pro
     finally:
         call(server, "/continue_generation", {})
     assert call(server, "/health_generate")[0] == 200
+
+
+def test_memory_occupation_follows_sglangs_rules_and_refuses_where_sglang_would_die(model_dir):
+    """Released tags (none: all three) come back only when resumed; a release while a request
+    runs, a resume of a tag never released, generation, continue or a load into released weights
+    are refused with 400 (SGLang's scheduler would die), and the server serves on afterwards."""
+    thread = ServerThread(CpuServer(model_dir, min_step_time=0.02, threads=1))
+    address = thread.address
+    try:
+        async def busy_release():
+            async with aiohttp.ClientSession() as session:
+                running = asyncio.ensure_future(session.post(f"http://{address}/generate", json={
+                    "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 30, "ignore_eos": True}}))
+                while not stats(address)["num_running_reqs"]:
+                    await asyncio.sleep(0.01)
+                refused = await asyncio.to_thread(call, address, "/release_memory_occupation", {"tags": ["kv_cache"]})
+                await (await running).read()
+                return refused
+
+        refused = asyncio.run(busy_release())
+        assert refused[0] == 400 and "idle" in refused[1]["error"]["message"]
+        assert call(address, "/resume_memory_occupation", {"tags": ["weights"]})[0] == 400
+        assert call(address, "/release_memory_occupation", {"tags": ["gpu"]})[0] == 400
+        assert call(address, "/release_memory_occupation", {}) == (200, None)
+        assert call(address, "/get_server_info")[1]["memory_released"] == ["cuda_graph", "kv_cache", "weights"]
+        for path, payload in (("/generate", {"input_ids": PROMPT}), ("/continue_generation", {}),
+                              ("/update_weights_from_disk", {"model_path": str(model_dir)})):
+            status, body = call(address, path, payload)
+            assert status == 400 and "resume_memory_occupation" in json.dumps(body), (path, body)
+        assert call(address, "/resume_memory_occupation", {"tags": ["weights"]}) == (200, None)
+        assert call(address, "/update_weights_from_disk", {"model_path": str(model_dir), "weight_version": "3"})[0] == 200
+        assert call(address, "/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}) == (200, None)
+        assert generate(address, input_ids=PROMPT, sampling_params={"max_new_tokens": 2})["meta_info"]["weight_version"] == "3"
+    finally:
+        thread.stop()

@@ -531,6 +531,9 @@ class CpuServer:
         try:
             body = await json_body(request, empty_ok=True) if request.can_read_body else {}
             tags = parse_tags(body.get("tags"))
+            if release and (reason := busy()):    # refused now, as SGLang would die: never waited for
+                raise OccupationError(f"release_memory_occupation should be called only when the server is idle: "
+                                      f"{reason}")
             async with self.batcher.model_lock():
                 if release:
                     await self.batcher.run_on_model_thread(lambda: self.memory.release(tags, busy))
