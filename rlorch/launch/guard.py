@@ -1,4 +1,4 @@
-"""``python -m rlorch.launch.guard COMMAND...``: run a process that cannot watch the orchestrator
+"""``python -m rlorch.launch.guard [--remove DIR] COMMAND...``: run a process that cannot watch the orchestrator
 itself (an SGLang server, a run's private Ray cluster), and take it and everything it started
 down with its orchestrator.
 
@@ -18,6 +18,8 @@ killed and read again until it is empty, so a process forked meanwhile is not mi
   and exits with the command's status once it has exited, so the launcher's stop sees the
   command's end. Whatever the command left running when it exited is killed then: nothing the
   guard started outlives it.
+- ``--remove DIR``: the directory is removed once the tree is ended, whichever way (the private
+  cluster's temp dir: Ray's session files and sockets are the cluster's, and go with it).
 - SIGUSR1 to the guard stops the command (SIGTERM; ``ray start --block`` stops the processes
   it started), waits for it at most :data:`STOP_GRACE_S`, kills what is left of its tree and
   exits 0: how a run stops its private Ray cluster, whose agents outlive ``ray start`` (see
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,7 +40,7 @@ from pathlib import Path
 
 from rlorch.lifecycle import orchestrator_pid, watch_parents
 
-STOP_GRACE_S = 10.0
+STOP_GRACE_S = 5.0
 """Seconds the command has to exit on SIGTERM when the guard is asked to stop (SIGUSR1) before
 its tree is killed."""
 UNKILLABLE_S = 10.0
@@ -48,9 +51,17 @@ PR_SET_CHILD_SUBREAPER = 36
 
 
 def main(argv: list[str]) -> int:
+    remove = None
+    if argv[:1] == ["--remove"] and len(argv) > 1:
+        remove, argv = argv[1], argv[2:]
     if not argv:
-        print("usage: python -m rlorch.launch.guard COMMAND [ARG ...]", file=sys.stderr)
+        print("usage: python -m rlorch.launch.guard [--remove DIR] COMMAND [ARG ...]", file=sys.stderr)
         return 2
+
+    def end(grace: float) -> None:
+        end_tree(grace)
+        if remove is not None:
+            shutil.rmtree(remove, ignore_errors=True)
     become_subreaper()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
@@ -63,7 +74,7 @@ def main(argv: list[str]) -> int:
                 command[0].wait(STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 pass
-        end_tree(grace=0.0)
+        end(grace=0.0)
         os._exit(0)
 
     signal.signal(signal.SIGUSR1, asked_to_stop)
@@ -74,14 +85,14 @@ def main(argv: list[str]) -> int:
         stopping.set()
         print(f"rlorch guard: {reason}; stopping {argv[0]} (pid {command[0].pid}) and what it started",
               file=sys.stderr, flush=True)
-        end_tree(grace=0.0)
+        end(grace=0.0)
         os.killpg(os.getpgid(0), signal.SIGKILL)
 
     watch_parents(orchestrator=orchestrator_pid(), on_gone=gone, interval=0.5)
     status = command[0].wait()
     if stopping.is_set():  # the watcher ends the group, this process with it
         threading.Event().wait()
-    end_tree(grace=0.0)
+    end(grace=0.0)
     return status if status >= 0 else 128 - status  # killed by signal N: 128 + N, as a shell says
 
 

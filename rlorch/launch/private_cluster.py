@@ -8,8 +8,8 @@
   subreaper, so every process of the cluster stays in its tree (workers, the agents, what
   actors start), and when the orchestrator is gone it kills the tree within a second.
 - :meth:`PrivateCluster.stop` (a normal exit, an error, a signal the run handles) asks the guard
-  to end the tree: SIGTERM, SIGKILL after :data:`rlorch.launch.guard.STOP_GRACE_S`; then the
-  cluster's temp dir is removed.
+  to end the tree: SIGTERM to ``ray start``, SIGKILL to what is left after
+  :data:`rlorch.launch.guard.STOP_GRACE_S`. Either way the guard removes the cluster's temp dir.
 - Its temp dir is its own (``rlorch-ray-*`` in the system's temp dir), not ``/tmp/ray`` that
   other clusters of the machine share: its session directory (logs, sockets) is this run's
   alone. ``ray start``'s own output goes to ``logs/ray.log`` in the run directory.
@@ -84,7 +84,7 @@ class PrivateCluster:
         self.port = _free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.auth = {AUTH_ENV["mode"]: "token", AUTH_ENV["token"]: secrets.token_hex(32)}
-        command = [sys.executable, "-m", "rlorch.launch.guard", sys.executable, "-m", "ray.scripts.scripts", "start",
+        command = [sys.executable, "-m", "rlorch.launch.guard", "--remove", str(self.temp_dir), sys.executable, "-m", "ray.scripts.scripts", "start",
                    "--head", "--block", f"--port={self.port}", f"--num-cpus={num_cpus}",
                    f"--temp-dir={self.temp_dir}", "--include-dashboard=false", "--disable-usage-stats",
                    f"--dashboard-agent-listen-port={_free_port()}"]
