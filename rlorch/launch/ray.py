@@ -245,7 +245,7 @@ class RayLauncher:
 
     def _group(self, name: str, bundles: list[dict], strategy: str):
         """The placement group ``name`` (created once, reused by restarts), once it is placed."""
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, remove_placement_group
 
         if name in self.groups:
             return self.groups[name]
@@ -257,6 +257,10 @@ class RayLauncher:
             wait_placed(group, request, self.placement_timeout, on_report=self._report_waiting)
         except BaseException:
             self.groups.pop(name, None)
+            try:
+                remove_placement_group(group)  # a timeout removed it already; an interruption did not
+            except Exception:
+                pass
             raise
         finally:
             self.waiting = None
