@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -252,12 +253,13 @@ def test_kill_9_of_the_orchestrator_on_a_running_cluster_leaves_no_actor_or_plac
 
 def _stop_cluster(temp: str) -> None:
     """End the cluster started at ``temp`` (only its processes: ``ray stop`` would end every
-    cluster on the machine)."""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+    cluster on the machine): those whose command line names it and everything below them (the
+    raylet's agents rename themselves, ``ray::DashboardAgent``), all found before any is killed;
+    then its temp dir."""
+    named = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and temp in _cmdline(int(pid))]
+    for pid in {*named, *(child for pid in named for child in descendants(pid))}:
         try:
-            if temp.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                os.kill(int(pid), signal.SIGKILL)
-        except (OSError, ValueError):
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
             pass
+    shutil.rmtree(temp, ignore_errors=True)
