@@ -8,6 +8,7 @@ import asyncio
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Awaitable, Callable, Optional, TypeVar
 
 T = TypeVar("T")
@@ -80,6 +81,17 @@ def process_alive(pid: int) -> bool:
     return True
 
 
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited: a zombie (killed, not yet reaped by its
+    parent) is gone here, as it is for every purpose of the processes watching it."""
+    if not process_alive(pid):
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc to read (not Linux): existence is all there is to go on
+
+
 def watch_parents(*, orchestrator: Optional[int], parent: Optional[int] = None,
                   on_gone: Callable[[str], None], interval: float = 1.0) -> threading.Thread:
     """A daemon thread that calls ``on_gone(reason)`` once the orchestrator ``orchestrator``
@@ -88,7 +100,7 @@ def watch_parents(*, orchestrator: Optional[int], parent: Optional[int] = None,
     orchestrator: a process it started calls this first thing."""
 
     def gone() -> Optional[str]:
-        if orchestrator is not None and not process_alive(orchestrator):
+        if orchestrator is not None and not process_running(orchestrator):
             return f"orchestrator (pid {orchestrator}) is gone"
         if parent is not None and os.getppid() != parent:
             return f"parent process (pid {parent}) is gone"

@@ -92,6 +92,10 @@ class Run:
         self.output = self._log.read().decode(errors="replace")
         return self.process.returncode
 
+    def text(self) -> str:
+        """The run's output so far (while it runs; :attr:`output` is set once it ended)."""
+        return os.pread(self._log.fileno(), 1 << 26, 0).decode(errors="replace")
+
     def kill_all(self) -> None:
         for pid in tagged(self.tag):
             try:

@@ -276,6 +276,40 @@ def test_launched_engines_get_a_fresh_key_kept_out_of_logs_and_ps(model_dir, tmp
     assert key.encode() not in cmdline and key not in (tmp_path / "logs" / "server-0.log").read_text()
 
 
+def test_the_guard_kills_what_its_command_left_behind_orphans_included_and_removes_its_directory(tmp_path):
+    """Asked to stop (SIGUSR1, as a run stops its private cluster), the guard stops its command;
+    the grandchild the command started in a session of its own, re-parented to the guard (a
+    subreaper) once the command is gone, is killed too, and the directory named by --remove is
+    gone. (Ray's agents outlive their raylet so.)"""
+    from rlorch.lifecycle import ORCHESTRATOR_PID_ENV, process_running
+
+    marker, scratch = tmp_path / "grandchild.pid", tmp_path / "scratch"
+    scratch.mkdir()
+    (tmp_path / "grandchild.py").write_text(f"import os, time\nopen({str(marker)!r}, 'w').write(str(os.getpid()))\n"
+                                            "time.sleep(120)\n")
+    command = [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, sys.argv[1]], "
+               "start_new_session=True); time.sleep(30)", str(tmp_path / "grandchild.py")]
+    guard = subprocess.Popen([sys.executable, "-m", "rlorch.launch.guard", "--remove", str(scratch), *command],
+                             start_new_session=True, env={**os.environ, ORCHESTRATOR_PID_ENV: str(os.getpid())})
+    faults.wait_for(lambda: marker.exists() and marker.read_text(), 30, "the grandchild")
+    grandchild = int(marker.read_text())
+    os.kill(guard.pid, signal.SIGUSR1)
+    assert guard.wait(20) == 0
+    faults.wait_for(lambda: not process_running(grandchild), 10, "the grandchild to die with the guard's tree")
+    assert not scratch.exists()
+
+
+def test_a_zombie_orchestrator_is_gone_for_the_processes_that_watch_it():
+    from rlorch.lifecycle import process_alive, process_running
+
+    orchestrator = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    assert process_running(orchestrator.pid)
+    orchestrator.kill()
+    faults.wait_for(lambda: not process_running(orchestrator.pid), 10, "the killed process to be a zombie")
+    assert process_alive(orchestrator.pid)    # not reaped yet: it still exists
+    orchestrator.wait()
+
+
 def test_the_guard_takes_a_launched_server_down_with_its_orchestrator(tmp_path):
     """SGLang does not watch its orchestrator: the guard it is launched under kills it once the
     orchestrator is gone, and otherwise passes the server's own exit status through."""

@@ -307,6 +307,29 @@ def test_versions_that_went_by_disk_under_distributed_show_in_the_live_line_and_
                for text in report_lines({**summary, "transfer_fallbacks": 2, "reloads": 3}))
 
 
+
+def test_a_pending_scale_request_shows_in_the_live_line_between_steps_and_a_dropped_one_in_the_end_report():
+    from rlorch.reporting.progress import RunView, report_lines
+
+    view = RunView(10)
+    view.log({"kind": "start", "time": 0.0, "version": 0})
+    view.log({"kind": "step", "step": 1, "time": 1.0, "scale_pending": None})
+    assert "scale_pending" not in view.fields()
+    pending = {"requested": 3, "servers": 1, "waiting_s": 4.0, "waiting_for": "placement group server-1"}
+    view.log({"kind": "periodic", "engines_scale_pending": pending})
+    assert view.fields()["scale_pending"] == "1/3@4s"
+    view.log({"kind": "step", "step": 2, "time": 2.0, "scale_pending": {**pending, "waiting_s": 12.4}})
+    assert view.fields()["scale_pending"] == "1/3@12s"
+    view.log({"kind": "step", "step": 3, "time": 3.0, "scale_pending": None})
+    assert "scale_pending" not in view.fields()
+    summary = {"admitted": 8, "trained": 8, "filtered": 0, "dropped_stale": 0, "persisted_untrained": 0, "lost": 0}
+    assert not any(text.startswith("scale") for text in report_lines({**summary, "scale_dropped": 0}))
+    [line] = [text for text in report_lines({**summary, "scale_dropped": 1, "scale_pending": pending})
+              if text.startswith("scale")]
+    assert "1 request(s) dropped" in line and "run.placement_timeout" in line
+    assert "inference.num_servers=3 still pending" in line and "placement group server-1" in line
+
+
 # the run directory: what is a run, who holds it ------------------------------------------------------
 def test_resume_takes_the_lock_before_it_reads_anything(tmp_path, capsys):
     """A run still going prunes its checkpoints: a resume beside it is refused on the lock,

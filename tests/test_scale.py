@@ -35,6 +35,44 @@ def test_scale_refuses_anything_but_a_server_count_of_a_run(tmp_path):
     assert json.loads((tmp_path / "SCALE").read_text()) == {"num_servers": 3}
 
 
+def test_a_scale_request_that_cannot_be_met_is_pending_then_dropped_and_the_next_is_read(tmp_path):
+    """The follower shows a request while it is met (the size asked for, the servers now, what the
+    launcher waits for); a server that cannot start drops the request, counted, with a warning
+    naming it; a later request is met as usual."""
+    import asyncio
+
+    from rlorch.inference.scale import ScaleFollower
+    from rlorch.launch.base import LaunchError
+
+    fleet, seen = ["server 0"], []
+
+    async def scenario() -> None:
+        placeable = asyncio.Event()
+
+        async def add() -> None:
+            seen.append(follower.pending())
+            if not placeable.is_set():
+                raise LaunchError("placement group server-1 not placed after run.placement_timeout=1s")
+            fleet.append(f"server {len(fleet)}")
+
+        async def remove() -> None:
+            fleet.pop()
+
+        follower = ScaleFollower(tmp_path / "SCALE", fleet, add=add, remove=remove,
+                                 waiting=lambda: "placement group server-1 (STRICT_PACK)", interval=0.01)
+        assert follower.fields() == {"scale_pending": None, "scale_dropped": 0}
+        await follower.meet(3)
+        assert follower.fields() == {"scale_pending": None, "scale_dropped": 1} and fleet == ["server 0"]
+        placeable.set()
+        await follower.meet(2)
+        await follower.meet(0)
+        assert follower.dropped == 1 and fleet == ["server 0"]
+
+    asyncio.run(scenario())
+    assert seen[0]["requested"] == 3 and seen[0]["servers"] == 1
+    assert seen[0]["waiting_for"] == "placement group server-1 (STRICT_PACK)" and seen[0]["waiting_s"] >= 0
+
+
 def _fleet(run_dir):
     """The server indices ``servers.json`` lists now."""
     return [r["index"] for r in json.loads((run_dir / "servers.json").read_text())]

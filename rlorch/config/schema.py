@@ -169,7 +169,14 @@ class RunConfig:
     node, ``ray://host:port`` or ``host:port``); empty starts a private local cluster for the run."""
     placement_timeout: float = 300.0
     """With ``run.launcher=ray``: seconds a placement group may stay pending (what it asks for and
-    what the cluster has free is printed every 10 s) before the run fails naming the request."""
+    what the cluster has free is printed every 10 s) before the run fails naming the request; a
+    scale request (``rlorch scale``) pending that long is dropped with a warning and the run
+    goes on."""
+    ray_cpus: Optional[int] = None
+    """With ``run.launcher=ray`` and no ``run.ray_address``: the logical CPUs of the run's private
+    cluster; empty: the cores this process may use, at least what the run asks for at start.
+    Set it above the cores to leave room for ``rlorch scale`` to grow a CPU fleet (the processes
+    then share the cores)."""
     colocate: Colocate = Colocate.auto
     """Servers and the trainer on the same GPUs. auto: only when the node has too few GPUs to give
     one launched server and one trainer rank their own (one GPU: resident); off: never;
@@ -186,6 +193,9 @@ class RunConfig:
     def __post_init__(self) -> None:
         _require(self.launcher in ("local", "ray"), "run.launcher", f"must be local or ray (got {self.launcher!r})")
         _require(self.placement_timeout > 0, "run.placement_timeout", "must be > 0 seconds")
+        _require(self.ray_cpus is None or self.ray_cpus >= 1, "run.ray_cpus", "must be >= 1")
+        _require(self.ray_cpus is None or self.ray_address is None, "run.ray_cpus",
+                 "sizes the private cluster a run starts; a cluster joined at run.ray_address has its own size")
         _require(self.shutdown_timeout > 0, "run.shutdown_timeout", "must be > 0 seconds")
         _require(self.log_every >= 1, "run.log_every", "must be >= 1")
         _require(self.gpus is None or self.gpus >= 0, "run.gpus", "must be >= 0")

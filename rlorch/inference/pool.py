@@ -107,6 +107,9 @@ class EnginePool:
         """Servers whose memory is released (``run.colocate=swap``, while the trainer trains)."""
         self.request_publish: Callable[[int], None] = lambda version: None
         """Ask the trainer to write its current weights (at least ``version``) to disk."""
+        self.scale_fields: Callable[[], dict] = lambda: {}
+        """What the follower of ``rlorch scale`` requests adds to :meth:`health` (a request not yet
+        met, requests dropped); nothing where the fleet cannot be scaled."""
         self._publish_requested: set[int] = set()
         self.restartable: Callable[[str], bool] = lambda name: False
         """Whether dead server ``name`` will be started again (the supervisor's restarts left):
@@ -602,9 +605,10 @@ class EnginePool:
         return any(await asyncio.gather(*(e.healthy(timeout) for e in live)))
 
     def health(self) -> dict:
-        """The fleet's size (``rlorch scale`` changes it), servers up, suspect and dead, restarts, and generated tokens/s per server (p10, p50,
-        p90 over servers since the start) with the count of slow ones (under half the median):
-        a straggler shows here, and is not a hang."""
+        """The fleet's size (``rlorch scale`` changes it; a request not yet met is
+        ``scale_pending``), servers up, suspect and dead, restarts, and generated tokens/s per
+        server (p10, p50, p90 over servers since the start) with the count of slow ones (under
+        half the median): a straggler shows here, and is not a hang."""
         rates = sorted(self._tokens[e.name] / max(time.monotonic() - self._started, 1e-9) for e in self.engines)
         median = rates[len(rates) // 2]
         pick = (lambda q: round(rates[min(len(rates) - 1, int(q * len(rates)))], 1))
@@ -615,7 +619,7 @@ class EnginePool:
                 "server_tokens_per_s_p10": pick(0.1), "server_tokens_per_s_p50": pick(0.5),
                 "server_tokens_per_s_p90": pick(0.9), "servers_slow": sum(r < median / 2 for r in rates),
                 "weight_group_rebuilds": self.group_rebuilds,
-                "server_slowest": min(self.engines, key=lambda e: self._tokens[e.name]).name}
+                "server_slowest": min(self.engines, key=lambda e: self._tokens[e.name]).name, **self.scale_fields()}
 
     def gauges(self) -> dict:
         return {**self.health(),

@@ -20,19 +20,19 @@ after ``inference.shutdown_timeout``.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import secrets
 import time
 from pathlib import Path
-from typing import Awaitable, Callable, Optional
+from typing import Callable, Optional
 
 from rlorch.backends import inference_backend
 from rlorch.config.schema import Config, InferenceBackend
 from rlorch.inference.client import SGLangEngine
 from rlorch.inference.control import ControlHTTP
 from rlorch.inference.pool import EnginePool
+from rlorch.inference.scale import ScaleFollower
 from rlorch.launch.base import LaunchError, Launched, Launcher, exit_reason
 from rlorch.launch.placement import server_env
 from rlorch.launch.server_command import API_KEY_ENV
@@ -49,7 +49,8 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
                         launcher: Optional[Launcher] = None, scale_file: Optional[Path] = None) -> EnginePool:
     """Launch (through ``launcher``, this machine's by default) or connect to the configured
     servers; return a ready pool (see the module doc). With ``scale_file`` the launched fleet
-    follows what ``rlorch scale`` writes there (:func:`follow_scale`)."""
+    follows what ``rlorch scale`` writes there (:class:`rlorch.inference.scale.ScaleFollower`; the
+    pool reports a request not yet met)."""
     if launcher is None:
         from rlorch.launch.local import LocalLauncher
 
@@ -146,8 +147,10 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
         write_records(servers_file, records)
 
     if scale_file is not None and not inference.addresses and not inference.router:
-        monitor.append(asyncio.create_task(follow_scale(scale_file, by_name, add=add_server, remove=remove_server),
-                                           name="server-scaler"))
+        follower = ScaleFollower(scale_file, by_name, add=add_server, remove=lambda: remove_server(list(by_name)[-1]),
+                                 waiting=lambda: launcher.waiting)
+        pool.scale_fields = follower.fields
+        monitor.append(asyncio.create_task(follower.run(), name="server-scaler"))
     monitor.append(asyncio.create_task(supervise(launcher, by_name, pool, restart=restart,
                                                  hang_timeout=inference.hang_timeout,
                                                  max_restarts=inference.max_restarts), name="server-supervisor"))
@@ -213,39 +216,6 @@ async def supervise(launcher: Launcher, servers: dict[str, Launched], pool: Engi
             gone.add(name)
             pool.mark_dead(name, reason)
         await asyncio.sleep(interval)
-
-
-async def follow_scale(scale_file: Path, servers: dict[str, Launched], *, add: Callable[[], Awaitable[None]],
-                       remove: Callable[[str], Awaitable[None]], interval: float = 0.5) -> None:
-    """Keep as many launched servers as ``scale_file`` asks for (``{"num_servers": N}``, written
-    by ``rlorch scale``), looking every ``interval`` seconds: new ones start, load the current
-    weights and join; the newest ones go first when shrinking (their requests in flight finish
-    or continue elsewhere, then they stop). A request is read once (its file's mtime). With
-    ``inference.weight_transfer=distributed`` the pool rebuilds the weight group for the next
-    version (new servers join it then)."""
-    seen: Optional[float] = None
-    while True:
-        await asyncio.sleep(interval)
-        try:
-            stamp = scale_file.stat().st_mtime
-            if stamp == seen:
-                continue
-            seen = stamp
-            want = int(json.loads(scale_file.read_text())["num_servers"])
-        except FileNotFoundError:
-            continue
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            log.warning("%s: not a scale request (%s); ignored", scale_file, err)
-            continue
-        have = len(servers)
-        log.warning("rlorch scale: %d -> %d servers", have, want)
-        try:
-            for _ in range(max(0, want - have)):
-                await add()
-            for name in list(servers)[::-1][:max(0, have - max(want, 1))]:
-                await remove(name)
-        except (LaunchError, OSError) as err:
-            log.warning("rlorch scale: stopped at %d servers: %s", len(servers), err)
 
 
 PORT_ATTEMPTS = 3

@@ -50,6 +50,9 @@ class Launcher(Protocol):
     """Start the servers and the trainer of a plan, report their addresses and exits, stop them."""
 
     name: str
+    waiting: Optional[str]
+    """What a start in progress waits for, as the launcher sees it (a placement not yet met and
+    the resources free for it), for a scale request to show; None when nothing waits."""
 
     def start_server(self, config: Any, index: int, *, model_path: Path, api_key: str, log_dir: Path,
                      env: dict[str, str], port: Optional[int] = None) -> Launched:

@@ -46,6 +46,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class LocalLauncher:
     name = "local"
+    waiting: Optional[str] = None
+    """Nothing to wait for: a local process starts at once."""
 
     def __init__(self, config=None) -> None:
         self.config = config

@@ -10,11 +10,14 @@ cluster, owned by an actor there.
   for a CPU trainer), STRICT_SPREAD: one actor per node runs the torchrun command with its
   ``--node-rank`` and a static rendezvous at node 0's IP.
 - A placement group never waits silently: while pending, what it asks for and what the cluster
-  has free are printed every :data:`PENDING_REPORT_S` seconds; past ``run.placement_timeout`` the
-  start fails naming the request.
-- Nothing outlives the run. Actors are not detached, so they die with the driver (a kill -9
-  too: a cluster the driver started dies with it, and a joined cluster kills a dead driver's
-  actors); every process an actor starts watches the actor's pid (``--parent-pid`` /
+  has free are printed every :data:`PENDING_REPORT_S` seconds and held in
+  :attr:`RayLauncher.waiting` (what a scale request shows in the step records); past
+  ``run.placement_timeout`` the start fails naming the request, and the group is forgotten, so a
+  later start of the same server asks anew.
+- Nothing outlives the run. Without ``run.ray_address`` the cluster is the run's own
+  (:mod:`rlorch.launch.private_cluster`): all of it ends with the run, a kill -9 of the
+  orchestrator too. On a joined cluster actors are not detached, so Ray kills a dead driver's
+  actors; every process an actor starts watches the actor's pid (``--parent-pid`` /
   ``RLORCH_ORCHESTRATOR_PID``) and exits with it. :meth:`RayLauncher.close` removes every
   placement group (which kills the actors in it).
 """
@@ -29,12 +32,14 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from rlorch.config.schema import InferenceBackend, TrainerBackend
 from rlorch.launch.base import LOG_TAIL_LINES, LaunchError, Launched
+from rlorch.launch.private_cluster import PrivateCluster, private_cpus
 from rlorch.launch.server_command import API_KEY_ENV, server_command
 from rlorch.lifecycle import ORCHESTRATOR_PID_ENV
 
@@ -88,7 +93,8 @@ def requests(config) -> list[dict]:
     return groups
 
 
-def _cpus_asked(config) -> int:
+def cpus_asked(config) -> int:
+    """The CPUs the run's placement groups ask for at start."""
     return int(sum(b.get("CPU", 0.0) for g in requests(config) for b in g["bundles"]))
 
 
@@ -209,15 +215,28 @@ class RayLauncher:
         self.actors: list[Any] = []
         self._server_actors: dict[int, list[Any]] = {}
         self._generation = 0
+        self.waiting: Optional[str] = None
+        """What a start in progress waits for (a placement group not yet placed, and the cluster's
+        free resources as of the last report); None when nothing waits. Written by the thread
+        that starts, read by the event loop."""
         self.started_ray = False
+        self.cluster: Optional[PrivateCluster] = None
         if not ray.is_initialized():
             address = run.ray_address if run is not None else None
             # ray.init replaces the driver's SIGTERM handler: the run's own is put back.
             handler = signal.getsignal(signal.SIGTERM)
-            kwargs = {"include_dashboard": False, "log_to_driver": False, "namespace": self.namespace}
+            options = {"log_to_driver": False, "namespace": self.namespace}
             if address is None:
-                kwargs["num_cpus"] = max(os.cpu_count() or 1, _cpus_asked(config) if config is not None else 1)
-            ray.init(address=address or "local", **kwargs)
+                cpus = private_cpus(config, cpus_asked(config) if config is not None else 1)
+                log_dir = Path(run.dir) / "logs" if run is not None and run.dir else Path(tempfile.gettempdir())
+                self.cluster = PrivateCluster(num_cpus=cpus, log=log_dir / "ray.log")
+                try:
+                    self.cluster.connect(**options)
+                except BaseException:
+                    self.cluster.stop()
+                    raise
+            else:
+                ray.init(address=address, include_dashboard=False, **options)
             signal.signal(signal.SIGTERM, handler)
             self.started_ray = True
         self._actor_class = ray.remote(ProcessOwner)
@@ -226,14 +245,29 @@ class RayLauncher:
 
     def _group(self, name: str, bundles: list[dict], strategy: str):
         """The placement group ``name`` (created once, reused by restarts), once it is placed."""
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, remove_placement_group
 
         if name in self.groups:
             return self.groups[name]
+        request = f"placement group {name} ({strategy}, bundles {bundles})"
         group = placement_group(bundles, strategy=strategy, name=f"{self.namespace}-{name}")
         self.groups[name] = group
-        wait_placed(group, f"placement group {name} ({strategy}, bundles {bundles})", self.placement_timeout)
+        self.waiting = request
+        try:
+            wait_placed(group, request, self.placement_timeout, on_report=self._report_waiting)
+        except BaseException:
+            self.groups.pop(name, None)
+            try:
+                remove_placement_group(group)  # a timeout removed it already; an interruption did not
+            except Exception:
+                pass
+            raise
+        finally:
+            self.waiting = None
         return group
+
+    def _report_waiting(self, line: str) -> None:
+        self.waiting = line
 
     def _actor(self, group, bundle: int, role: str, gpus: float, cpus: float = 0.0):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -360,6 +394,9 @@ class RayLauncher:
         from ray.util.placement_group import remove_placement_group
 
         if not ray.is_initialized():
+            if self.cluster is not None:
+                self.cluster.stop()
+                self.cluster = None
             return
         for actor in self.actors:
             _kill(actor)
@@ -372,6 +409,9 @@ class RayLauncher:
         self.actors.clear()
         if self.started_ray:
             ray.shutdown()
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
 
 
 def _kill(actor) -> None:
@@ -402,9 +442,11 @@ def node_trainer_command(command: list[str], rank: int, master: str, port: int) 
     return out
 
 
-def wait_placed(group, request: str, timeout: float, report: Optional[float] = None, out=None) -> None:
+def wait_placed(group, request: str, timeout: float, report: Optional[float] = None, out=None,
+                on_report: Optional[Callable[[str], None]] = None) -> None:
     """Wait until ``group`` is placed; every ``report`` s say what it asks for against the
-    cluster's free resources; past ``timeout`` remove it and raise :class:`LaunchError`."""
+    cluster's free resources (printed to ``out``, and handed to ``on_report``); past ``timeout``
+    remove it and raise :class:`LaunchError`."""
     import ray
     from ray.exceptions import GetTimeoutError
     from ray.util.placement_group import remove_placement_group
@@ -426,8 +468,10 @@ def wait_placed(group, request: str, timeout: float, report: Optional[float] = N
             remove_placement_group(group)
             raise LaunchError(f"{request} not placed after run.placement_timeout={timeout:g}s; the cluster has free "
                               f"{free or 'nothing'} (total {_totals()})")
-        print(f"rlorch: {request} pending for {waited:.0f}s; the cluster has free {free or 'nothing'}",
-              file=out, flush=True)
+        line = f"{request} pending for {waited:.0f}s; the cluster has free {free or 'nothing'} (total {_totals()})"
+        print(f"rlorch: {line}", file=out, flush=True)
+        if on_report is not None:
+            on_report(line)
 
 
 def _totals() -> dict:

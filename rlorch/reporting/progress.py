@@ -54,6 +54,7 @@ class RunView:
         self.first_step = 0
         self.rollouts = 0
         self.tokens = 0
+        self.scale_pending: Optional[dict] = None
 
     def log(self, record: dict) -> None:
         kind = record.get("kind")
@@ -65,10 +66,13 @@ class RunView:
             self.rollouts += record.get("rollouts") or 0
             self.tokens += record.get("tokens") or 0
             self.gauges.update({k: record[k] for k in ("in_flight", "out_queue") if k in record})
+            self.scale_pending = record.get("scale_pending")
         elif kind == "eval" and record.get("accuracy") is not None:
             self.eval = record
         elif kind == "periodic":
             self.gauges.update({k: record[k] for k in ("in_flight", "out_queue") if k in record})
+            if "engines_scale_pending" in record:  # renewed between steps: a slow step hides nothing
+                self.scale_pending = record["engines_scale_pending"]
 
     def fields(self, now: Optional[float] = None) -> dict[str, str]:
         """Name -> text, the same for the live display and the plain lines."""
@@ -94,7 +98,15 @@ class RunView:
             # Only while some server is out of rotation: up/suspect/dead.
             **({"servers": f"{step['servers_up']}/{step.get('servers_suspect', 0)}/{step.get('servers_dead', 0)}"}
                if step.get("servers_suspect") or step.get("servers_dead") else {}),
+            # Only while an `rlorch scale` request is not met: servers now/requested@seconds waited.
+            **({"scale_pending": scale_text(self.scale_pending)} if self.scale_pending else {}),
         }
+
+
+def scale_text(pending: dict) -> str:
+    """A scale request not yet met, for the live line: ``1/3@25s`` (servers now, requested,
+    seconds waited)."""
+    return f"{pending['servers']}/{pending['requested']}@{pending['waiting_s']:.0f}s"
 
 
 def _num(value: Any, spec: str) -> str:
@@ -198,6 +210,8 @@ def report_lines(summary: dict, phases: Optional[dict] = None) -> list[str]:
                      f"{s.get('server_tokens_per_s_p10')}/{s.get('server_tokens_per_s_p50')}/"
                      f"{s.get('server_tokens_per_s_p90')}, {s.get('servers_slow')} slow (slowest "
                      f"{s.get('server_slowest')})")
+    if s.get("scale_dropped") or s.get("scale_pending"):
+        lines.append(scale_report(s))
     if (s.get("truncated_share") or 0) > TRUNCATED_WARN:
         lines.append(f"truncated   {s['truncated_share']:.0%} of trained completions ended at the length limit, "
                      "rollout.max_new_tokens: raise it if answers need more tokens")
@@ -206,6 +220,19 @@ def report_lines(summary: dict, phases: Optional[dict] = None) -> list[str]:
         lines.append(f"weights     {s['transfer_fallbacks']}{loaded} version(s) went by disk although "
                      "inference.weight_transfer=distributed (see logs/trainer.log for why)")
     return lines
+
+
+def scale_report(s: dict) -> str:
+    """The end report's line on ``rlorch scale`` requests that were not met."""
+    parts = []
+    if s.get("scale_dropped"):
+        parts.append(f"{s['scale_dropped']} request(s) dropped, a server not placed within run.placement_timeout "
+                     "(the warning names each)")
+    if pending := s.get("scale_pending"):
+        parts.append(f"inference.num_servers={pending['requested']} still pending at the end after "
+                     f"{pending['waiting_s']:.0f} s with {pending['servers']} server(s), waiting for "
+                     f"{pending['waiting_for'] or 'a server to start'}")
+    return "scale       " + "; ".join(parts)
 
 
 def print_report(console: Console, summary: dict, *, summary_path: Any, report_path: Any = None,
