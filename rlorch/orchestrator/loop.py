@@ -8,9 +8,7 @@ Invariants kept here rather than in a dashboard:
 - after train.max_empty_batches batch-worths in a row with no reward spread the run stops, saying
   why (a solved task ends ``converged`` once held-out accuracy agrees);
 - the first step after a resume admits at most (S + 1) * B rollouts, else the run fails;
-- with ``run.colocate=swap`` the engines release their memory before the trainer is handed a
-  batch, and take it back only for a version the trainer published after moving its own state
-  off the device (``trainer/offloaded``).
+- with ``run.colocate=swap``, see :mod:`rlorch.orchestrator.swap`.
 """
 
 from __future__ import annotations
@@ -35,6 +33,7 @@ from rlorch.orchestrator.runstats import RunStats
 from rlorch.orchestrator.shipping import Shipping
 from rlorch.orchestrator.sinks import KEPT, SOLVED_SHARE, EvalSink, TrainSink, Verdict, failure_window
 from rlorch.orchestrator.steps import StepRecords
+from rlorch.orchestrator.swap import SwapStep
 from rlorch.orchestrator.stops import Convergence, Converged, Outcome, RunFailed, StopKind, StopReason
 from rlorch.orchestrator.watcher import WeightWatcher
 from rlorch.rundir.layout import RunDir, write_atomic, write_json_atomic
@@ -72,11 +71,10 @@ class Orchestrator:
                               keep_flat=not r.filter_groups, advantage=config.trainer.advantage,
                               scale_rewards=config.trainer.scale_rewards)
         self.version_changed = asyncio.Event()
-        self.swap = config.run.colocate is Colocate.swap
-        self.release_s: Optional[float] = None
-        """Seconds the last swap step's release took (pause, flush, release on every server)."""
+        self.swap = (SwapStep(release=lambda: engines.release_memory(), published=run_dir.published_weights,
+                              offloaded=run_dir.offloaded_step) if config.run.colocate is Colocate.swap else None)
         self.watcher = WeightWatcher(config.watcher, policy=policy, engines=engines,
-                                     published=self._swappable if self.swap else run_dir.published_weights, offers=run_dir.broadcast_offers,
+                                     published=self.swap.swappable if self.swap else run_dir.published_weights, offers=run_dir.broadcast_offers,
                                      offer_mark=run_dir.offer_mark, distributed=config.inference.distributed,
                                      expecting=lambda: self.shipping.shipped > self.policy.value,
                                      on_version=self._on_version, on_idle=self.idle.engines.set, on_error=lambda err:
@@ -111,22 +109,6 @@ class Orchestrator:
         self.idle.trainer.set("waiting", self.policy.value >= self.shipping.shipped)
         self.dispatcher.notify()
         self.version_changed.set()
-
-    def _swappable(self) -> list:
-        """The published versions the engines may take their memory back for: those the trainer
-        published before moving its state off the device."""
-        offloaded = self.run_dir.offloaded_step()
-        return [(version, path) for version, path in self.run_dir.published_weights() if version <= offloaded]
-
-    async def _release_engines(self) -> None:
-        """The engines give the device to the trainer; a failure (a refused release, a lost
-        server) fails the run naming it."""
-        started = time.monotonic()
-        try:
-            await self.engines.release_memory()
-        except Exception as err:
-            raise RunFailed(StopReason(StopKind.generation, f"run.colocate=swap: {err}")) from err
-        self.release_s = time.monotonic() - started
 
     def _raise_alarm(self, reason: StopReason) -> None:
         self.stop_reason = self.stop_reason or reason
@@ -225,7 +207,7 @@ class Orchestrator:
 
     def _after_version(self, evaluate: bool = True, final: bool = False) -> None:
         extra = {"version": self.policy.value, **self.dispatcher.gauges(), **self.watcher.step_fields(), **self.engines.health(),
-                 **({"release_s": self.release_s} if self.swap else {})}
+                 **(self.swap.step_fields() if self.swap else {})}
         records = self.steps.ready(self.policy.value, extra, final=final)
         self.stats.stamp(records, loop_started=self.loop_started)
         for record in records:
@@ -274,7 +256,8 @@ class Orchestrator:
             self.gate.on_short_batch(self.batch_size - len(batch.rollouts))    # 0 for a full batch
             if self.swap:
                 self.shipping.parked = batch    # until shipped: a failed release leaves it to the checkpoint
-                await self._release_engines()
+                if problem := await self.swap.release_engines():
+                    raise RunFailed(StopReason(StopKind.generation, problem))
             await self.shipping.ship(batch)
             await self.trainer.submit(batch)
 
