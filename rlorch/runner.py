@@ -196,6 +196,7 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
     phases = Phases(console)
     policy = PolicyVersion(0)
     engines, tokenizer, trainer, orchestrator, view, launcher = None, None, None, None, None, None
+    gateway, agents = None, None
     try:
         env = make_environment(config)
         launcher = make_launcher(config.run.launcher, config)
@@ -219,8 +220,10 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
             await engines.reload(str(weights_of(checkpoint, run_dir, resume.step)), resume.step)
         await join_weight_group(config, run_dir, engines, trainer.error)
         clock.mark("ready")
+        if config.task.agent:
+            gateway, agents = await _start_agents(config, engines, tokenizer, env)
         work = make_work(config, engine=engines, tokenizer=tokenizer, env=env,
-                         override=reward_override(config, config.run.seed))
+                         override=reward_override(config, config.run.seed), agents=agents)
         orchestrator = Orchestrator(config, run_dir=run_dir, policy=policy, engines=engines, trainer=trainer,
                                     work=work, prompts=prompts, resume=resume, startup=clock)
         signals.forward_to(orchestrator.request_shutdown)
@@ -248,6 +251,8 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
     finally:
         if view is not None:
             view.close()
+        if gateway is not None:
+            await gateway.stop()
         if trainer is not None:
             # Interrupted in start-up, the trainer has nothing to checkpoint: no need to wait.
             await trainer.stop(config.run.shutdown_timeout if orchestrator is not None else 2.0)
@@ -256,6 +261,24 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
         if launcher is not None:
             launcher.close()
     return _report(summary, run_dir, config, phases.timings)
+
+
+async def _start_agents(config: Config, engines: Any, tokenizer: Any, env: Any) -> tuple[Any, Any]:
+    """``task.agent``: the agents' gateway, serving, and the episodes that call the agent."""
+    from rlorch.agents.episodes import AgentEpisodes, check_agent
+    from rlorch.agents.gateway import AgentGateway
+    from rlorch.tasks.base import import_spec
+
+    task = config.task
+    agent = import_spec(task.agent, "task.agent")
+    problem = check_agent(agent, task.agent)
+    if problem:
+        raise ConfigError("task.agent", problem)
+    gateway = AgentGateway(engine=engines, tokenizer=tokenizer, model_name=config.model.path or "rlorch-policy",
+                           tool_parser=task.tool_call_parser, max_calls=task.max_calls, bridge=task.agent_bridge,
+                           client_sampling=task.agent_sampling)
+    await gateway.start()
+    return gateway, AgentEpisodes(gateway=gateway, agent=agent, env=env, timeout=task.agent_timeout)
 
 
 def _cap_steps_at_epochs(config: Config, env: Any) -> None:

@@ -189,6 +189,10 @@ class Rollout:
     """Exact match of the answer (set on eval rollouts; None where not judged)."""
     attempt: int = 0
     """Which generation of its prompt this is (strict mode regenerates too-stale groups)."""
+    segments: Optional[list[int]] = None
+    """The lengths of independent sequences ``tokens`` holds back to back (an agent episode
+    whose calls forked: each starts with its own prompt, and the trainer runs each as a
+    sequence of its own under the rollout's advantage); None: one sequence."""
 
     def __post_init__(self) -> None:
         # Whoever builds it (an engine, a test, a state file) hands over arrays or lists; it
@@ -228,7 +232,8 @@ class Rollout:
                 "tokens": None, "loss_mask": None, "logprobs": None, "versions": self.versions.runs,
                 "reward": self.reward, "origin": self.origin, "finish_reason": self.finish_reason,
                 "is_eval": self.is_eval, "prompt_len": self.prompt_len, "completion": self.completion,
-                "correct": self.correct, "attempt": self.attempt}
+                "correct": self.correct, "attempt": self.attempt,
+                **({"segments": self.segments} if self.segments else {})}
 
 
 def list_of(values: Any) -> list:
@@ -402,6 +407,23 @@ class Trainer(Protocol):
     def error(self) -> Optional[str]: ...
 
     async def stop(self, timeout: float) -> None: ...
+
+
+class AgentEpisodeResult(Protocol):
+    """An agent episode as the work turns it into a rollout (:class:`rlorch.agents.episodes.AgentEpisode`)."""
+
+    trajectory: Any
+    reward: float
+    completion: str
+    finish_reason: str
+
+
+class AgentRunner(Protocol):
+    """Runs a sample's episode as the user's agent (``task.agent``)."""
+
+    async def run(self, prompt: Prompt, params: SamplingParams, rid: str) -> AgentEpisodeResult: ...
+
+    def gauges(self) -> dict: ...
 
 
 class Conversation(Protocol):

@@ -685,8 +685,39 @@ class TaskConfig:
     sync or async; the reward is their weighted sum."""
     reward_weights: Optional[list[float]] = None
     """One weight per ``task.reward`` function (default: 1 each)."""
+    agent: Optional[str] = None
+    """``package.module:function``: each sample's episode is your agent,
+    ``async def agent(sample, *, base_url, api_key) -> float | None``, calling the model through
+    any OpenAI client at ``base_url`` (a session of its own; docs/agents.md). It returns the
+    reward, or None to have the task score its last answer. Unset: the task's own episodes."""
+    tool_call_parser: Optional[str] = None
+    """How tool calls are read from an agent call's sampled text when the call offers ``tools``:
+    ``qwen25`` (alias ``hermes``: ``<tool_call>{json}</tool_call>``, as Qwen2.5 writes them) or
+    ``pipe`` (the tiny model's ``name:argument|``); unset: tools are not parsed (text only)."""
+    max_calls: int = 16
+    """Most model calls one agent episode may make; the next is refused (HTTP 429) and the
+    episode fails."""
+    agent_timeout: float = 120.0
+    """Seconds an agent episode may run; past it the episode fails (its calls are cancelled)."""
+    agent_bridge: bool = True
+    """For chat templates that render earlier turns differently once later ones follow (Qwen3's
+    drops past reasoning): continue the episode's sequence with the new messages rendered after
+    a stand-in history, keeping the sampled ids. false: such a call starts a new sequence (a fork)."""
+    agent_sampling: bool = False
+    """Use the agent's own temperature, top_p and max_tokens instead of the run's (the behaviour
+    logprobs are then of another distribution than the policy's: for evaluation agents only)."""
 
     def __post_init__(self) -> None:
+        _require(self.max_calls >= 1, "task.max_calls", "must be >= 1")
+        _require(self.agent_timeout > 0, "task.agent_timeout", "must be > 0 seconds")
+        if self.agent is not None:
+            _require(isinstance(self.agent, str) and ":" in self.agent, "task.agent",
+                     f"must be package.module:function (got {self.agent!r})")
+        if self.tool_call_parser is not None:
+            from rlorch.openai_api import TOOL_PARSERS
+
+            _require(self.tool_call_parser in TOOL_PARSERS, "task.tool_call_parser",
+                     f"unknown parser {self.tool_call_parser!r} (known: {', '.join(sorted(TOOL_PARSERS))})")
         if isinstance(self.reward, str):
             self.reward = [self.reward]
         if self.reward is not None:

@@ -207,7 +207,7 @@ class Orchestrator:
 
     def _after_version(self, evaluate: bool = True, final: bool = False) -> None:
         extra = {"version": self.policy.value, **self.dispatcher.gauges(), **self.watcher.step_fields(), **self.engines.health(),
-                 **(self.swap.step_fields() if self.swap else {})}
+                 **(self.swap.step_fields() if self.swap else {}), **getattr(self.work, "gauges", dict)()}
         records = self.steps.ready(self.policy.value, extra, final=final)
         self.stats.stamp(records, loop_started=self.loop_started)
         for record in records:

@@ -88,7 +88,8 @@ class StepRecords:
             "trainable": sum(1 for a in batch.advantages if abs(a) > 1e-8), "filtered": batch.filtered,
             "reward_mean": round(sum(rewards) / len(rewards), 6), "parked_s": round(parked_s, 4),
             "tokens": sum([r.versions.count for r in rollouts]), "rollouts": len(rollouts),
-            "truncated_share": truncated_share(rollouts)}
+            "truncated_share": truncated_share(rollouts),
+            **({"agent_forks": forks} if (forks := sum(len(r.segments) - 1 for r in rollouts if r.segments)) else {})}
 
     def ready(self, trained: int, extra: Optional[dict] = None, *, final: bool = False) -> list[dict]:
         """The records of steps up to ``trained`` (the live version) whose trainer line has been

@@ -15,9 +15,9 @@ from rlorch.config.schema import Config, InferenceBackend, SimReward
 from rlorch.lifecycle import gather_all
 from rlorch.tasks.base import is_single_turn
 from rlorch.tasks.prompts import chat_suffix, encode_prompt, encode_text
-from rlorch.types import (LOGPROBS, LONG, TOKEN_IDS, Engine, Environment, Generation, GroupRequest, Origin, Prompt,
-                          Rollout, SamplingParams, VersionStamps, as_array, is_correct, list_of, logprob_array,
-                          mask_array, numpy_view, token_ids)
+from rlorch.types import (LOGPROBS, LONG, TOKEN_IDS, AgentRunner, Engine, Environment, Generation, GroupRequest,
+                          Origin, Prompt, Rollout, SamplingParams, VersionStamps, as_array, is_correct, list_of,
+                          logprob_array, mask_array, numpy_view, token_ids)
 
 EVAL_SEED_OFFSET = 1_000_003
 
@@ -163,13 +163,18 @@ class EpisodeWork:
     """
 
     def __init__(self, config: Config, *, engine: Engine, tokenizer: Any, env: Environment,
-                 override: Optional[Reward] = None):
+                 override: Optional[Reward] = None, agents: Optional[AgentRunner] = None):
         self.engine, self.tokenizer, self.env, self.override = engine, tokenizer, env, override
+        self.agents = agents
         self.answer_tokens: Optional[int] = getattr(env, "answer_tokens", None)
         self.train_params = sampling_params(config, tokenizer)
         self.eval_params = sampling_params(config, tokenizer, greedy=True)
         self.group_size = config.rollout.group_size
-        self.batched = is_single_turn(env)
+        self.batched = is_single_turn(env) and agents is None
+
+    def gauges(self) -> dict:
+        """The agents' counts (``task.agent``); {} otherwise."""
+        return self.agents.gauges() if self.agents is not None else {}
 
     async def __call__(self, prompt: Prompt) -> list[Rollout]:
         return (await self.pack([prompt]))[0]
@@ -177,7 +182,8 @@ class EpisodeWork:
     async def pack(self, prompts: list[Prompt]) -> list[list[Rollout]]:
         requests = self._requests(prompts)
         if not self.batched:
-            return await gather_all(*(self._episodes(p, r) for p, r in zip(prompts, requests)))
+            episodes = self._episodes if self.agents is None else self._agent_episodes
+            return await gather_all(*(episodes(p, r) for p, r in zip(prompts, requests)))
         answers = await self.engine.generate_batch(requests)
         score_groups = getattr(self.env, "score_groups", None)
         if score_groups is None or self.override is not None:
@@ -247,6 +253,25 @@ class EpisodeWork:
                               finish_reason(c.finish_reason, len(c.tokens) - len(prompt.input_ids), self.answer_tokens),
                               c.completion) for c, r in zip(conversations, rewards)]
 
+    async def _agent_episodes(self, prompt: Prompt, request: GroupRequest) -> list[Rollout]:
+        """The group's samples as agent episodes (``task.agent``): one rollout each, its
+        segments back to back; an episode with no call keeps the prompt, nothing trained."""
+        rids = [f"{request.rid}-{i}" for i in range(request.n)]
+        episodes = await gather_all(*(self.agents.run(prompt, request.params, rid) for rid in rids))
+        rollouts = []
+        for rid, episode in zip(rids, episodes):
+            tokens, mask, logprobs, versions, segments = episode.trajectory.sequence()
+            held = episode.trajectory.segments
+            prompt_len = held[0].prompt_len if held else 0
+            if not len(tokens):
+                tokens = token_ids(prompt.input_ids)
+                mask, logprobs, prompt_len = mask_array(bytes(len(tokens))), logprob_array(bytes(4 * len(tokens))), len(tokens)
+            rollout = self._rollout(prompt, rid, tokens, mask, logprobs, versions, episode.reward,
+                                    episode.finish_reason, episode.completion)
+            rollout.prompt_len, rollout.segments = prompt_len, segments
+            rollouts.append(rollout)
+        return rollouts
+
     def _rollout(self, prompt: Prompt, rid: str, tokens: array, loss_mask: array, logprobs: array,
                  versions: VersionStamps, reward: float, finish_reason: str, completion: str) -> Rollout:
         if self.override is not None:
@@ -268,6 +293,7 @@ def finish_reason(reason: str, generated: int, answer_tokens: Optional[int]) -> 
 
 
 def make_work(config: Config, *, engine: Engine, tokenizer: Any, env: Environment,
-              override: Optional[Reward] = None) -> EpisodeWork:
-    """The dispatcher's work (see :class:`EpisodeWork`): callable on one prompt, ``pack`` for several."""
-    return EpisodeWork(config, engine=engine, tokenizer=tokenizer, env=env, override=override)
+              override: Optional[Reward] = None, agents: Optional[AgentRunner] = None) -> EpisodeWork:
+    """The dispatcher's work (see :class:`EpisodeWork`): callable on one prompt, ``pack`` for
+    several; ``agents`` runs each sample's episode as an agent of the user's (``task.agent``)."""
+    return EpisodeWork(config, engine=engine, tokenizer=tokenizer, env=env, override=override, agents=agents)

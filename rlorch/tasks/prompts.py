@@ -14,7 +14,7 @@ template adds for new messages is tokenized (:func:`chat_suffix`).
 
 from __future__ import annotations
 
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 Message = dict
 Messages = list
@@ -46,21 +46,24 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def encode_prompt(tokenizer: Any, prompt: PromptInput) -> list[int]:
-    """The token ids a prompt is generated from, in training and in ``rlorch serve`` alike."""
+def encode_prompt(tokenizer: Any, prompt: PromptInput, *, tools: Optional[list] = None) -> list[int]:
+    """The token ids a prompt is generated from, in training and in ``rlorch serve`` alike
+    (``tools``: the function definitions a chat template renders, as OpenAI's ``tools``)."""
     if not isinstance(prompt, str):
-        return encode_text(tokenizer, _render(tokenizer, prompt, True))
+        return encode_text(tokenizer, _render(tokenizer, prompt, True, tools))
     ids = encode_text(tokenizer, prompt)
     if tokenizer is not None and tokenizer.bos_token_id is not None:
         return [tokenizer.bos_token_id] + ids
     return ids or [1]
 
 
-def render_chat(tokenizer: Any, messages: Sequence[Message], *, generation_prompt: bool) -> str:
+def render_chat(tokenizer: Any, messages: Sequence[Message], *, generation_prompt: bool,
+                tools: Optional[list] = None) -> str:
     """The chat template's text for ``messages`` (with the assistant's generation prompt)."""
     require_chat_template(tokenizer)
+    extra = {"tools": tools} if tools else {}
     return tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation_prompt,
-                                         tokenize=False)
+                                         tokenize=False, **extra)
 
 
 def require_chat_template(tokenizer: Any) -> None:
@@ -87,24 +90,51 @@ def turn_closer(tokenizer: Any) -> str:
     return text[text.rindex("rlorchprobe") + len("rlorchprobe"):]
 
 
-def _render(tokenizer: Any, messages: Sequence[Message], generation_prompt: bool) -> str:
+def _render(tokenizer: Any, messages: Sequence[Message], generation_prompt: bool,
+            tools: Optional[list] = None) -> str:
     if tokenizer is None:
         return _sim_template(messages, generation_prompt)
-    return render_chat(tokenizer, messages, generation_prompt=generation_prompt)
+    return render_chat(tokenizer, messages, generation_prompt=generation_prompt, tools=tools)
 
 
-def chat_suffix(tokenizer: Any, history: Sequence[Message], new: Sequence[Message], *, last_turn: str) -> str:
+def chat_suffix(tokenizer: Any, history: Sequence[Message], new: Sequence[Message], *, last_turn: str,
+                tools: Optional[list] = None) -> str:
     """The text that follows the trajectory so far when the environment adds ``new`` messages:
     the rest of the last model turn's closer (``last_turn`` is that turn's text with special
     tokens), the new messages as the template renders them, and the generation prompt.
 
     Raises :class:`ChatTemplateError` where the template renders earlier messages differently
     once later ones follow (then earlier ids could not be kept)."""
-    before = _render(tokenizer, history, False)
-    after = _render(tokenizer, [*history, *new], True)
+    before = _render(tokenizer, history, False, tools)
+    after = _render(tokenizer, [*history, *new], True, tools)
     if not after.startswith(before):
         raise ChatTemplateError("the chat template renders earlier messages differently once new ones "
                                 "follow, so a conversation cannot keep the ids already generated")
+    return _closer_rest(tokenizer, history, last_turn) + after[len(before):]
+
+
+BRIDGE_HISTORY = ({"role": "user", "content": "x"}, {"role": "assistant", "content": "x"})
+"""The stand-in history :func:`bridged_suffix` renders new messages after."""
+
+
+def bridged_suffix(tokenizer: Any, new: Sequence[Message], *, last_turn: str, tools: Optional[list] = None) -> str:
+    """:func:`chat_suffix` for a template that renders earlier turns differently once later ones
+    follow (Qwen3's drops past reasoning): the new messages as the template renders them after a
+    stand-in user and assistant turn, so the ids already sampled are kept as they were. The
+    sequence then differs from a fresh rendering of the whole chat (the sampled reasoning stays),
+    which is what was sampled. Raises :class:`ChatTemplateError` where even that is not a suffix."""
+    stand_in = [dict(m) for m in BRIDGE_HISTORY]
+    before = _render(tokenizer, stand_in, False, tools)
+    after = _render(tokenizer, [*stand_in, *new], True, tools)
+    if not after.startswith(before):
+        raise ChatTemplateError("the chat template does not render new messages as a suffix even after a "
+                                "stand-in history")
+    return _closer_rest(tokenizer, stand_in, last_turn) + after[len(before):]
+
+
+def _closer_rest(tokenizer: Any, history: Sequence[Message], last_turn: str) -> str:
+    """What is still missing of the template's closer after the last model turn (all of it for a
+    turn the length limit or a stop string cut, none for one that wrote it)."""
     closer = turn_closer(tokenizer) if history and history[-1]["role"] == "assistant" else ""
     done = next((k for k in range(len(closer), 0, -1) if last_turn.endswith(closer[:k])), 0)
-    return closer[done:] + after[len(before):]
+    return closer[done:]

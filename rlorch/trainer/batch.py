@@ -56,7 +56,7 @@ def token_versions(mask: list[int], runs: object, where: str) -> list[int] | Non
     return [next(stamps) if m else NO_VERSION for m in mask]
 
 
-def _parse_line(path: Path, number: int, line: str) -> Sequence:
+def _parse_line(path: Path, number: int, line: str) -> tuple[Sequence, object]:
     where = f"{path}:{number}"
     item = parse_record(line, where, _REQUIRED, BatchError, own=True)
     tokens, mask, logprobs = item["tokens"], item["loss_mask"], item["logprobs"]
@@ -76,7 +76,27 @@ def _parse_line(path: Path, number: int, line: str) -> Sequence:
     if not math.isfinite(sequence.advantage) or not all(map(math.isfinite, sequence.logprobs)):
         raise BatchError(f"{where}: advantage and logprobs must be finite")
     sequence.versions = token_versions(sequence.loss_mask, item.get("versions"), where)
-    return sequence
+    return sequence, item.get("segments")
+
+
+def split_segments(sequence: Sequence, lengths: object, where: str) -> list[Sequence]:
+    """A line holding several independent sequences back to back (``segments``: their lengths)
+    as one :class:`Sequence` each, under the line's advantage and reward."""
+    if lengths is None:
+        return [sequence]
+    if (not isinstance(lengths, list) or not all(isinstance(n, int) and n > 0 for n in lengths)
+            or sum(lengths) != len(sequence.tokens)):
+        raise BatchError(f"{where}: segments must be positive lengths summing to the {len(sequence.tokens)} tokens")
+    parts, start = [], 0
+    for length in lengths:
+        end = start + length
+        if sequence.loss_mask[start]:
+            raise BatchError(f"{where}: the segment at token {start} starts with a trained token (no context)")
+        versions = sequence.versions[start:end] if sequence.versions is not None else None
+        parts.append(Sequence(sequence.tokens[start:end], sequence.loss_mask[start:end], sequence.logprobs[start:end],
+                              sequence.advantage, sequence.reward, versions))
+        start = end
+    return parts
 
 
 def read_batch(path: Path, vocab_size: int) -> list[Sequence]:
@@ -89,10 +109,10 @@ def read_batch(path: Path, vocab_size: int) -> list[Sequence]:
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        sequence = _parse_line(path, number, line)
+        sequence, segments = _parse_line(path, number, line)
         if any(not 0 <= t < vocab_size for t in sequence.tokens):
             raise BatchError(f"{path}:{number}: token id outside the vocabulary (size {vocab_size})")
-        sequences.append(sequence)
+        sequences.extend(split_segments(sequence, segments, f"{path}:{number}"))
     return sequences
 
 
