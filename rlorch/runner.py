@@ -265,15 +265,12 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
 
 async def _start_agents(config: Config, engines: Any, tokenizer: Any, env: Any) -> tuple[Any, Any]:
     """``task.agent``: the agents' gateway, serving, and the episodes that call the agent."""
-    from rlorch.agents.episodes import AgentEpisodes, check_agent
+    from rlorch.agents.episodes import AgentEpisodes
     from rlorch.agents.gateway import AgentGateway
-    from rlorch.tasks.base import import_spec
+    from rlorch.config.preflight import load_agent
 
     task = config.task
-    agent = import_spec(task.agent, "task.agent")
-    problem = check_agent(agent, task.agent)
-    if problem:
-        raise ConfigError("task.agent", problem)
+    agent = load_agent(task.agent)
     gateway = AgentGateway(engine=engines, tokenizer=tokenizer, model_name=config.model.path or "rlorch-policy",
                            tool_parser=task.tool_call_parser, max_calls=task.max_calls, bridge=task.agent_bridge,
                            client_sampling=task.agent_sampling)

@@ -41,6 +41,27 @@ def preflight(config: Config) -> None:
         make_environment(config)
     except DataError as err:
         raise ConfigError("data.path", str(err)) from err
+    if config.task.agent:
+        load_agent(config.task.agent)
+
+
+def load_agent(spec: str):
+    """``task.agent``'s function; an import that fails, or a function that is not an agent, is
+    refused naming the key (``openai`` missing says how to install it)."""
+    from rlorch.agents.episodes import check_agent
+    from rlorch.tasks.base import import_spec
+
+    try:
+        agent = import_spec(spec, "task.agent")
+    except ConfigError as err:
+        if "openai" in str(err):
+            raise ConfigError("task.agent", f"{str(err).removeprefix('task.agent: ')}; the openai client: "
+                                            "pip install 'rlorch[agents]'") from err
+        raise
+    problem = check_agent(agent, spec)
+    if problem:
+        raise ConfigError("task.agent", problem)
+    return agent
 
 
 def run_warnings(config: Config) -> list[str]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 
+from openai import AsyncOpenAI
+
 CALCULATE = {
     "type": "function",
     "function": {
@@ -34,8 +36,6 @@ async def solve(sample: dict, *, base_url: str, api_key: str) -> float:
     """One episode: ``sample["prompt"]`` is ``37+45=``, ``sample["answer"]`` ``82``. Reward 1 for
     the right answer; short of it 0.3 for a call the tool could evaluate and up to 0.3 for an
     answer of digits (the calculator task's partial credit)."""
-    from openai import AsyncOpenAI
-
     async with AsyncOpenAI(base_url=base_url, api_key=api_key) as client:
         messages = [{"role": "user", "content": sample["prompt"]}]
         reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATE],
