@@ -32,11 +32,12 @@ def calculate(expression: str) -> str:
     return evaluate(expression)
 
 
-async def solve(sample: dict, *, base_url: str, api_key: str) -> float:
+async def solve(sample: dict, *, base_url: str, api_key: str, http_client=None) -> float:
     """One episode: ``sample["prompt"]`` is ``37+45=``, ``sample["answer"]`` ``82``. Reward 1 for
     the right answer; short of it 0.3 for a call the tool could evaluate and up to 0.3 for an
-    answer of digits (the calculator task's partial credit)."""
-    async with AsyncOpenAI(base_url=base_url, api_key=api_key) as client:
+    answer of digits (the calculator task's partial credit). ``http_client``: the one rlorch
+    hands over (cheap to build; a client of one's own works too, slower)."""
+    async with AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client) as client:
         messages = [{"role": "user", "content": sample["prompt"]}]
         reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATE],
                                                      max_tokens=CALL_TOKENS)
