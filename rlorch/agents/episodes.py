@@ -2,8 +2,8 @@
 
 ``task.agent`` names ``async def agent(sample, *, base_url, api_key) -> float | None``. The agent
 calls the model with any OpenAI client at ``base_url`` (for an agent in a subprocess, hand it
-:func:`openai_environment`). An agent that also takes ``http_client`` gets an
-``httpx.AsyncClient`` to build its client on, far cheaper than its own (:func:`episode_http_client`). Its return value is the episode's reward; None asks the task to
+:func:`openai_environment`). An agent that also takes ``http_client`` gets an HTTP client to
+build its ``openai`` client on, far cheaper than its own (:func:`episode_http_client`). Its return value is the episode's reward; None asks the task to
 score the last answer (``task.reward``'s functions for a data task, the task's own score else).
 
 Every episode ends as one rollout whatever the agent does: an agent that raises, outlives
@@ -38,19 +38,20 @@ def openai_environment(base_url: str, api_key: str) -> dict[str, str]:
 
 
 def episode_http_client() -> Any:
-    """An ``httpx.AsyncClient`` for one episode's ``openai`` client (``http_client=``), built on
+    """An HTTP client for one episode's ``openai`` client (``http_client=``: the installed
+    client's own default, ``openai.DefaultAsyncHttpxClient``), built on
     one SSL context for the whole run: a client left to build its own loads the CA store (34 ms
     of CPU, most of the orchestrator's at tens of episodes a second), and one client shared by
     every episode scans its whole pool of connections on every request. rlorch closes it when
     the episode ends."""
     import ssl
 
-    import httpx
+    from openai import DefaultAsyncHttpxClient
 
     global _SSL_CONTEXT
     if _SSL_CONTEXT is None:
         _SSL_CONTEXT = ssl.create_default_context()
-    return httpx.AsyncClient(verify=_SSL_CONTEXT, timeout=httpx.Timeout(None, connect=30.0))
+    return DefaultAsyncHttpxClient(verify=_SSL_CONTEXT)
 
 
 _SSL_CONTEXT = None
