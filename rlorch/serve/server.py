@@ -82,7 +82,8 @@ class CpuServer:
                  weight_version: str = "0", min_step_time: float = 0.0, threads: Optional[int] = None,
                  api_key: Optional[str] = None, body_timeout: float = BODY_TIMEOUT_S,
                  idle_timeout: float = IDLE_TIMEOUT_S, group_timeout: Optional[float] = None,
-                 implementation: str = "auto", device: str = "cpu", memory_fraction: Optional[float] = None):
+                 implementation: str = "auto", device: str = "cpu", memory_fraction: Optional[float] = None,
+                 tool_call_parser: Optional[str] = None):
         """``threads`` sets torch's (process-wide) intra-op threads; ``min_step_time`` throttles
         each decode step (seconds) to emulate a slower engine; ``api_key`` guards every endpoint
         but the health checks; ``body_timeout`` and ``idle_timeout`` bound slow and idle
@@ -91,14 +92,21 @@ class CpuServer:
         died mid-broadcast holds the others up at most that long; ``implementation`` is
         ``model.implementation``; ``device`` is ``cpu`` or ``cuda`` (the model in ``dtype``
         there), and on cuda ``memory_fraction`` caps this process's share of the device
-        (``--mem-fraction-static``: a colocated trainer keeps the rest)."""
+        (``--mem-fraction-static``: a colocated trainer keeps the rest); ``tool_call_parser`` names
+        how ``/v1/chat/completions`` reads tool calls (:data:`rlorch.openai_api.TOOL_PARSERS`; None:
+        tools are ignored)."""
         import torch
+
+        from rlorch.openai_api import TOOL_PARSERS
 
         from rlorch.model import uses_native
         from rlorch.qwen2 import Qwen2ForCausalLM
 
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, got {tool_call_parser!r}")
+        self.tool_call_parser = tool_call_parser
         if threads is not None:
             torch.set_num_threads(threads)
         self.model_path = str(model_path)
@@ -179,7 +187,10 @@ class CpuServer:
             web.get("/resume_memory_occupation", self.resume_memory_occupation),
             web.post("/resume_memory_occupation", self.resume_memory_occupation),
         ]
-        app.add_routes(routes + self.weight_sync.routes())
+        from rlorch.serve.openai_routes import OpenAIRoutes
+
+        openai = OpenAIRoutes(self, tool_call_parser=self.tool_call_parser)
+        app.add_routes(routes + self.weight_sync.routes() + openai.routes())
         app[BODY_TIMEOUT_KEY] = self.body_timeout
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
@@ -241,17 +252,23 @@ class CpuServer:
                 name = rid if param.n == 1 else f"{rid}_{sample}"
                 seqs.append(Sequence(rid=name, prompt=prompt, params=param, done=loop.create_future()))
         try:
-            await self.batcher.submit(seqs)
-            await asyncio.gather(*(seq.done for seq in seqs))
-        except asyncio.CancelledError:
-            self.batcher.abort_sequences(seqs, "Abort: client disconnected.")
-            raise
+            await self.run_sequences(seqs)
         except GenerationFailed as err:
             return _error(str(err), status=500)
         answers = self._answers(seqs, bool(body.get("return_logprob", False)))
         # orjson, as SGLang answers /generate (a non-finite float goes out as null, as there).
         return web.Response(body=dumps(answers if batched or len(seqs) > 1 else answers[0]),
                             content_type="application/json")
+
+    async def run_sequences(self, seqs: list[Sequence]) -> None:
+        """Generate ``seqs`` to their end; a client that goes away aborts them. Raises
+        :class:`GenerationFailed` when the generation loop has failed."""
+        try:
+            await self.batcher.submit(seqs)
+            await asyncio.gather(*(seq.done for seq in seqs))
+        except asyncio.CancelledError:
+            self.batcher.abort_sequences(seqs, "Abort: client disconnected.")
+            raise
 
     def _parse_generate(self, body: dict) -> tuple[list[list[int]], list[RequestParams], list[str], bool]:
         text, input_ids = body.get("text"), body.get("input_ids")
@@ -619,7 +636,8 @@ def served_path(path: Optional[str]) -> Optional[str]:
 
 
 def serve_command(config, *, host: str, port: int, weight_version: str = "0",
-                  parent: Optional[int] = None, api_key: Optional[str] = None, min_step_time: float = 0.0) -> int:
+                  parent: Optional[int] = None, api_key: Optional[str] = None, min_step_time: float = 0.0,
+                  tool_call_parser: Optional[str] = None) -> int:
     """``rlorch serve``: run the CPU engine the composed ``config`` describes until SIGINT/SIGTERM
     (or until process ``parent`` is gone); the exit status (2 for a bad model path)."""
     return serve_model(config.model.path, host=host, port=port, dtype=config.model.dtype,
@@ -627,13 +645,14 @@ def serve_command(config, *, host: str, port: int, weight_version: str = "0",
                        max_batch=engine_max_batch(config), seed=config.run.seed,
                        transfer_timeout=config.inference.transfer_timeout, weight_version=weight_version,
                        parent=parent, api_key=api_key, min_step_time=min_step_time,
-                       device=config.inference.cpu.device, memory_fraction=config.inference.memory_fraction)
+                       device=config.inference.cpu.device, memory_fraction=config.inference.memory_fraction,
+                       tool_call_parser=tool_call_parser)
 
 
 def serve_model(model_path: Optional[str], *, host: str, port: int, dtype: str, implementation: str, threads: int,
                 max_batch: int, seed: int, transfer_timeout: float, weight_version: str, parent: Optional[int],
                 api_key: Optional[str], min_step_time: float, device: str = "cpu",
-                memory_fraction: Optional[float] = None) -> int:
+                memory_fraction: Optional[float] = None, tool_call_parser: Optional[str] = None) -> int:
     """Run the CPU engine on ``model_path`` (a run directory: its newest weights) until
     SIGINT/SIGTERM (or until process ``parent`` is gone); the exit status (2 for a bad model
     path or an address it cannot bind)."""
@@ -641,6 +660,11 @@ def serve_model(model_path: Optional[str], *, host: str, port: int, dtype: str, 
     from rlorch.model import resolve_model_path
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from rlorch.openai_api import TOOL_PARSERS
+
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        log.error("cannot serve: --tool-call-parser must be one of %s, got %r", sorted(TOOL_PARSERS), tool_call_parser)
+        return 2
     try:
         path = resolve_model_path(served_path(model_path))
     except ConfigError as err:
@@ -649,7 +673,7 @@ def serve_model(model_path: Optional[str], *, host: str, port: int, dtype: str, 
     server = CpuServer(path, dtype=dtype, max_batch=max_batch, seed=seed, weight_version=weight_version,
                        threads=threads, api_key=api_key or None, min_step_time=min_step_time,
                        group_timeout=transfer_timeout, implementation=implementation, device=device,
-                       memory_fraction=memory_fraction)
+                       memory_fraction=memory_fraction, tool_call_parser=tool_call_parser)
     try:
         asyncio.run(_serve_until_signal(server, host, port, parent))
     except OSError as err:
@@ -666,7 +690,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                        implementation=args.implementation, threads=args.threads, max_batch=args.max_batch,
                        seed=args.seed, transfer_timeout=args.transfer_timeout, weight_version=args.weight_version,
                        parent=args.parent_pid, api_key=os.environ.get(API_KEY_ENV), min_step_time=args.min_step_time,
-                       device=args.device, memory_fraction=args.mem_fraction_static)
+                       device=args.device, memory_fraction=args.mem_fraction_static,
+                       tool_call_parser=args.tool_call_parser)
 
 
 if __name__ == "__main__":
