@@ -250,6 +250,10 @@ def test_an_unknown_tool_call_parser_is_refused(model_dir):
                        min_step_time=0.0, tool_call_parser="llama9") == 2
     with pytest.raises(ValueError, match="tool-call parser"):
         parse_tool_calls("llama9", "x", [CALCULATE])
+    from rlorch.serve.arguments import launch_args_problem
+
+    assert launch_args_problem(["--tool-call-parser", "pipe"]) is None, "a run's engines take it in launch_args"
+    assert "invalid choice" in launch_args_problem(["--tool-call-parser", "llama9"])
 
 
 # ---- rlorch.openai_api ----------------------------------------------------------------------
