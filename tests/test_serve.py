@@ -188,7 +188,7 @@ def test_batch_texts_are_what_the_tokenizer_decodes(model_dir):
     seqs[3].text = "cut"
     expected = [engine.tokenizer.decode(ids, skip_special_tokens=index % 2 == 0) for index, ids in enumerate(outputs)]
     expected[3] = "cut"
-    assert engine._texts(seqs) == expected
+    assert engine.texts(seqs) == expected
     assert engine.tokenizer.decode(outputs[1], skip_special_tokens=True) != expected[1], "the setting matters"
 
 

@@ -60,7 +60,7 @@ class OpenAIRoutes:
             seqs = await self._generate([prompt], req.n, params, req.seed, req.top_logprobs)
         except ApiError as err:
             return _error(err)
-        texts = self.server._texts(seqs)
+        texts = self.server.texts(seqs)
         choices = [self._chat_choice(i, seq, text, req) for i, (seq, text) in enumerate(zip(seqs, texts))]
         body = chat_completion_body(model=req.model or self.server.model_path, choices=choices,
                                     prompt_tokens=len(prompt),
@@ -77,7 +77,7 @@ class OpenAIRoutes:
             seqs = await self._generate(prompts, req.n, self._params(req, max_tokens), req.seed, req.logprobs or 0)
         except ApiError as err:
             return _error(err)
-        texts = self.server._texts(seqs)
+        texts = self.server.texts(seqs)
         choices = []
         for i, (seq, text) in enumerate(zip(seqs, texts)):
             echoed = self._echo(req.prompts[i // req.n]) if req.echo else ""
@@ -115,7 +115,7 @@ class OpenAIRoutes:
 
     def _checked(self, prompts: list[list[int]], param: str) -> list[list[int]]:
         try:
-            return self.server._check_prompts(prompts, param)
+            return self.server.check_prompts(prompts, param)
         except RequestError as err:
             raise ApiError(str(err), param=param) from None
 
@@ -125,7 +125,7 @@ class OpenAIRoutes:
                              top_p=1.0 if req.top_p is None else req.top_p, stop=list(req.stop), n=req.n)
 
     def _echo(self, prompt: Any) -> str:
-        return prompt if isinstance(prompt, str) else self.server._decode(prompt)
+        return prompt if isinstance(prompt, str) else self.server.decode(prompt)
 
     # ---- generation -----------------------------------------------------------------------
 
@@ -162,7 +162,7 @@ class OpenAIRoutes:
 
     def _token_texts(self, ids: list[int]) -> dict[int, str]:
         distinct = sorted(set(ids))
-        return {t: self.server._decode([t], skip_special_tokens=False) for t in distinct}
+        return {t: self.server.decode([t], skip_special_tokens=False) for t in distinct}
 
 
 async def _body(request: web.Request) -> Any:

@@ -158,7 +158,7 @@ class CpuServer:
             return []
         return list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
-    def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -211,7 +211,7 @@ class CpuServer:
         self.batcher = Batcher(self.model, eos_ids=self._eos_ids(), pad_id=0 if pad is None else pad,
                                max_batch=self.max_batch, context_len=self.context_len, seed=self.seed,
                                weight_version=self.initial_version, min_step_time=self.min_step_time,
-                               decode=self._decode, device=self.device)
+                               decode=self.decode, device=self.device)
         self._scheduler = asyncio.create_task(self.batcher.run(), name="rlorch-batcher")
         self._scheduler.add_done_callback(_log_scheduler_failure)
 
@@ -298,7 +298,7 @@ class CpuServer:
                                f"context length ({self.context_len} tokens)")
         # As training encodes a prompt (bos first): a model answers a served prompt as it learned to.
         prompts = [encode_prompt(self.tokenizer, t) for t in texts]
-        return self._check_prompts(prompts, "text"), batched
+        return self.check_prompts(prompts, "text"), batched
 
     def _parse_ids(self, input_ids: Any) -> tuple[list[list[int]], bool]:
         if not isinstance(input_ids, list) or not input_ids:
@@ -309,9 +309,9 @@ class CpuServer:
             # JSON numbers parse to exactly int (never a subclass; true/false are bool).
             if not isinstance(prompt, list) or not set(map(type, prompt)) <= _INT:
                 raise RequestError("input_ids must be a list of integers or a list of lists of integers")
-        return self._check_prompts(prompts, "input_ids"), batched
+        return self.check_prompts(prompts, "input_ids"), batched
 
-    def _check_prompts(self, prompts: list[list[int]], field: str) -> list[list[int]]:
+    def check_prompts(self, prompts: list[list[int]], field: str) -> list[list[int]]:
         for prompt in prompts:
             if not prompt:
                 raise RequestError(f"{field} must not be empty")
@@ -352,7 +352,7 @@ class CpuServer:
         return [f"{rid}_{i}" for i in range(count)] if batched else [rid]
 
     def _answers(self, seqs: list[Sequence], logprobs: bool) -> list[dict]:
-        texts = self._texts(seqs)
+        texts = self.texts(seqs)
         answers = []
         for seq, text in zip(seqs, texts):
             meta = {"id": seq.rid, "finish_reason": seq.finish, "prompt_tokens": len(seq.prompt),
@@ -365,7 +365,7 @@ class CpuServer:
             answers.append({"text": text, "output_ids": seq.output_ids, "meta_info": meta})
         return answers
 
-    def _texts(self, seqs: list[Sequence]) -> list[str]:
+    def texts(self, seqs: list[Sequence]) -> list[str]:
         """Each sequence's text: the one its stop string cut, else its tokens decoded, by one
         backend call per ``skip_special_tokens`` setting where that decodes exactly as the
         tokenizer does (see :func:`_decode_batch`), else one decode each."""
@@ -377,7 +377,7 @@ class CpuServer:
             if self._decode_batch is not None:
                 decoded = self._decode_batch([seqs[i].output_ids for i in rows], skip_special_tokens=skip)
             else:
-                decoded = [self._decode(seqs[i].output_ids, skip) for i in rows]
+                decoded = [self.decode(seqs[i].output_ids, skip) for i in rows]
             for i, text in zip(rows, decoded):
                 texts[i] = text
         return texts
