@@ -187,23 +187,78 @@ def test_without_a_parser_tools_are_ignored(plain_server):
     assert err.value.param == "messages" and "chat template" in err.value.message
 
 
-def test_streaming_reassembles_the_same_answer(client):
-    request = dict(model="tiny", messages=USER, max_tokens=10, n=2, seed=5, logprobs=True)
-    whole = client.chat.completions.create(**request)
-    texts, finishes, usage = {0: "", 1: ""}, {}, None
-    for chunk in client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True}):
-        if chunk.usage is not None:
-            usage = chunk.usage
+def collect(stream) -> tuple[dict, dict, dict, dict, list]:
+    """Per choice index: the text, the finish reason, the tool calls and the logprobs a chat
+    stream sent; and the chunks' usage (None but the last)."""
+    texts, finishes, calls, logprobs, usages = {}, {}, {}, {}, []
+    for chunk in stream:
+        usages.append(chunk.usage)
         for choice in chunk.choices:
-            texts[choice.index] += choice.delta.content or ""
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            for call in choice.delta.tool_calls or []:
+                calls.setdefault(choice.index, []).append(call)
+            if choice.logprobs is not None:
+                logprobs.setdefault(choice.index, []).extend(choice.logprobs.content)
             if choice.finish_reason:
                 finishes[choice.index] = choice.finish_reason
+    return texts, finishes, calls, logprobs, usages
+
+
+def test_streaming_sends_tokens_as_they_come_and_reassembles_the_same_answer(client):
+    request = dict(model="tiny", messages=USER, max_tokens=10, n=2, seed=5, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**request)
+    chunks = list(client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True}))
+    texts, finishes, _, logprobs, usages = collect(chunks)
     assert [texts[0], texts[1]] == [c.message.content for c in whole.choices]
     assert [finishes[0], finishes[1]] == [c.finish_reason for c in whole.choices]
-    assert usage is not None and usage.total_tokens == whole.usage.total_tokens
-    stream = client.completions.create(model="tiny", prompt="5+5=", max_tokens=4, temperature=0, stream=True)
-    assert "".join(c.choices[0].text for c in stream if c.choices) == client.completions.create(
+    for index, choice in enumerate(whole.choices):
+        assert [(e.token, e.logprob, len(e.top_logprobs)) for e in logprobs[index]] == [
+            (e.token, e.logprob, 2) for e in choice.logprobs.content]
+    assert usages[:-1] == [None] * (len(usages) - 1) and usages[-1].total_tokens == whole.usage.total_tokens
+    content_chunks = [c for c in chunks if c.choices and c.choices[0].index == 0 and c.choices[0].delta.content]
+    assert len(content_chunks) > 1, "tokens are sent as they come, not all at the end"
+
+
+def test_streamed_text_never_sends_what_a_stop_string_cuts(client):
+    full = client.completions.create(model="tiny", prompt="12+3=", max_tokens=8, temperature=0).choices[0].text
+    for stop in (full[2], full[1:3], full[2] + "never"):
+        request = dict(model="tiny", prompt="12+3=", max_tokens=8, temperature=0, stop=stop)
+        whole = client.completions.create(**request).choices[0]
+        streamed = list(client.completions.create(**request, stream=True))
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.text, stop
+        assert streamed[-1].choices[0].finish_reason == whole.finish_reason
+    echoed = client.completions.create(model="tiny", prompt="5+5=", max_tokens=4, temperature=0, echo=True,
+                                       logprobs=1, stream=True)
+    chunks = [c.choices[0] for c in echoed]
+    assert "".join(c.text for c in chunks) == "5+5=" + client.completions.create(
         model="tiny", prompt="5+5=", max_tokens=4, temperature=0).choices[0].text
+    offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+    assert offsets == list(range(4, 4 + len(offsets)))
+
+
+def test_streamed_tool_calls_match_the_whole_answer(client):
+    request = dict(model="tiny", messages=USER, max_tokens=20, n=12, seed=3, tools=[CALCULATE])
+    whole = client.chat.completions.create(**request).choices
+    texts, finishes, calls, _, _ = collect(client.chat.completions.create(**request, stream=True))
+    assert any(c.message.tool_calls for c in whole)
+    for index, choice in enumerate(whole):
+        assert finishes[index] == choice.finish_reason
+        if choice.message.tool_calls:
+            assert [(c.type, c.function.name, c.function.arguments) for c in calls[index]] == [
+                (c.type, c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+            assert all(c.id.startswith("call_") and c.index == k for k, c in enumerate(calls[index]))
+            assert texts[index] == ""
+        else:
+            assert index not in calls and texts[index] == choice.message.content
+
+
+def test_held_back_keeps_what_may_become_a_stop_string():
+    from rlorch.serve.openai_routes import held_back
+
+    assert held_back("abc=", ["=x"]) == "abc"
+    assert held_back("abc=x1", ["=x12"]) == "abc"
+    assert held_back("abc", ["=x"]) == "abc"
+    assert held_back("ab\ufffd", []) == "ab"
 
 
 # ---- errors ---------------------------------------------------------------------------------

@@ -150,7 +150,25 @@ def completion_chunks(body: dict, *, include_usage: bool = False) -> list[dict]:
     return chunks
 
 
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_data(events: Iterable[dict]) -> bytes:
+    """Server-sent events, ``data: {json}\\n\\n`` per event (a stream in progress)."""
+    return b"".join(f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode() for event in events)
+
+
 def sse(events: Iterable[dict]) -> bytes:
-    """Server-sent events: ``data: {json}\\n\\n`` per event, then ``data: [DONE]\\n\\n``."""
-    return b"".join(f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode() for event in events) + \
-        b"data: [DONE]\n\n"
+    """A whole stream: ``data: {json}\\n\\n`` per event, then ``data: [DONE]\\n\\n``."""
+    return sse_data(events) + SSE_DONE
+
+
+def chat_logprobs(logprobs: Optional[list[TokenLogprob]]) -> Optional[dict]:
+    """A chat choice's (or chunk's) ``logprobs``: ``{"content": [...]}``."""
+    return _chat_logprobs(logprobs)
+
+
+def completion_logprobs(logprobs: Optional[list[TokenLogprob]], text_offset: int = 0) -> Optional[dict]:
+    """A completion choice's (or chunk's) legacy ``logprobs``, offsets from ``text_offset``."""
+    return _completion_logprobs(CompletionChoice(index=0, text="", finish_reason="", logprobs=logprobs,
+                                                 text_offset=text_offset))

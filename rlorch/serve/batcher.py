@@ -68,6 +68,9 @@ class Sequence:
     seed: Optional[int] = None
     """Draw this sequence from its own generator seeded so (OpenAI's ``seed``), not the shared one."""
     generator: Any = None
+    on_token: Optional[Callable[["Sequence"], None]] = None
+    """Called on the event loop after each token that does not finish the sequence (streaming);
+    ``done`` tells the end."""
 
 
 @dataclass(eq=False)
@@ -315,6 +318,8 @@ class Batcher:
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self._finish(seq, reason)
+            elif seq.on_token is not None:
+                seq.on_token(seq)
 
     def _finish_reason(self, seq: Sequence, token: int) -> Optional[dict]:
         params = seq.params
