@@ -44,7 +44,7 @@ def plain_server(model_dir, tmp_path_factory):
     config = json.loads(config_file.read_text())
     config.pop("chat_template", None)
     config_file.write_text(json.dumps(config))
-    thread = ServerThread(CpuServer(bare, threads=1))
+    thread = ServerThread(CpuServer(bare, threads=1, min_step_time=0.02))
     yield thread.address
     thread.stop()
 
@@ -95,6 +95,14 @@ def test_completions_n_and_a_batch_of_prompts_answer_prompt_major(client):
     assert out.usage.completion_tokens <= 12
     default = client.completions.create(model="tiny", prompt=[[1, 5]], n=1)
     assert default.usage.completion_tokens <= 16 and default.model == "tiny"
+
+
+def test_sglang_extras_ignore_eos_and_top_k(client):
+    long = client.completions.create(model="tiny", prompt="1", max_tokens=40, extra_body={"ignore_eos": True})
+    assert long.usage.completion_tokens == 40 and long.choices[0].finish_reason == "length"
+    greedy = client.completions.create(model="tiny", prompt="1", max_tokens=6, temperature=0)
+    top1 = client.completions.create(model="tiny", prompt="1", max_tokens=6, extra_body={"top_k": 1})
+    assert top1.choices[0].text == greedy.choices[0].text
 
 
 def test_echo_puts_the_prompt_first(client):
@@ -261,6 +269,32 @@ def test_held_back_keeps_what_may_become_a_stop_string():
     assert held_back("ab\ufffd", []) == "ab"
 
 
+def test_a_client_that_leaves_a_stream_aborts_its_sequences(plain_server):
+    import http.client
+    import time
+
+    def stats() -> dict:
+        with urllib.request.urlopen(f"http://{plain_server}/get_server_info", timeout=10) as response:
+            return json.loads(response.read())["internal_states"][0]
+
+    before = stats()["generated_tokens"]
+    host, port = plain_server.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection.request("POST", "/v1/completions", body=json.dumps({"prompt": "1", "max_tokens": 100, "stream": True,
+                                                                  "ignore_eos": True}),
+                       headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.getheader("Content-Type").startswith("text/event-stream")
+    assert response.read(7) == b"data: {"
+    connection.sock.close()
+    connection.close()
+    deadline = time.monotonic() + 10
+    while stats()["num_running_reqs"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stats()["num_running_reqs"] == 0
+    assert stats()["generated_tokens"] - before < 100, "the abandoned sequence was aborted, not run to its end"
+
+
 # ---- errors ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path, body, param", [
@@ -276,6 +310,7 @@ def test_held_back_keeps_what_may_become_a_stop_string():
     ("/completions", {"prompt": []}, "prompt"),
     ("/completions", {"prompt": [5, 100000]}, "prompt"),
     ("/completions", {"prompt": "1", "logprobs": 99}, "logprobs"),
+    ("/completions", {"prompt": "1", "top_k": 0}, "top_k"),
 ])
 def test_bad_requests_answer_400_naming_the_parameter(client, path, body, param):
     with pytest.raises(openai.BadRequestError) as err:

@@ -2,7 +2,8 @@
 
 Every refusal is an :class:`ApiError` naming the parameter at fault (``param``), answered 400.
 Unknown keys are ignored (as SGLang does; clients send vendor extras); known parameters the
-engines do not implement are accepted only at their defaults.
+engines do not implement are accepted only at their defaults. Of SGLang's extra sampling
+parameters, ``top_k``, ``min_p`` and ``ignore_eos`` are taken.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     """``stream_options.include_usage``: a last chunk carries the usage."""
+    top_k: int = -1
+    """SGLang's extra sampling parameters (-1: the whole vocabulary)."""
+    min_p: float = 0.0
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -71,6 +76,9 @@ class CompletionRequest:
     echo: bool
     stream: bool
     include_usage: bool
+    top_k: int = -1
+    min_p: float = 0.0
+    ignore_eos: bool = False
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
@@ -88,7 +96,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
                        max_tokens=max_tokens if max_tokens is not None else _int(body, "max_tokens", 1, None),
                        temperature=_number(body, "temperature", 0.0, 2.0), top_p=_top_p(body), stop=_stop(body),
                        seed=_int(body, "seed", None, None), logprobs=logprobs, top_logprobs=top or 0,
-                       stream=stream, include_usage=_include_usage(body, stream))
+                       stream=stream, include_usage=_include_usage(body, stream), **_extras(body))
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
@@ -104,7 +112,7 @@ def parse_completion_request(body: Any) -> CompletionRequest:
                              temperature=_number(body, "temperature", 0.0, 2.0), top_p=_top_p(body),
                              stop=_stop(body), seed=_int(body, "seed", None, None),
                              logprobs=_int(body, "logprobs", 0, MAX_TOP_LOGPROBS), echo=_bool(body, "echo"),
-                             stream=stream, include_usage=_include_usage(body, stream))
+                             stream=stream, include_usage=_include_usage(body, stream), **_extras(body))
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
@@ -144,6 +152,15 @@ def _unsupported(body: dict) -> None:
         if value is None or value == default or (key == "response_format" and value == _TEXT_FORMAT):
             continue
         raise ApiError(f"{key}={json.dumps(value)} is not supported", param=key)
+
+
+def _extras(body: dict) -> dict:
+    """SGLang's sampling parameters beyond OpenAI's: ``top_k``, ``min_p``, ``ignore_eos``."""
+    top_k = _int(body, "top_k", -1, None)
+    if top_k == 0:
+        raise ApiError("top_k must be -1 (the whole vocabulary) or >= 1", param="top_k")
+    min_p = _number(body, "min_p", 0.0, 1.0)
+    return {"top_k": -1 if top_k is None else top_k, "min_p": min_p or 0.0, "ignore_eos": _bool(body, "ignore_eos")}
 
 
 def _model(body: dict) -> str:

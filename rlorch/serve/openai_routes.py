@@ -123,7 +123,8 @@ class OpenAIRoutes:
     def _params(self, req: Any, max_tokens: Optional[int]) -> RequestParams:
         return RequestParams(max_new_tokens=self.server.context_len if max_tokens is None else max_tokens,
                              temperature=1.0 if req.temperature is None else req.temperature,
-                             top_p=1.0 if req.top_p is None else req.top_p, stop=list(req.stop), n=req.n)
+                             top_p=1.0 if req.top_p is None else req.top_p, stop=list(req.stop), n=req.n,
+                             top_k=req.top_k, min_p=req.min_p, ignore_eos=req.ignore_eos)
 
     def _echo(self, prompt: Any) -> str:
         return prompt if isinstance(prompt, str) else self.server.decode(prompt)
