@@ -387,10 +387,11 @@ def test_parse_chat_request_normalises_and_names_what_is_wrong():
                               "max_tokens": 9, "stop": "x", "stream": True, "stream_options": {"include_usage": True}})
     assert req.messages[0]["content"] == "a" and req.max_tokens == 9 and req.stop == ["x"]
     assert req.stream and req.include_usage and req.n == 1 and req.temperature is None
+    nameless = [{"type": "function", "function": {}}]
     for body, param in [({"messages": USER, "max_tokens": 0}, "max_tokens"), ({"messages": USER, "seed": "1"}, "seed"),
                         ({"messages": USER, "top_p": 0}, "top_p"), ({"messages": USER, "stop": ["a"] * 5}, "stop"),
                         ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
-                        ({"messages": USER, "tools": [{"type": "function", "function": {}}]}, "tools[0].function.name")]:
+                        ({"messages": USER, "tools": nameless}, "tools[0].function.name")]:
         with pytest.raises(ApiError) as err:
             parse_chat_request(body)
         assert err.value.param == param and err.value.body()["error"]["param"] == param
