@@ -260,6 +260,10 @@ def serve(
     device: Optional[str] = typer.Option(None, "--device",
                                          help="cpu or cuda (default: inference.cpu.device); on cuda the model runs in "
                                               "model.dtype on the GPU."),
+    tool_call_parser: Optional[str] = typer.Option(None, "--tool-call-parser",
+                                                   help="How /v1/chat/completions reads tool calls: qwen25 (alias "
+                                                        "hermes) or pipe (the tiny default model's); default none: "
+                                                        "tools are ignored."),
 ) -> None:
     """Run rlorch's inference engine: a real HTTP server speaking SGLang's native API, on the CPU
     or a GPU."""
@@ -267,7 +271,8 @@ def serve(
 
     config = _config_or_exit(list(overrides or []) + ([f"inference.cpu.device={device}"] if device else []))
     raise typer.Exit(serve_command(config, host=host, port=port, weight_version=weight_version,
-                                   parent=parent_pid, api_key=api_key, min_step_time=min_step_time))
+                                   parent=parent_pid, api_key=api_key, min_step_time=min_step_time,
+                                   tool_call_parser=tool_call_parser))
 
 
 @app.command()

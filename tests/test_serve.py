@@ -188,7 +188,7 @@ def test_batch_texts_are_what_the_tokenizer_decodes(model_dir):
     seqs[3].text = "cut"
     expected = [engine.tokenizer.decode(ids, skip_special_tokens=index % 2 == 0) for index, ids in enumerate(outputs)]
     expected[3] = "cut"
-    assert engine._texts(seqs) == expected
+    assert engine.texts(seqs) == expected
     assert engine.tokenizer.decode(outputs[1], skip_special_tokens=True) != expected[1], "the setting matters"
 
 
@@ -304,16 +304,21 @@ def test_sampler_reports_what_sglang_reports_whatever_the_cut():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 3.0, 1.0, 2.0], [1.0, 0.0, 0.0, 0.0]])
     params = [RequestParams(temperature=2.0), RequestParams(temperature=1.0, top_k=1),
               RequestParams(temperature=0.0)]
-    tokens, logprobs = sample(logits.clone(), params, [[], [], []], torch.Generator().manual_seed(0))
+    tokens, logprobs, tops = sample(logits.clone(), params, [[], [], []], torch.Generator().manual_seed(0))
+    assert tops is None
     assert logprobs[0] == pytest.approx(torch.log_softmax(logits[0] / 2, -1)[tokens[0]].item())
     assert tokens[1] == 1 and logprobs[1] == pytest.approx(torch.log_softmax(logits[1], -1)[1].item())
     assert tokens[2] == 0 and logprobs[2] == pytest.approx(torch.log_softmax(logits[2], -1)[0].item())
     nucleus = [RequestParams(top_p=0.5)]
-    tokens, logprobs = sample(logits[1:2].clone(), nucleus, [[1]], torch.Generator().manual_seed(0))
+    tokens, logprobs, _ = sample(logits[1:2].clone(), nucleus, [[1]], torch.Generator().manual_seed(0))
     banned = logits[1].clone()
     banned[1] = float("-inf")
     assert tokens == [3] and logprobs[0] == pytest.approx(torch.log_softmax(banned, -1)[3].item())
     assert logprobs[0] < -0.1
+    _, chosen, tops = sample(logits.clone(), params, [[], [], []], torch.Generator().manual_seed(0), top=[2, 0, 1])
+    assert [token for token, _ in tops[0]] == [0, 1] and tops[1] == []
+    assert tops[0][0][1] == pytest.approx(torch.log_softmax(logits[0] / 2, -1)[0].item())
+    assert tops[2] == [(0, pytest.approx(chosen[2]))], "greedy: the top token is the one taken, same logprob"
 
 
 def test_top_k_one_matches_greedy_over_http(server):

@@ -13,6 +13,8 @@ API_KEY_ENV = "RLORCH_API_KEY"
 """Where a launched engine reads its per-run API key (out of ``ps``); with
 ``inference.addresses``, the key the client sends to servers started elsewhere (optional)."""
 DTYPES = ("float32", "bfloat16", "float16")
+TOOL_PARSER_NAMES = ("qwen25", "hermes", "pipe")
+"""``--tool-call-parser`` choices: :data:`rlorch.openai_api.TOOL_PARSERS`'s names."""
 
 
 def launched_parser(*, exit_on_error: bool = True) -> argparse.ArgumentParser:
@@ -34,6 +36,8 @@ def launched_parser(*, exit_on_error: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model runs")
     parser.add_argument("--mem-fraction-static", type=float, default=None,
                         help="on cuda: the share of the device this process may allocate (SGLang's flag)")
+    parser.add_argument("--tool-call-parser", choices=TOOL_PARSER_NAMES, default=None,
+                        help="how /v1/chat/completions reads tool calls (default none: tools are ignored)")
     return parser
 
 

@@ -62,6 +62,15 @@ class Sequence:
     abort_message: Optional[str] = None
     text: Optional[str] = None
     finished_at: float = 0.0
+    top_logprobs: int = 0
+    """How many of the most likely tokens to record per step in ``top`` (OpenAI's ``top_logprobs``)."""
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    seed: Optional[int] = None
+    """Draw this sequence from its own generator seeded so (OpenAI's ``seed``), not the shared one."""
+    generator: Any = None
+    on_token: Optional[Callable[["Sequence"], None]] = None
+    """Called on the event loop after each token that does not finish the sequence (streaming);
+    ``done`` tells the end."""
 
 
 @dataclass(eq=False)
@@ -124,6 +133,8 @@ class Batcher:
             finally:
                 self._held -= len(seqs)
         for seq in seqs:
+            if seq.seed is not None and seq.generator is None:
+                seq.generator = torch.Generator(device=self.device).manual_seed(seq.seed % (1 << 63))
             if seq.params.max_new_tokens == 0 or len(seq.prompt) >= self.context_len:
                 self._finish(seq, {"type": "length", "length": 0})
             else:
@@ -244,9 +255,9 @@ class Batcher:
         self.counters["max_batch_seen"] = max(self.counters["max_batch_seen"], len(batch))
         rows = _Rows(seqs=batch)
         started = time.perf_counter()
-        tokens, logprobs = await self.run_on_model_thread(lambda: self._prefill(rows))
+        drawn = await self.run_on_model_thread(lambda: self._prefill(rows))
         while True:
-            self._record(rows.seqs, tokens, logprobs)
+            self._record(rows.seqs, *drawn)
             await self._hold_in_place()
             for seq in rows.seqs:
                 if seq.finish is None and seq.abort_message is not None:
@@ -255,9 +266,9 @@ class Batcher:
             if not keep:
                 return
             await self._throttle(started)
-            last = [tokens[i] for i in keep]
+            last = [drawn[0][i] for i in keep]
             joining = await self._join(rows, len(keep))
-            tokens, logprobs = await self.run_on_model_thread(lambda: self._step(rows, keep, last, joining))
+            drawn = await self.run_on_model_thread(lambda: self._step(rows, keep, last, joining))
             started = time.perf_counter()
             self.counters["max_batch_seen"] = max(self.counters["max_batch_seen"], len(rows.seqs))
 
@@ -276,10 +287,10 @@ class Batcher:
         self.counters["joined"] += len(seqs)
         self.counters["sequences"] += len(seqs)
         rows = _Rows(seqs=seqs)
-        tokens, logprobs = await self.run_on_model_thread(lambda: self._prefill(rows))
-        self._record(seqs, tokens, logprobs)
+        drawn = await self.run_on_model_thread(lambda: self._prefill(rows))
+        self._record(seqs, *drawn)
         keep = [i for i, seq in enumerate(seqs) if seq.finish is None]
-        return (rows, keep, [tokens[i] for i in keep]) if keep else None
+        return (rows, keep, [drawn[0][i] for i in keep]) if keep else None
 
     async def _hold_in_place(self) -> None:
         """While paused in place, keep the batch (and the model lock) until resume, or until the
@@ -295,15 +306,20 @@ class Batcher:
         if remaining > 0:
             await asyncio.sleep(remaining)
 
-    def _record(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float]) -> None:
+    def _record(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float],
+                tops: Optional[list[list[tuple[int, float]]]] = None) -> None:
         self.counters["decode_steps"] += 1
-        for seq, token, logprob in zip(seqs, tokens, logprobs):
+        for row, (seq, token, logprob) in enumerate(zip(seqs, tokens, logprobs)):
             seq.output_ids.append(token)
             seq.logprobs.append(logprob)
+            if tops is not None and seq.top_logprobs:
+                seq.top.append(tops[row])
             self.counters["generated_tokens"] += 1
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self._finish(seq, reason)
+            elif seq.on_token is not None:
+                seq.on_token(seq)
 
     def _finish_reason(self, seq: Sequence, token: int) -> Optional[dict]:
         params = seq.params
@@ -334,6 +350,12 @@ class Batcher:
 
     # ---- model thread ---------------------------------------------------------------------
 
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple:
+        generators = [seq.generator for seq in seqs] if any(seq.generator is not None for seq in seqs) else None
+        top = [seq.top_logprobs for seq in seqs] if any(seq.top_logprobs for seq in seqs) else None
+        return sample(logits, [s.params for s in seqs], self._banned(seqs), self._generator,
+                      generators=generators, top=top)
+
     def _banned(self, seqs: list[Sequence]) -> list[list[int]]:
         banned = []
         for seq in seqs:
@@ -345,7 +367,7 @@ class Batcher:
         return banned
 
     @torch.no_grad()
-    def _prefill(self, rows: _Rows) -> tuple[list[int], list[float]]:
+    def _prefill(self, rows: _Rows) -> tuple:
         prompts, row_of = _distinct([seq.prompt for seq in rows.seqs])
         width = max(len(prompt) for prompt in prompts)
         # Left-padded rows built as lists, one tensor each (per-row tensor writes took ten times
@@ -363,11 +385,11 @@ class Batcher:
             rows.cache.batch_select_indices(index)
             logits, mask, positions = logits[index], mask[index], positions[index]
         rows.mask, rows.positions = mask, positions[:, -1:]
-        return sample(logits, [s.params for s in rows.seqs], self._banned(rows.seqs), self._generator)
+        return self._sample(logits, rows.seqs)
 
     @torch.no_grad()
     def _step(self, rows: _Rows, keep: list[int], last: list[int],
-              joining: Optional[tuple[_Rows, list[int], list[int]]] = None) -> tuple[list[int], list[float]]:
+              joining: Optional[tuple[_Rows, list[int], list[int]]] = None) -> tuple:
         _select(rows, keep)
         if joining is not None:
             other, other_keep, other_last = joining
@@ -378,7 +400,7 @@ class Batcher:
         rows.positions = rows.positions + 1
         logits = self._forward(torch.tensor(last, device=self.device)[:, None], rows.mask, rows.positions,
                                rows.cache)
-        return sample(logits, [s.params for s in rows.seqs], self._banned(rows.seqs), self._generator)
+        return self._sample(logits, rows.seqs)
 
     def _forward(self, ids, mask, positions, cache) -> torch.Tensor:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,

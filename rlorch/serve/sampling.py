@@ -10,7 +10,7 @@ drawn from the cut, renormalised distribution; only the reported logprob ignores
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -115,11 +115,15 @@ def _expect_number(value: Any, name: str, lo: float, hi: float) -> None:
 
 
 def sample(logits: torch.Tensor, params: list[RequestParams], banned: list[list[int]],
-           generator: torch.Generator) -> tuple[list[int], list[float]]:
-    """Draw one token per row; return the tokens and their behaviour logprobs (see module doc).
+           generator: torch.Generator, *, generators: Optional[list[Optional[torch.Generator]]] = None,
+           top: Optional[list[int]] = None) -> tuple[list[int], list[float], Optional[list[list[tuple[int, float]]]]]:
+    """Draw one token per row; return the tokens, their behaviour logprobs (see module doc) and,
+    where ``top`` asks (``top[i]`` alternatives for row ``i``), the most likely tokens of the same
+    distribution with their logprobs, best first (None when no row asks: no cost otherwise).
 
     ``banned[i]`` are token ids row ``i`` may not produce yet (eos and stop ids before
-    ``min_new_tokens``).
+    ``min_new_tokens``); ``generators[i]``, where not None, draws row ``i`` instead of the shared
+    ``generator`` (a request's own seed).
     """
     logits = logits.float()
     for row, ids in enumerate(banned):
@@ -132,11 +136,23 @@ def sample(logits: torch.Tensor, params: list[RequestParams], banned: list[list[
     draw_from = logp
     if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
         draw_from = _filtered(logp, params)
-    drawn = torch.multinomial(draw_from.exp(), 1, generator=generator).squeeze(1)
+    probs = draw_from.exp()
+    drawn = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    for row, own in enumerate(generators or []):
+        if own is not None:
+            drawn[row] = torch.multinomial(probs[row], 1, generator=own)[0]
     tokens = torch.where(greedy, logits.argmax(-1), drawn)
-    greedy_logp = torch.log_softmax(logits, dim=-1)
-    chosen = torch.where(greedy[:, None], greedy_logp, logp).gather(1, tokens[:, None]).squeeze(1)
-    return tokens.tolist(), chosen.tolist()
+    reported = torch.where(greedy[:, None], torch.log_softmax(logits, dim=-1), logp)
+    chosen = reported.gather(1, tokens[:, None]).squeeze(1)
+    return tokens.tolist(), chosen.tolist(), _top(reported, top)
+
+
+def _top(reported: torch.Tensor, top: Optional[list[int]]) -> Optional[list[list[tuple[int, float]]]]:
+    if not top or not any(top):
+        return None
+    values, ids = reported.topk(min(max(top), reported.shape[-1]), dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return [list(zip(ids[row][:k], values[row][:k])) for row, k in enumerate(top)]
 
 
 def _filtered(logp: torch.Tensor, params: list[RequestParams]) -> torch.Tensor:

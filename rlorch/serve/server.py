@@ -82,7 +82,8 @@ class CpuServer:
                  weight_version: str = "0", min_step_time: float = 0.0, threads: Optional[int] = None,
                  api_key: Optional[str] = None, body_timeout: float = BODY_TIMEOUT_S,
                  idle_timeout: float = IDLE_TIMEOUT_S, group_timeout: Optional[float] = None,
-                 implementation: str = "auto", device: str = "cpu", memory_fraction: Optional[float] = None):
+                 implementation: str = "auto", device: str = "cpu", memory_fraction: Optional[float] = None,
+                 tool_call_parser: Optional[str] = None):
         """``threads`` sets torch's (process-wide) intra-op threads; ``min_step_time`` throttles
         each decode step (seconds) to emulate a slower engine; ``api_key`` guards every endpoint
         but the health checks; ``body_timeout`` and ``idle_timeout`` bound slow and idle
@@ -91,14 +92,21 @@ class CpuServer:
         died mid-broadcast holds the others up at most that long; ``implementation`` is
         ``model.implementation``; ``device`` is ``cpu`` or ``cuda`` (the model in ``dtype``
         there), and on cuda ``memory_fraction`` caps this process's share of the device
-        (``--mem-fraction-static``: a colocated trainer keeps the rest)."""
+        (``--mem-fraction-static``: a colocated trainer keeps the rest); ``tool_call_parser`` names
+        how ``/v1/chat/completions`` reads tool calls (:data:`rlorch.openai_api.TOOL_PARSERS`; None:
+        tools are ignored)."""
         import torch
+
+        from rlorch.openai_api import TOOL_PARSERS
 
         from rlorch.model import uses_native
         from rlorch.qwen2 import Qwen2ForCausalLM
 
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, got {tool_call_parser!r}")
+        self.tool_call_parser = tool_call_parser
         if threads is not None:
             torch.set_num_threads(threads)
         self.model_path = str(model_path)
@@ -150,7 +158,7 @@ class CpuServer:
             return []
         return list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
-    def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -179,7 +187,10 @@ class CpuServer:
             web.get("/resume_memory_occupation", self.resume_memory_occupation),
             web.post("/resume_memory_occupation", self.resume_memory_occupation),
         ]
-        app.add_routes(routes + self.weight_sync.routes())
+        from rlorch.serve.openai_routes import OpenAIRoutes
+
+        openai = OpenAIRoutes(self, tool_call_parser=self.tool_call_parser)
+        app.add_routes(routes + self.weight_sync.routes() + openai.routes())
         app[BODY_TIMEOUT_KEY] = self.body_timeout
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
@@ -200,7 +211,7 @@ class CpuServer:
         self.batcher = Batcher(self.model, eos_ids=self._eos_ids(), pad_id=0 if pad is None else pad,
                                max_batch=self.max_batch, context_len=self.context_len, seed=self.seed,
                                weight_version=self.initial_version, min_step_time=self.min_step_time,
-                               decode=self._decode, device=self.device)
+                               decode=self.decode, device=self.device)
         self._scheduler = asyncio.create_task(self.batcher.run(), name="rlorch-batcher")
         self._scheduler.add_done_callback(_log_scheduler_failure)
 
@@ -241,17 +252,23 @@ class CpuServer:
                 name = rid if param.n == 1 else f"{rid}_{sample}"
                 seqs.append(Sequence(rid=name, prompt=prompt, params=param, done=loop.create_future()))
         try:
-            await self.batcher.submit(seqs)
-            await asyncio.gather(*(seq.done for seq in seqs))
-        except asyncio.CancelledError:
-            self.batcher.abort_sequences(seqs, "Abort: client disconnected.")
-            raise
+            await self.run_sequences(seqs)
         except GenerationFailed as err:
             return _error(str(err), status=500)
         answers = self._answers(seqs, bool(body.get("return_logprob", False)))
         # orjson, as SGLang answers /generate (a non-finite float goes out as null, as there).
         return web.Response(body=dumps(answers if batched or len(seqs) > 1 else answers[0]),
                             content_type="application/json")
+
+    async def run_sequences(self, seqs: list[Sequence]) -> None:
+        """Generate ``seqs`` to their end; a client that goes away aborts them. Raises
+        :class:`GenerationFailed` when the generation loop has failed."""
+        try:
+            await self.batcher.submit(seqs)
+            await asyncio.gather(*(seq.done for seq in seqs))
+        except asyncio.CancelledError:
+            self.batcher.abort_sequences(seqs, "Abort: client disconnected.")
+            raise
 
     def _parse_generate(self, body: dict) -> tuple[list[list[int]], list[RequestParams], list[str], bool]:
         text, input_ids = body.get("text"), body.get("input_ids")
@@ -281,7 +298,7 @@ class CpuServer:
                                f"context length ({self.context_len} tokens)")
         # As training encodes a prompt (bos first): a model answers a served prompt as it learned to.
         prompts = [encode_prompt(self.tokenizer, t) for t in texts]
-        return self._check_prompts(prompts, "text"), batched
+        return self.check_prompts(prompts, "text"), batched
 
     def _parse_ids(self, input_ids: Any) -> tuple[list[list[int]], bool]:
         if not isinstance(input_ids, list) or not input_ids:
@@ -292,9 +309,9 @@ class CpuServer:
             # JSON numbers parse to exactly int (never a subclass; true/false are bool).
             if not isinstance(prompt, list) or not set(map(type, prompt)) <= _INT:
                 raise RequestError("input_ids must be a list of integers or a list of lists of integers")
-        return self._check_prompts(prompts, "input_ids"), batched
+        return self.check_prompts(prompts, "input_ids"), batched
 
-    def _check_prompts(self, prompts: list[list[int]], field: str) -> list[list[int]]:
+    def check_prompts(self, prompts: list[list[int]], field: str) -> list[list[int]]:
         for prompt in prompts:
             if not prompt:
                 raise RequestError(f"{field} must not be empty")
@@ -335,7 +352,7 @@ class CpuServer:
         return [f"{rid}_{i}" for i in range(count)] if batched else [rid]
 
     def _answers(self, seqs: list[Sequence], logprobs: bool) -> list[dict]:
-        texts = self._texts(seqs)
+        texts = self.texts(seqs)
         answers = []
         for seq, text in zip(seqs, texts):
             meta = {"id": seq.rid, "finish_reason": seq.finish, "prompt_tokens": len(seq.prompt),
@@ -348,7 +365,7 @@ class CpuServer:
             answers.append({"text": text, "output_ids": seq.output_ids, "meta_info": meta})
         return answers
 
-    def _texts(self, seqs: list[Sequence]) -> list[str]:
+    def texts(self, seqs: list[Sequence]) -> list[str]:
         """Each sequence's text: the one its stop string cut, else its tokens decoded, by one
         backend call per ``skip_special_tokens`` setting where that decodes exactly as the
         tokenizer does (see :func:`_decode_batch`), else one decode each."""
@@ -360,7 +377,7 @@ class CpuServer:
             if self._decode_batch is not None:
                 decoded = self._decode_batch([seqs[i].output_ids for i in rows], skip_special_tokens=skip)
             else:
-                decoded = [self._decode(seqs[i].output_ids, skip) for i in rows]
+                decoded = [self.decode(seqs[i].output_ids, skip) for i in rows]
             for i, text in zip(rows, decoded):
                 texts[i] = text
         return texts
@@ -619,7 +636,8 @@ def served_path(path: Optional[str]) -> Optional[str]:
 
 
 def serve_command(config, *, host: str, port: int, weight_version: str = "0",
-                  parent: Optional[int] = None, api_key: Optional[str] = None, min_step_time: float = 0.0) -> int:
+                  parent: Optional[int] = None, api_key: Optional[str] = None, min_step_time: float = 0.0,
+                  tool_call_parser: Optional[str] = None) -> int:
     """``rlorch serve``: run the CPU engine the composed ``config`` describes until SIGINT/SIGTERM
     (or until process ``parent`` is gone); the exit status (2 for a bad model path)."""
     return serve_model(config.model.path, host=host, port=port, dtype=config.model.dtype,
@@ -627,13 +645,14 @@ def serve_command(config, *, host: str, port: int, weight_version: str = "0",
                        max_batch=engine_max_batch(config), seed=config.run.seed,
                        transfer_timeout=config.inference.transfer_timeout, weight_version=weight_version,
                        parent=parent, api_key=api_key, min_step_time=min_step_time,
-                       device=config.inference.cpu.device, memory_fraction=config.inference.memory_fraction)
+                       device=config.inference.cpu.device, memory_fraction=config.inference.memory_fraction,
+                       tool_call_parser=tool_call_parser)
 
 
 def serve_model(model_path: Optional[str], *, host: str, port: int, dtype: str, implementation: str, threads: int,
                 max_batch: int, seed: int, transfer_timeout: float, weight_version: str, parent: Optional[int],
                 api_key: Optional[str], min_step_time: float, device: str = "cpu",
-                memory_fraction: Optional[float] = None) -> int:
+                memory_fraction: Optional[float] = None, tool_call_parser: Optional[str] = None) -> int:
     """Run the CPU engine on ``model_path`` (a run directory: its newest weights) until
     SIGINT/SIGTERM (or until process ``parent`` is gone); the exit status (2 for a bad model
     path or an address it cannot bind)."""
@@ -641,6 +660,11 @@ def serve_model(model_path: Optional[str], *, host: str, port: int, dtype: str, 
     from rlorch.model import resolve_model_path
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from rlorch.openai_api import TOOL_PARSERS
+
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        log.error("cannot serve: --tool-call-parser must be one of %s, got %r", sorted(TOOL_PARSERS), tool_call_parser)
+        return 2
     try:
         path = resolve_model_path(served_path(model_path))
     except ConfigError as err:
@@ -649,7 +673,7 @@ def serve_model(model_path: Optional[str], *, host: str, port: int, dtype: str, 
     server = CpuServer(path, dtype=dtype, max_batch=max_batch, seed=seed, weight_version=weight_version,
                        threads=threads, api_key=api_key or None, min_step_time=min_step_time,
                        group_timeout=transfer_timeout, implementation=implementation, device=device,
-                       memory_fraction=memory_fraction)
+                       memory_fraction=memory_fraction, tool_call_parser=tool_call_parser)
     try:
         asyncio.run(_serve_until_signal(server, host, port, parent))
     except OSError as err:
@@ -666,7 +690,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                        implementation=args.implementation, threads=args.threads, max_batch=args.max_batch,
                        seed=args.seed, transfer_timeout=args.transfer_timeout, weight_version=args.weight_version,
                        parent=args.parent_pid, api_key=os.environ.get(API_KEY_ENV), min_step_time=args.min_step_time,
-                       device=args.device, memory_fraction=args.mem_fraction_static)
+                       device=args.device, memory_fraction=args.mem_fraction_static,
+                       tool_call_parser=args.tool_call_parser)
 
 
 if __name__ == "__main__":
