@@ -17,6 +17,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from rlorch.openai_api import template_messages
 from rlorch.tasks.prompts import ChatTemplateError, bridged_suffix, chat_suffix, encode_prompt, encode_text
 from rlorch.types import (LOGPROBS, TOKEN_IDS, Generation, VersionStamps, as_array, logprob_array, mask_array,
                           token_ids)
@@ -64,21 +65,6 @@ def _canonical_arguments(call: dict) -> str:
         return json.dumps(json.loads(arguments), sort_keys=True, separators=(",", ":"))
     except (TypeError, ValueError):
         return str(arguments)
-
-
-def renderable(messages: Sequence[dict]) -> list[dict]:
-    """Messages as a chat template takes them: ``content`` None becomes "" and text parts are
-    joined (templates print what they are given)."""
-    out = []
-    for message in messages:
-        message = dict(message)
-        content = message.get("content")
-        if isinstance(content, list):
-            message["content"] = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        elif content is None:
-            message["content"] = ""
-        out.append(message)
-    return out
 
 
 @dataclass
@@ -152,8 +138,8 @@ class Trajectory:
         held = segment.held
         if tools_key != segment.tools_key or len(keys) <= len(held) or keys[:len(held)] != held:
             return self._fork(messages, tools, keys, tools_key, ForkReason.diverged)
-        new = renderable(messages[len(held):])
-        history = renderable(messages[:len(held)])
+        new = template_messages(messages[len(held):])
+        history = template_messages(messages[:len(held)])
         kind = CallKind.extended
         try:
             suffix = chat_suffix(self.tokenizer, history, new, last_turn=segment.last_turn, tools=tools)
@@ -172,7 +158,7 @@ class Trajectory:
         return Plan(self._render(messages, tools), CallKind.forked, None, 0, reason, keys, tools_key)
 
     def _render(self, messages: Sequence[dict], tools: Optional[list]) -> array:
-        return token_ids(encode_prompt(self.tokenizer, renderable(messages), tools=tools))
+        return token_ids(encode_prompt(self.tokenizer, template_messages(messages), tools=tools))
 
     def record(self, plan: Plan, generation: Generation, reply: dict, last_turn: str) -> CallRecord:
         """Add a call's answer: ``reply`` is the assistant message returned to the agent,
