@@ -299,3 +299,44 @@ def test_streaming_answers_the_same_text_in_chunks(server, model_dir):
     engine, text = asyncio.run(scenario())
     tokenizer = load_tokenizer(model_dir)
     assert text == tokenizer.decode(list(engine.calls[0][1].output_ids), skip_special_tokens=True)
+
+
+def test_a_template_that_rewrites_earlier_turns_forks_and_says_so_or_is_bridged(server, model_dir):
+    from rlorch.agents.trajectory import ForkReason
+    from rlorch.model import build_tokenizer
+    from rlorch.types import Generation, VersionStamps
+
+    tokenizer = build_tokenizer()
+    # Drops what an earlier assistant turn wrote up to its last "z" (as Qwen3 drops past reasoning).
+    tokenizer.chat_template = (
+        "{{ bos_token }}{% for m in messages %}{{ m['role'] }}:{% if m['role'] == 'assistant' and not loop.last %}"
+        "{{ m['content'].split('z')[-1] }}{% else %}{{ m['content'] }}{% endif %}{{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}")
+
+    class Thinking:
+        async def generate(self, input_ids, params, rid):
+            ids = tokenizer("abz7<eos>", add_special_tokens=False)["input_ids"]
+            return Generation(ids, [-0.5] * len(ids), VersionStamps.uniform(0, len(ids)), "stop")
+
+    async def scenario(bridge):
+        gateway = AgentGateway(engine=Thinking(), tokenizer=tokenizer, model_name="m", tool_parser=None, max_calls=4,
+                               bridge=bridge)
+        await gateway.start()
+        try:
+            session = gateway.open(params=PARAMS, rid="t")
+            async with _client(session) as client:
+                messages = [{"role": "user", "content": "3+4="}]
+                reply = await client.chat.completions.create(model="m", messages=messages)
+                messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "no"}]
+                await client.chat.completions.create(model="m", messages=messages)
+            return await gateway.close(session)
+        finally:
+            await gateway.stop()
+
+    forked, bridged = asyncio.run(scenario(False)), asyncio.run(scenario(True))
+    assert forked.forks == 1 and forked.fork_reasons == [ForkReason.template]
+    assert [c.kind for c in forked.calls] == [CallKind.first, CallKind.forked]
+    assert bridged.forks == 0 and [c.kind for c in bridged.calls] == [CallKind.first, CallKind.bridged]
+    first, second = bridged.calls
+    assert second.prompt_ids[:len(first.prompt_ids) + len(first.output_ids)].tolist() == (
+        first.prompt_ids.tolist() + first.output_ids.tolist())

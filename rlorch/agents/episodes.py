@@ -104,6 +104,7 @@ class AgentEpisodes:
     def __init__(self, *, gateway: AgentGateway, agent: AgentFunction, env: Any, timeout: float):
         self.gateway, self.agent, self.env, self.timeout = gateway, agent, env, timeout
         self.counts = Counter()
+        self.fork_reasons = Counter()
         self.recent_errors: deque[str] = deque(maxlen=RECENT_ERRORS)
         self.pass_http_client = takes_http_client(agent)
 
@@ -136,6 +137,7 @@ class AgentEpisodes:
         self.counts["agent_episodes"] += 1
         self.counts["agent_calls"] += len(calls)
         self.counts["agent_forks"] += trajectory.forks
+        self.fork_reasons.update(reason.value for reason in trajectory.fork_reasons)
         completion = self._last_answer(trajectory)
         if error is not None:
             self.counts["agent_failures"] += 1
@@ -160,9 +162,12 @@ class AgentEpisodes:
 
     def gauges(self) -> dict:
         """Counts since the run started (a step's own forks are its record's ``agent_forks``),
-        and the latest distinct errors."""
+        why episodes forked (``agent_fork_reasons``: diverged, template, concurrent), and the
+        latest distinct errors."""
         fields = {key: self.counts[key] for key in ("agent_episodes", "agent_calls", "agent_failures")}
         fields["agent_forks_total"] = self.counts["agent_forks"]
+        if self.fork_reasons:
+            fields["agent_fork_reasons"] = dict(self.fork_reasons)
         if self.recent_errors:
             fields["agent_errors"] = list(dict.fromkeys(self.recent_errors))
         return fields
