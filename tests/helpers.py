@@ -117,3 +117,14 @@ def start_local_ray(**options) -> None:
             raise
         ray.shutdown()
         ray.init(address="local", **options)
+
+
+async def wait_generated(engine, at_least: int) -> None:
+    """Wait until the server behind ``engine`` (an ``SGLangEngine`` on ``rlorch serve``) has
+    generated ``at_least`` more tokens than when called."""
+    start = (await engine.server_info())["internal_states"][0]["generated_tokens"]
+    for _ in range(2000):
+        if (await engine.server_info())["internal_states"][0]["generated_tokens"] >= start + at_least:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("generation made no progress")

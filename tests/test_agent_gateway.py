@@ -5,11 +5,13 @@ retries are not sampled again, sessions do not mix, a weight update mid-call kee
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import httpx
 import pytest
 
+from helpers import wait_generated
 from rlorch.agents.gateway import AgentGateway
 from rlorch.agents.trajectory import CallKind
 from rlorch.inference.client import SGLangEngine
@@ -43,12 +45,20 @@ class Recorded:
         return generation
 
 
-async def _gateway(server, model_dir, *, engine=None, **options):
+@contextlib.asynccontextmanager
+async def _serving(server, model_dir, *, engine=None, tokenizer=None, **options):
+    """A started gateway in front of ``engine`` (default: ``rlorch serve``'s, recorded)."""
     engine = engine or Recorded(SGLangEngine(server.address))
     options = {"tool_parser": "pipe", "max_calls": 8, **options}
-    gateway = AgentGateway(engine=engine, tokenizer=load_tokenizer(model_dir), model_name="tiny", **options)
+    gateway = AgentGateway(engine=engine, tokenizer=tokenizer or load_tokenizer(model_dir), model_name="tiny",
+                           **options)
     await gateway.start()
-    return gateway, engine
+    try:
+        yield gateway, engine
+    finally:
+        await gateway.stop()
+        if isinstance(engine, Recorded):
+            await engine.engine.close()
 
 
 def _client(session, **options):
@@ -71,15 +81,11 @@ async def _tool_episode(client, prompt: str) -> list:
 
 def test_every_prompt_is_what_the_engine_received_and_the_trained_tokens_are_its_own(server, model_dir):
     async def scenario():
-        gateway, engine = await _gateway(server, model_dir)
-        try:
+        async with _serving(server, model_dir) as (gateway, engine):
             session = gateway.open(params=PARAMS, rid="e0")
             async with _client(session) as client:
                 replies = await _tool_episode(client, "3+4=")
             return engine, replies, await gateway.close(session)
-        finally:
-            await gateway.stop()
-            await engine.engine.close()
 
     engine, replies, trajectory = asyncio.run(scenario())
     assert [c.kind for c in trajectory.calls] == [CallKind.first, CallKind.extended]
@@ -102,16 +108,12 @@ def test_every_prompt_is_what_the_engine_received_and_the_trained_tokens_are_its
 
 def test_the_runs_sampling_is_enforced_and_the_agents_length_and_stops_are_kept(server, model_dir):
     async def scenario():
-        gateway, engine = await _gateway(server, model_dir)
-        try:
+        async with _serving(server, model_dir) as (gateway, engine):
             session = gateway.open(params=PARAMS, rid="e1")
             async with _client(session) as client:
                 await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "1+1="}],
                                                      temperature=0.0, top_p=0.5, max_tokens=3, stop=["|"])
             return engine
-        finally:
-            await gateway.stop()
-            await engine.engine.close()
 
     (_, generation, params), = asyncio.run(scenario()).calls
     assert (params.temperature, params.top_p) == (PARAMS.temperature, PARAMS.top_p)
@@ -132,14 +134,11 @@ def test_a_tool_call_comes_back_parsed_and_its_round_trip_stays_one_sequence(ser
             return Generation(ids, [-0.5] * len(ids), VersionStamps.uniform(2, len(ids)), "stop")
 
     async def scenario():
-        gateway, _ = await _gateway(server, model_dir, engine=Scripted(load_tokenizer(model_dir)))
-        try:
+        async with _serving(server, model_dir, engine=Scripted(load_tokenizer(model_dir))) as (gateway, _):
             session = gateway.open(params=PARAMS, rid="e2")
             async with _client(session) as client:
                 replies = await _tool_episode(client, "3+4=")
             return replies, await gateway.close(session)
-        finally:
-            await gateway.stop()
 
     (first, second), trajectory = asyncio.run(scenario())
     call = first.choices[0].message.tool_calls[0]
@@ -165,17 +164,13 @@ def test_a_retried_request_is_answered_from_the_record_not_sampled_again(server,
             return response
 
     async def scenario():
-        gateway, engine = await _gateway(server, model_dir)
-        try:
+        async with _serving(server, model_dir) as (gateway, engine):
             session = gateway.open(params=PARAMS, rid="e3")
             http = httpx.AsyncClient(transport=DropFirstAnswer())
             async with _client(session, http_client=http, max_retries=2) as client:
                 reply = await client.chat.completions.create(
                     model="m", messages=[{"role": "user", "content": "2+2="}], logprobs=True)
             return engine, reply, await gateway.close(session)
-        finally:
-            await gateway.stop()
-            await engine.engine.close()
 
     engine, reply, trajectory = asyncio.run(scenario())
     assert len(engine.calls) == 1 and len(trajectory.calls) == 1
@@ -185,8 +180,7 @@ def test_a_retried_request_is_answered_from_the_record_not_sampled_again(server,
 
 def test_64_concurrent_sessions_do_not_mix(server, model_dir):
     async def scenario():
-        gateway, engine = await _gateway(server, model_dir)
-        try:
+        async with _serving(server, model_dir) as (gateway, engine):
             sessions = [gateway.open(params=PARAMS, rid=f"c{i}") for i in range(64)]
 
             async def episode(i, session):
@@ -195,9 +189,6 @@ def test_64_concurrent_sessions_do_not_mix(server, model_dir):
 
             await asyncio.gather(*(episode(i, s) for i, s in enumerate(sessions)))
             return engine, [await gateway.close(s) for s in sessions]
-        finally:
-            await gateway.stop()
-            await engine.engine.close()
 
     engine, trajectories = asyncio.run(scenario())
     tokenizer = load_tokenizer(model_dir)
@@ -210,36 +201,23 @@ def test_64_concurrent_sessions_do_not_mix(server, model_dir):
             assert list(sent[tuple(record.prompt_ids.tolist())].output_ids) == record.output_ids.tolist()
 
 
-async def _wait_generated(engine: SGLangEngine, at_least: int) -> None:
-    start = (await engine.server_info())["internal_states"][0]["generated_tokens"]
-    for _ in range(2000):
-        if (await engine.server_info())["internal_states"][0]["generated_tokens"] >= start + at_least:
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("generation made no progress")
-
-
 def test_a_weight_update_mid_call_keeps_the_call_and_stamps_two_versions(server, model_dir, perturbed_dir):
     async def scenario():
         control = SGLangEngine(server.address)
         engine = Recorded(SGLangEngine(server.address, extra_params={"ignore_eos": True}))
-        gateway, _ = await _gateway(server, model_dir, engine=engine)
-        try:
+        async with _serving(server, model_dir, engine=engine) as (gateway, _), contextlib.AsyncExitStack() as stack:
+            stack.push_async_callback(control.close)
             session = gateway.open(params=SamplingParams(max_new_tokens=100), rid="w")
             async with _client(session) as client:
                 pending = asyncio.ensure_future(client.chat.completions.create(
                     model="m", messages=[{"role": "user", "content": "1+2="}], max_tokens=100))
-                await _wait_generated(control, 3)
+                await wait_generated(control, 3)
                 await control.pause()
                 await control.reload(str(perturbed_dir), 1)
                 await control.resume()
                 reply = await pending
             await control.reload(str(model_dir), 0)
             return reply, await gateway.close(session)
-        finally:
-            await gateway.stop()
-            await engine.engine.close()
-            await control.close()
 
     reply, trajectory = asyncio.run(scenario())
     assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 100
@@ -249,8 +227,7 @@ def test_a_weight_update_mid_call_keeps_the_call_and_stamps_two_versions(server,
 
 def test_unknown_closed_and_wrongly_keyed_sessions_and_bad_requests_are_refused(server, model_dir):
     async def scenario():
-        gateway, engine = await _gateway(server, model_dir, max_calls=1)
-        try:
+        async with _serving(server, model_dir, max_calls=1) as (gateway, engine):
             session = gateway.open(params=PARAMS, rid="r")
             errors = {}
             async with openai.AsyncOpenAI(base_url=session.base_url, api_key="wrong", max_retries=0) as client:
@@ -273,9 +250,6 @@ def test_unknown_closed_and_wrongly_keyed_sessions_and_bad_requests_are_refused(
                 with pytest.raises(openai.ConflictError):
                     await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "1="}])
             return errors, session
-        finally:
-            await gateway.stop()
-            await engine.engine.close()
 
     errors, session = asyncio.run(scenario())
     assert errors["n"].body["param"] == "n"
@@ -284,17 +258,13 @@ def test_unknown_closed_and_wrongly_keyed_sessions_and_bad_requests_are_refused(
 
 def test_streaming_answers_the_same_text_in_chunks(server, model_dir):
     async def scenario():
-        gateway, engine = await _gateway(server, model_dir)
-        try:
+        async with _serving(server, model_dir) as (gateway, engine):
             session = gateway.open(params=PARAMS, rid="s")
             async with _client(session) as client:
                 stream = await client.chat.completions.create(model="m", stream=True,
                                                               messages=[{"role": "user", "content": "4+4="}])
                 text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
             return engine, text
-        finally:
-            await gateway.stop()
-            await engine.engine.close()
 
     engine, text = asyncio.run(scenario())
     tokenizer = load_tokenizer(model_dir)
@@ -319,10 +289,7 @@ def test_a_template_that_rewrites_earlier_turns_forks_and_says_so_or_is_bridged(
             return Generation(ids, [-0.5] * len(ids), VersionStamps.uniform(0, len(ids)), "stop")
 
     async def scenario(bridge):
-        gateway = AgentGateway(engine=Thinking(), tokenizer=tokenizer, model_name="m", tool_parser=None, max_calls=4,
-                               bridge=bridge)
-        await gateway.start()
-        try:
+        async with _serving(server, model_dir, engine=Thinking(), tokenizer=tokenizer, bridge=bridge) as (gateway, _):
             session = gateway.open(params=PARAMS, rid="t")
             async with _client(session) as client:
                 messages = [{"role": "user", "content": "3+4="}]
@@ -330,8 +297,6 @@ def test_a_template_that_rewrites_earlier_turns_forks_and_says_so_or_is_bridged(
                 messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "no"}]
                 await client.chat.completions.create(model="m", messages=messages)
             return await gateway.close(session)
-        finally:
-            await gateway.stop()
 
     forked, bridged = asyncio.run(scenario(False)), asyncio.run(scenario(True))
     assert forked.forks == 1 and forked.fork_reasons == [ForkReason.template]

@@ -13,6 +13,7 @@ import json
 
 import pytest
 
+from helpers import wait_generated
 from rlorch.inference.client import EngineError, SGLangEngine, parse_weight_version
 from rlorch.serve.server import CpuServer, ServerThread
 from rlorch.types import Engine, GroupRequest, SamplingParams, VersionStamps
@@ -69,15 +70,6 @@ def test_generate_group_is_batched_on_the_server(server):
     assert after["batches"] - before["batches"] < 4
 
 
-async def _wait_generated(engine: SGLangEngine, at_least: int) -> None:
-    start = (await engine.server_info())["internal_states"][0]["generated_tokens"]
-    for _ in range(2000):
-        if (await engine.server_info())["internal_states"][0]["generated_tokens"] >= start + at_least:
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("generation made no progress")
-
-
 def test_weight_update_mid_generation_spans_two_versions(server, model_dir, perturbed_dir):
     greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
 
@@ -87,7 +79,7 @@ def test_weight_update_mid_generation_spans_two_versions(server, model_dir, pert
         try:
             before = await engine.generate(PROMPT, greedy, "greedy-before")
             pending = asyncio.ensure_future(engine.generate(PROMPT, SamplingParams(max_new_tokens=100), "long"))
-            await _wait_generated(control, 3)
+            await wait_generated(control, 3)
             await control.pause()
             await control.reload(str(perturbed_dir), 1)
             assert await control.weight_version() == 1
@@ -128,7 +120,7 @@ def test_abort_returns_partial_without_resubmitting(server):
         engine = SGLangEngine(server.address, extra_params={"ignore_eos": True})
         try:
             pending = asyncio.ensure_future(engine.generate(PROMPT, SamplingParams(max_new_tokens=100), "stop-me"))
-            await _wait_generated(engine, 2)
+            await wait_generated(engine, 2)
             await engine.abort("stop-me")
             return await pending
         finally:
@@ -233,7 +225,7 @@ def test_generate_batch_sample_cut_short_by_a_weight_update_continues(server, mo
         try:
             pending = asyncio.ensure_future(engine.generate_batch(
                 [GroupRequest(PROMPT, SamplingParams(max_new_tokens=60), 2, "long")]))
-            await _wait_generated(control, 3)
+            await wait_generated(control, 3)
             await control.pause()
             await control.reload(str(perturbed_dir), 1)
             await control.resume()
