@@ -22,7 +22,6 @@ CALCULATE = {
                        "required": ["expression"]},
     },
 }
-CALL_TOKENS, ANSWER_TOKENS = 8, 4
 
 
 def calculate(expression: str) -> str:
@@ -33,33 +32,36 @@ def calculate(expression: str) -> str:
 
 
 async def solve(sample: dict, *, base_url: str, api_key: str, http_client=None) -> float:
-    """One episode: ``sample["prompt"]`` is ``37+45=``, ``sample["answer"]`` ``82``. Reward 1 for
-    the right answer. Short of it, credit for each part of the skill: 0.1 for a call the tool can
-    evaluate, up to 0.3 for the prompt's expression in it (the share of characters in place), up
-    to 0.2 for an answer repeating what the tool returned. All of them in full is the solution,
-    which scores 1: no partial skill is worth more than learning the rest. ``http_client``: the
-    one rlorch hands over (cheap to build; a client of one's own works too, slower)."""
+    """One episode: ``sample["prompt"]`` is ``37+45=``, ``sample["answer"]`` ``82``. The call may
+    be as long as the expression and its ``|``, the answer as long as what the tool returned.
+    Reward 1 for the right answer. Short of it, credit for the parts of the skill: up to 0.4 for
+    the prompt's expression in the first turn (the share of its characters in place), 0.05 for
+    calling the tool, and once the call holds some of the expression, up to 0.2 for an answer
+    repeating what the tool returned. Only the whole solution scores 1. ``http_client``: the one
+    rlorch hands over (cheap to build; a client of one's own works too, slower)."""
     expression = sample["prompt"].removesuffix("=")
     async with AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client) as client:
         messages = [{"role": "user", "content": sample["prompt"]}]
         reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATE],
-                                                     max_tokens=CALL_TOKENS)
+                                                     max_tokens=len(expression) + 1)
         message = reply.choices[0].message
-        called, result = "", None
+        first, result = message.content or "", None
         if message.tool_calls:
             messages.append(message.model_dump(exclude_none=True))
-            for call in message.tool_calls:
-                called = json.loads(call.function.arguments).get("expression", "")
-                result = calculate(called)
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+            call = message.tool_calls[0]
+            first = json.loads(call.function.arguments).get("expression", "")
+            result = calculate(first)
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
             reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATE],
-                                                         max_tokens=ANSWER_TOKENS)
+                                                         max_tokens=max(len(result), 1))
         answer = (reply.choices[0].message.content or "").strip()
     if answer == str(sample["answer"]):
         return 1.0
-    if result is None or not result.lstrip("-").isdigit():
-        return 0.0
-    return 0.1 + 0.3 * in_place(called, expression) + 0.2 * in_place(answer, result)
+    expressed = in_place(first, expression)
+    if result is None:
+        return 0.4 * expressed
+    repeated = in_place(answer, result) if expressed and result.lstrip("-").isdigit() else 0.0
+    return 0.4 * expressed + 0.05 + 0.2 * repeated
 
 
 def in_place(text: str, target: str) -> float:
