@@ -3,9 +3,8 @@
 An answer's ``meta_info.output_token_logprobs`` is ``[[logprob, token_id, null], ...]``, about
 25 bytes a token; a general JSON parser makes four Python objects of every entry. Here the
 entries (and ``output_ids``, which repeats their ids) are cut out of the body before it is
-parsed: each entries span becomes one flat ``[logprob, id, logprob, id, ...]`` text (a single
-``bytes.replace``), which orjson and numpy turn into an int32 id array and a float32 logprob
-array; the rest of the body, small, is parsed as JSON, and the entries' place holds a
+parsed: each entries span is read as bytes by numpy (:mod:`rlorch.inference.scan`) into an
+int32 id array and a float32 logprob array; the rest of the body, small, is parsed as JSON, and the entries' place holds a
 :class:`Segment`. An answer this fast path does not read exactly as written (whitespace inside
 the entries, a token's text in them, a non-finite or missing logprob, an id that is not an
 integer) is parsed in full instead, and :func:`segment` reads its entries one by one (and names
@@ -18,9 +17,9 @@ import math
 from array import array
 from typing import Any, NamedTuple
 
-import numpy
 import orjson
 
+from rlorch.inference.scan import Irregular, read_entries
 from rlorch.jsonlines import loads
 from rlorch.types import LOGPROBS, LONG, TOKEN_IDS
 
@@ -110,9 +109,9 @@ def _entries_end(body: bytes, opened: int) -> int:
 
 
 def _entries(body: bytes, start: int, end: int) -> Segment:
-    """``[[lp, id, null], ...]`` at ``body[start:end]`` as arrays. Anything else in the span (a
-    string, whitespace, a third value) leaves nested lists or non-numbers after the replace, which
-    the shape and type checks refuse."""
+    """``[[lp, id, null], ...]`` at ``body[start:end]`` as arrays, read by
+    :func:`rlorch.inference.scan.read_entries` (bit for bit what parsing them as JSON gives);
+    anything else in the span (a string, whitespace, a third value) is refused."""
     if end - start == 2:
         return Segment(array(TOKEN_IDS), array(LOGPROBS))
     count = body.count(b"[", start, end) - 1
@@ -121,24 +120,13 @@ def _entries(body: bytes, start: int, end: int) -> Segment:
             return Segment(*segment(orjson.loads(body[start:end])))
         except (orjson.JSONDecodeError, ValueError, TypeError, IndexError) as err:
             raise NotCompact(str(err)) from None
-    # [lp,id,null],[lp,id,null] -> [lp,id,lp,id,null]: one flat list, its last value the null
-    flat = body[start + 1:end - 1].replace(b",null],[", b",")
     try:
-        parsed = orjson.loads(flat)
-        if not isinstance(parsed, list) or parsed.pop() is not None:
-            raise NotCompact("entries other than [logprob, id, null]")
-        values = numpy.array(parsed, dtype=numpy.float64)
-    except (orjson.JSONDecodeError, ValueError, TypeError, IndexError) as err:
+        ids, logprobs = read_entries(body, start, end)
+    except Irregular as err:
         raise NotCompact(str(err)) from None
-    if values.shape != (2 * count,):
-        raise NotCompact("entries other than [logprob, id, null]")
-    ids, logprobs = values[1::2], values[0::2]
-    if not (numpy.isfinite(logprobs).all() and (ids == numpy.floor(ids)).all()
-            and (0 <= ids).all() and (ids < 2**31).all()):
-        raise NotCompact("a non-finite logprob or an id that is not a token id")
     out_ids, out_logprobs = array(TOKEN_IDS), array(LOGPROBS)
-    out_ids.frombytes(ids.astype(numpy.int32).tobytes())
-    out_logprobs.frombytes(logprobs.astype(numpy.float32).tobytes())
+    out_ids.frombytes(memoryview(ids).cast("B"))
+    out_logprobs.frombytes(memoryview(logprobs).cast("B"))
     return Segment(out_ids, out_logprobs)
 
 
