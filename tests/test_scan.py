@@ -80,7 +80,7 @@ TRICKY = ["-1.5e-05", "-1e-07", "-1E+2", "-2.5E-3", "-0.0", "0.0", "0", "-0", "-
 def test_float32_logprobs_read_bit_for_bit_as_json_gives_them():
     logprobs = float32_logprobs(5000, seed=1)
     body = entries([repr(x) for x in logprobs]).encode()
-    ids, values = read_entries(body, 0, len(body))
+    ids, values = read_entries(body, [(0, len(body))])[0]
     assert ids.tobytes() == array(TOKEN_IDS, range(5000)).tobytes()
     assert values.tobytes() == array(LOGPROBS, logprobs).tobytes()
 
@@ -91,7 +91,7 @@ def test_midpoints_exponents_and_long_mantissas_match_pythons_parser(seed):
     texts += [t[1:] for t in texts if t.startswith("-")]
     random.Random(seed).shuffle(texts)
     body = entries(texts).encode()
-    ids, values = read_entries(body, 0, len(body))
+    ids, values = read_entries(body, [(0, len(body))])[0]
     assert values.tobytes() == array(LOGPROBS, [float(json.loads(t)) for t in texts]).tobytes()
     assert ids.tolist() == list(range(len(texts)))
 
@@ -99,7 +99,7 @@ def test_midpoints_exponents_and_long_mantissas_match_pythons_parser(seed):
 def test_token_ids_from_zero_to_int32s_largest():
     ids = [0, 1, 9, 10, 151935, 99999999, 100000000, 2147483647] * 40
     body = entries(["-0.5"] * len(ids), ids).encode()
-    assert read_entries(body, 0, len(body))[0].tolist() == ids
+    assert read_entries(body, [(0, len(body))])[0][0].tolist() == ids
 
 
 @pytest.mark.parametrize("bad", [
@@ -115,7 +115,7 @@ def test_token_ids_from_zero_to_int32s_largest():
 def test_anything_off_the_compact_shape_is_refused(bad):
     body = bad.encode()
     with pytest.raises(Irregular):
-        read_entries(body, 0, len(body))
+        read_entries(body, [(0, len(body))])[0]
 
 
 def corpus() -> list[bytes]:

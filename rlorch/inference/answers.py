@@ -32,6 +32,10 @@ SMALL_BODY = 16384
 """Bodies shorter than this (some 600 tokens) are parsed in full: the cuts cost more than they save."""
 
 
+SHORT_ENTRIES = 16 * LONG
+"""Entries spans shorter than this (4 kB: some 120 entries) are parsed as JSON."""
+
+
 class Segment(NamedTuple):
     """One answer's generated token ids (int32) and behaviour logprobs (float32)."""
 
@@ -64,7 +68,7 @@ def _parse_compact(body: bytes) -> Any:
         if entries_at >= 0 and (ids_at < 0 or entries_at < ids_at):
             opened = entries_at + len(ENTRIES)
             end = _entries_end(body, opened)
-            segments.append(_entries(body, opened - 1, end))
+            segments.append((opened - 1, end))
             pieces += [body[at:opened - 1], b"%d" % (len(segments) - 1)]
         else:
             opened = ids_at + len(IDS)
@@ -82,6 +86,7 @@ def _parse_compact(body: bytes) -> Any:
             raise NotCompact("output_ids without entries")
         return loads(body, exact=False)
     pieces.append(body[at:])
+    segments = _entries(body, segments)
     tree = loads(b"".join(pieces), exact=False)
     placed = 0
     for answer in tree if isinstance(tree, list) else [tree]:
@@ -102,32 +107,42 @@ def _entries_end(body: bytes, opened: int) -> int:
     (entries hold numbers and null only, which :func:`_entries` checks)."""
     if body[opened:opened + 1] == b"]":
         return opened + 1
-    end = body.find(b"]]", opened)
+    end = body.find(b"null]]", opened)  # a longer needle is skipped to faster than ]]
     if end < 0:
-        raise NotCompact("unterminated entries")
-    return end + 2
+        end = body.find(b"]]", opened) - 4
+        if end < 0:
+            raise NotCompact("unterminated entries")
+    return end + 6
 
 
-def _entries(body: bytes, start: int, end: int) -> Segment:
-    """``[[lp, id, null], ...]`` at ``body[start:end]`` as arrays, read by
-    :func:`rlorch.inference.scan.read_entries` (bit for bit what parsing them as JSON gives);
-    anything else in the span (a string, whitespace, a third value) is refused."""
-    if end - start == 2:
-        return Segment(array(TOKEN_IDS), array(LOGPROBS))
-    count = body.count(b"[", start, end) - 1
-    if count < LONG:  # numpy's fixed costs outweigh a few entries read one by one
+def _entries(body: bytes, spans: list[tuple[int, int]]) -> list[Segment]:
+    """Each ``[[lp, id, null], ...]`` at ``body[start:end]`` as arrays: a short one parsed as
+    JSON, the others read together by :func:`rlorch.inference.scan.read_entries` (bit for bit
+    what parsing them as JSON gives); anything else in a span (a string, whitespace, a third
+    value) is refused."""
+    segments: list[Any] = [None] * len(spans)
+    long = []
+    for number, (start, end) in enumerate(spans):
+        if end - start == 2:
+            segments[number] = Segment(array(TOKEN_IDS), array(LOGPROBS))
+        elif end - start < SHORT_ENTRIES:  # numpy's fixed costs outweigh a few entries
+            try:
+                segments[number] = Segment(*segment(orjson.loads(body[start:end])))
+            except (orjson.JSONDecodeError, ValueError, TypeError, IndexError) as err:
+                raise NotCompact(str(err)) from None
+        else:
+            long.append(number)
+    if long:
         try:
-            return Segment(*segment(orjson.loads(body[start:end])))
-        except (orjson.JSONDecodeError, ValueError, TypeError, IndexError) as err:
+            read = read_entries(body, [spans[number] for number in long])
+        except Irregular as err:
             raise NotCompact(str(err)) from None
-    try:
-        ids, logprobs = read_entries(body, start, end)
-    except Irregular as err:
-        raise NotCompact(str(err)) from None
-    out_ids, out_logprobs = array(TOKEN_IDS), array(LOGPROBS)
-    out_ids.frombytes(memoryview(ids).cast("B"))
-    out_logprobs.frombytes(memoryview(logprobs).cast("B"))
-    return Segment(out_ids, out_logprobs)
+        for number, (ids, logprobs) in zip(long, read):
+            out_ids, out_logprobs = array(TOKEN_IDS), array(LOGPROBS)
+            out_ids.frombytes(memoryview(ids).cast("B"))
+            out_logprobs.frombytes(memoryview(logprobs).cast("B"))
+            segments[number] = Segment(out_ids, out_logprobs)
+    return segments
 
 
 def segment(entries: Any) -> tuple[array, array]:

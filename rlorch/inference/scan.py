@@ -42,10 +42,10 @@ MARGIN = 16
 """Float64 ulps around a float32 rounding midpoint where an estimate is not trusted."""
 FLOAT32_NORMAL = 2.0 ** -125
 FLOAT32_LARGE = 3.4e38
-PAD = 24
+PAD = 32
 TAIL = b" 0" + bytes(PAD + MAX_LOGPROB_CHARS)
-"""After the span: a ``0`` that a number too long for the matrix is read as there (it is read
-by ``float`` after a check of its grammar), and zeros."""
+"""After a copied span: a ``0`` (a number too long for the matrix is read as a ``0`` of the
+body, then by ``float`` after a check of its grammar), and zeros."""
 JSON_NUMBER = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 """Zero bytes around the span: every gather of 8 bytes, back from a mantissa's end or on from a
 number's start, stays inside it."""
@@ -57,70 +57,94 @@ class Irregular(ValueError):
     """The span is not ``[[number, integer, null], ...]`` written compactly."""
 
 
-def read_entries(body: bytes | bytearray, start: int, end: int) -> tuple[numpy.ndarray, numpy.ndarray]:
-    """Ids (int32) and logprobs (float32) of the entries array at ``body[start:end]`` (from its
-    ``[`` to its ``]``, at least one entry)."""
-    size = end - start
-    span = b"".join((bytes(PAD), memoryview(body)[start:end], TAIL))
-    raw = numpy.frombuffer(span, numpy.uint8)
-    marks = numpy.flatnonzero((raw == CLOSE) | (raw == COMMA))
-    is_close = raw[marks] == CLOSE
-    closes, commas = marks[is_close], marks[~is_close]
-    count = closes.size - 1
-    if count < 1 or commas.size != 3 * count - 1 or closes[-1] != PAD + size - 1:
-        raise Irregular("entries other than [logprob, id, null]")
-    _check_shape(span, size, raw, closes[:-1], numpy.append(commas, 0).reshape(count, 3))
-    words = numpy.ndarray((len(span) - 7,), "<u8", buffer=span, strides=(1,))
-    starts = numpy.empty(count, numpy.int64)
-    starts[0], starts[1:] = PAD + 2, closes[:-2] + 3
-    splits = commas[0::3]
-    ids = numpy.empty(count, numpy.int32)
-    logprobs = numpy.empty(count, numpy.float32)
-    for at in range(0, count, CHUNK):
+def read_entries(body: bytes | bytearray, spans: list[tuple[int, int]]) -> list[tuple[numpy.ndarray, numpy.ndarray]]:
+    """Ids (int32) and logprobs (float32) of each entries array at ``body[start:end]`` for
+    ``(start, end)`` in ``spans`` (in order, from its ``[`` to its ``]``, at least one entry
+    each), all read together. The body is read where it lies when it has room around the spans
+    for the reads of 8 bytes (it has, but at its very ends), else a copy with room."""
+    zero = body.find(b"0", PAD)
+    if spans[0][0] < PAD or len(body) - spans[-1][1] < 8 or zero < 0:
+        body, spans = b"".join((bytes(PAD), body, TAIL)), [(start + PAD, end + PAD) for start, end in spans]
+        zero = len(body) - len(TAIL) + 1
+    words = numpy.ndarray((len(body) - 7,), "<u8", buffer=body, strides=(1,))
+    each = [_entry_closes(body, words, start, end) for start, end in spans]
+    counts = [len(closes) for closes in each]
+    closes = numpy.concatenate(each)
+    starts = closes - 2
+    starts[1:] = closes[:-1] + 3
+    firsts = numpy.cumsum([0] + counts[:-1])
+    starts[firsts] = [start + 2 for start, _ in spans]
+    ids = numpy.empty(len(closes), numpy.int32)
+    logprobs = numpy.empty(len(closes), numpy.float32)
+    for at in range(0, len(closes), CHUNK):
         part = slice(at, at + CHUNK)
-        ids[part] = _ids(words, splits[part] + 1, closes[:-1][part] - 5)
-        logprobs[part] = _logprobs(words, span, starts[part], splits[part])
-    return ids, logprobs
+        ids[part], splits = _ids(words, closes[part] - 5)
+        logprobs[part] = _logprobs(words, body, starts[part], splits, zero)
+    bounds = numpy.cumsum(counts)[:-1]
+    return list(zip(numpy.split(ids, bounds), numpy.split(logprobs, bounds)))
 
 
-def _check_shape(span: bytes, size: int, raw: numpy.ndarray, closes: numpy.ndarray, commas: numpy.ndarray) -> None:
-    """``[`` + entries ``[a,b,null]`` joined by ``,`` + ``]`` (at ``PAD`` in ``span``): each
-    entry's ``[`` after the comma after the last one's ``]``, its second comma and its null right
-    before its ``]``. Every ``]`` and comma is one of those (``closes`` and ``commas`` are all of
-    them, in order), so every other byte is in ``a`` or ``b``, which are checked as numbers."""
-    if (span[PAD] != OPEN or span[PAD + 1] != OPEN or closes[-1] != PAD + size - 2
-            or not numpy.array_equal(commas[:, 1], closes - 5)
-            or not numpy.array_equal(commas[:-1, 2], closes[:-1] + 1)
-            or not (raw[closes[:-1] + 2] == OPEN).all()):
+def _entry_closes(body: bytes | bytearray, words: numpy.ndarray, start: int, end: int) -> numpy.ndarray:
+    """Where the entries of ``body[start:end]`` end (their ``]``), the shape checked."""
+    raw = numpy.frombuffer(body, numpy.uint8)[start:end]
+    closes = numpy.flatnonzero(raw == CLOSE) + start
+    count = closes.size - 1
+    if count < 1 or closes[-1] != end - 1 or numpy.count_nonzero(raw == COMMA) != 3 * count - 1:
         raise Irregular("entries other than [logprob, id, null]")
-    for offset, letter in enumerate(b"null", start=-4):
-        if not (raw[closes + offset] == letter).all():
-            raise Irregular("entries other than [logprob, id, null]")
+    closes = closes[:-1]
+    _check_shape(body, start, end, words, closes)
+    return closes
 
 
-def _chars(words: numpy.ndarray, starts: numpy.ndarray, width: int) -> numpy.ndarray:
-    """``width`` bytes (a multiple of 8) from each of ``starts`` (positions in ``words``), one row each."""
-    return _words(words, starts, width // 8).view(numpy.uint8)
+NEXT_ENTRY = numpy.uint64(int.from_bytes(b",null],[", "little"))
+LAST_ENTRY = numpy.uint64(int.from_bytes(b",null]]", "little"))
+SEVEN_BYTES = numpy.uint64(2**56 - 1)
 
 
-def _ids(words: numpy.ndarray, starts: numpy.ndarray, ends: numpy.ndarray) -> numpy.ndarray:
-    """Non-negative integers below 2**31 without a leading zero (read aligned on their last digit,
-    the bytes before their first turned to ``0``)."""
-    lengths = ends - starts
-    if lengths.min() < 1 or lengths.max() > MAX_ID_DIGITS:
-        raise Irregular("a token id of no digits or more than ten")
+def _check_shape(body: bytes | bytearray, start: int, end: int, words: numpy.ndarray, closes: numpy.ndarray) -> None:
+    """``[`` + entries ``[a,b,null]`` joined by ``,`` + ``]`` (``body[start:end]``; ``closes``
+    are all its ``]`` but the last): each entry's ``,null]`` before its ``]``, and after it ``,[``
+    or the span's ``]``. With each entry's comma between ``a`` and ``b`` (found by
+    :func:`_ids`) that is every comma the span has (counted), so every other byte is in an ``a``
+    or a ``b``, which are checked as numbers."""
+    if (body[start:start + 2] != b"[[" or closes[-1] != end - 2
+            or not (words[closes[:-1] - 5] == NEXT_ENTRY).all()
+            or words[closes[-1] - 5] & SEVEN_BYTES != LAST_ENTRY):
+        raise Irregular("entries other than [logprob, id, null]")
+
+
+def _ids(words: numpy.ndarray, ends: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
+    """The ids ending at ``ends`` (after the last comma in the 16 bytes before each): integers
+    below 2**31 without a leading zero, and where each one's comma is."""
     blocks = _words(words, ends - 16, 2)
-    kept = KEEP[numpy.clip(16 - lengths[:, None] - BLOCK_STARTS[:2], 0, 8)]
-    blocks = (blocks & kept) | (ZERO_CHARS & ~kept)
-    digits = blocks.view(numpy.uint8) - DIGIT0
-    first = digits[numpy.arange(len(ends)), 16 - lengths]
+    chars = blocks.view(numpy.uint8)
+    commas = chars == COMMA
+    comma_at = 15 - commas[:, ::-1].argmax(axis=1)
+    lengths = 15 - comma_at
+    if not commas[numpy.arange(len(ends)), comma_at].all() or lengths.min() < 1 or lengths.max() > MAX_ID_DIGITS:
+        raise Irregular("a token id of no digits or more than ten")
+    kept = _keep(comma_at + 1, 2)
+    digits = ((blocks & kept) | (ZERO_CHARS & ~kept)).view(numpy.uint8) - DIGIT0
+    first = digits[numpy.arange(len(ends)), comma_at + 1]
     if (digits > 9).any() or ((first == 0) & (lengths > 1)).any():
         raise Irregular("a token id that is not a JSON integer")
     eights = _eight_digits(digits.view(numpy.uint64))
     values = eights[:, 0] * numpy.uint64(10**8) + eights[:, 1]
     if values.max() >= 2**31:
         raise Irregular("a token id past int32")
-    return values
+    return values, ends - 16 + comma_at
+
+
+def _keep(dropped: numpy.ndarray, count: int) -> numpy.ndarray:
+    """Masks of ``count`` words a row keeping all bytes but the first ``dropped`` of each row."""
+    keep = numpy.empty((len(dropped), count), numpy.uint64)
+    for k in range(count):
+        keep[:, k] = KEEP.take(numpy.clip(dropped - 8 * k, 0, 8))
+    return keep
+
+
+KEEP = numpy.array([(2**64 - 1) << (8 * dropped) & (2**64 - 1) for dropped in range(9)], numpy.uint64)
+"""A word's bytes from the ``i``-th on (``KEEP[i]``); ``KEEP[8]`` none."""
 
 
 def _words(words: numpy.ndarray, starts: numpy.ndarray, count: int) -> numpy.ndarray:
@@ -135,13 +159,12 @@ def _eight_digits(blocks: numpy.ndarray) -> numpy.ndarray:
     return (blocks * numpy.uint64(10000) + (blocks >> numpy.uint64(32))) & numpy.uint64(0xFFFFFFFF)
 
 
-KEEP = numpy.array([(2**64 - 1) << (8 * dropped) & (2**64 - 1) for dropped in range(9)], numpy.uint64)
-"""A word's bytes from the ``i``-th on (``KEEP[i]``); ``KEEP[8]`` none."""
 BLOCK_STARTS = numpy.arange(0, 32, 8)
 ZERO_CHARS = numpy.uint64(int.from_bytes(b"0" * 8, "little"))
 
 
-def _logprobs(words: numpy.ndarray, span: bytes, starts: numpy.ndarray, ends: numpy.ndarray) -> numpy.ndarray:
+def _logprobs(words: numpy.ndarray, body: bytes | bytearray, starts: numpy.ndarray, ends: numpy.ndarray,
+              zero: int) -> numpy.ndarray:
     """JSON numbers, as float64 correctly rounded then cast to float32 (see the module doc).
 
     Read from a matrix of each number's bytes aligned on its last (its first at column
@@ -153,11 +176,11 @@ def _logprobs(words: numpy.ndarray, span: bytes, starts: numpy.ndarray, ends: nu
         raise Irregular("a logprob of no characters")
     long = numpy.flatnonzero(lengths > MAX_LOGPROB_CHARS)
     if long.size:
-        given = [bytes(span[starts[row]:ends[row]]) for row in long]
+        given = [bytes(body[starts[row]:ends[row]]) for row in long]
         if not all(JSON_NUMBER.fullmatch(text) for text in given):
             raise Irregular("a logprob that is not a JSON number")
         starts, ends = starts.copy(), ends.copy()
-        starts[long] = len(span) - len(TAIL) + 1
+        starts[long] = zero
         ends[long] = starts[long] + 1
         lengths = ends - starts
     longest = int(lengths.max())
@@ -166,7 +189,8 @@ def _logprobs(words: numpy.ndarray, span: bytes, starts: numpy.ndarray, ends: nu
     chars = blocks.view(numpy.uint8)
     count = len(starts)
     first = width - lengths
-    inside = COLUMNS[:width] >= first.astype(numpy.int8)[:, None]
+    kept = _keep(first, width // 8)
+    inside = kept.view(numpy.uint8) != 0
     is_digit = (chars - DIGIT0) < 10
     is_e = ((chars | 0x20) == LOWER_E) & inside
     is_dot = (chars == DOT) & inside
@@ -195,7 +219,7 @@ def _logprobs(words: numpy.ndarray, span: bytes, starts: numpy.ndarray, ends: nu
             and (~has_dot | (dot_at + 1 < e_column)).all()
             and (e_column[e_rows] + 1 + exponent_sign[e_rows] < width).all()):
         raise Irregular("a logprob that is not a JSON number")
-    digits = numpy.where(inside[:, -MANTISSA_WIDTH:], chars[:, -MANTISSA_WIDTH:], 0)
+    digits = (blocks[:, -MANTISSA_WIDTH // 8:] & kept[:, -MANTISSA_WIDTH // 8:]).view(numpy.uint8)
     mantissa_chars = e_column - lead
     if e_rows.size:
         digits[e_rows] = _mantissa_chars(words, ends[e_rows] - width + e_at, mantissa_chars[e_rows])
@@ -216,16 +240,13 @@ def _logprobs(words: numpy.ndarray, span: bytes, starts: numpy.ndarray, ends: nu
     unsure |= ((values < FLOAT32_NORMAL) & (values != 0)) | (values > FLOAT32_LARGE)
     values = numpy.where(negative & ((values != 0) | has_dot | (e_column < width)), -values, values)  # JSON's -0 is 0
     for row in numpy.flatnonzero(unsure):
-        values[row] = float(span[starts[row]:ends[row]])
+        values[row] = float(body[starts[row]:ends[row]])
     for row, text in zip(long, given if long.size else ()):
         values[row] = float(text)
     if not numpy.isfinite(values).all():
         raise Irregular("a logprob past float64")
     with numpy.errstate(over="ignore"):  # past float32's range: -inf, as a cast of the JSON's float64
         return values.astype(numpy.float32)
-
-
-COLUMNS = numpy.arange(MAX_LOGPROB_CHARS, dtype=numpy.int8)
 
 
 def _at_most_one(found: numpy.ndarray, width: int, rows: int | None = None):
@@ -248,7 +269,7 @@ MANTISSA_WIDTH = 24
 def _mantissa_chars(words: numpy.ndarray, ends: numpy.ndarray, chars: numpy.ndarray) -> numpy.ndarray:
     """The 24 bytes before each of ``ends``, those before its last ``chars`` made zero."""
     blocks = _words(words, ends - MANTISSA_WIDTH, MANTISSA_WIDTH // 8)
-    blocks &= KEEP[numpy.clip(MANTISSA_WIDTH - chars[:, None] - BLOCK_STARTS[:3], 0, 8)]
+    blocks &= _keep(MANTISSA_WIDTH - chars, MANTISSA_WIDTH // 8)
     return blocks.view(numpy.uint8)
 
 
