@@ -47,6 +47,7 @@ PRIOR_BYTES_PER_TOKEN = 60.0
 
 
 def start_fleet(engines: int, port_base: int, processes: int, workdir: Path, *extra: str):
+    """``port_base`` 0: the system picks free ports (another bench on this machine cannot collide)."""
     fleet_file = workdir / f"fleet-{port_base}.txt"
     fleet_file.unlink(missing_ok=True)
     errors = open(workdir / f"fleet-{port_base}.err", "w+b")
@@ -106,7 +107,7 @@ async def _fanout(addresses: list[str], versions: int) -> dict:
 
 
 def fanout(engines: int, versions: int, processes: int, workdir: Path) -> dict:
-    fleet, addresses = start_fleet(engines, 20000, processes, workdir)
+    fleet, addresses = start_fleet(engines, 0, processes, workdir)
     try:
         return asyncio.run(_fanout(addresses, versions))
     finally:
@@ -174,7 +175,7 @@ def group_rss(group: int) -> int:
 
 
 def ingest(engines: int, in_flight: int, tokens: int, processes: int, workdir: Path, steps: int) -> dict:
-    fleet, addresses = start_fleet(engines, 26000, processes, workdir, "--length-median", str(tokens),
+    fleet, addresses = start_fleet(engines, 0, processes, workdir, "--length-median", str(tokens),
                                    "--length-sigma", "0", "--vocab", "151936")
     run_dir = workdir / f"run-{engines}-{in_flight}"
     batch = max(1, in_flight // 2)
