@@ -260,16 +260,16 @@ def main() -> int:
     memory = (args.memory_gb * 2**30 if args.memory_gb else
               0.7 * os.sysconf("SC_PHYS_PAGES") * PAGE)
     workdir = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
-    results, notes, error = [], [], None
+    results, notes, error, partial = [], [], None, {"completion_tokens": args.completion_tokens}
     try:
-        run(args, memory, workdir, results, notes)
+        run(args, memory, workdir, results, notes, partial)
         if not results:
             raise RuntimeError("no ingest run fitted")
     except BaseException as err:  # the JSON line below says what failed, whatever it was
         error = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-        last = results[-1] if results else {}
+        last = results[-1] if results else partial  # a failed run: what it measured before
         line = {key: last.get(key) for key in SUMMARY}
         if notes:
             line["degraded"] = notes
@@ -279,18 +279,22 @@ def main() -> int:
     return 1 if error else 0
 
 
-def run(args, memory: float, workdir: Path, results: list, notes: list) -> None:
+def run(args, memory: float, workdir: Path, results: list, notes: list, partial: dict) -> None:
+    """The three measurements; each result goes into ``results`` as it comes, the fan-out and
+    admission figures into ``partial`` too (the JSON line of a run that fails later has them)."""
     print(f"{'engines':>8} {'fanout p50 s':>13} {'p99 s':>8} {'cpu/version s':>14} {'behind':>7} {'down':>5}")
     fan = {}
     for engines in args.engines:
         fan[engines] = fanout(engines, args.versions, args.processes, workdir)
         f = fan[engines]
+        partial.update(f, engines=engines)
         print(f"{engines:>8} {f['fanout_p50_s']:>13} {f['fanout_p99_s']:>8} {f['fanout_cpu_s']:>14} "
               f"{f['engines_behind']:>7} {f['engines_marked_down']:>5}", flush=True)
     print(f"\n{'in flight':>10} {'admission us':>13} {'vs 1k':>6}")
     adm = {}
     for in_flight in args.in_flight:
         adm[in_flight] = admission(in_flight)
+        partial.update(adm[in_flight], in_flight=in_flight)
         print(f"{in_flight:>10} {adm[in_flight]['admission_us']:>13} {adm[in_flight]['admission_cost_ratio']:>6}",
               flush=True)
     print(f"\n{'engines':>8} {'in flight':>10} {'tokens':>7} {'cpu ms/rollout':>15} {'cpu ms/1k tok':>14} "

@@ -47,7 +47,8 @@ def test_a_failing_run_still_ends_with_the_json_line_naming_the_error(monkeypatc
     monkeypatch.setattr(sys, "argv", ["bench_fleet.py", "--engines", "10", "--in-flight", "100"])
     assert module.main() == 1
     line = last_json(capsys)
-    assert line["error"] == "RuntimeError: rlorch train failed (1): out of memory" and line["in_flight"] is None
+    assert line["error"] == "RuntimeError: rlorch train failed (1): out of memory"
+    assert (line["fanout_p99_s"], line["admission_cost_ratio"], line["lost"]) == (0.2, 1.1, None)
 
 
 def test_a_size_over_the_memory_given_runs_at_the_largest_that_fits_and_says_so(monkeypatch, capsys):

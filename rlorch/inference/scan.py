@@ -1,9 +1,10 @@
 """``[[logprob, id, null], ...]`` read as bytes by numpy: no Python object per token.
 
-Every byte of the span is accounted for: the brackets, commas and nulls are found where the shape
+Every byte of a span is accounted for: the brackets, commas and nulls are found where the shape
 puts them, and every other byte belongs to a number whose characters are checked against JSON's
-number grammar. Numbers are read from a matrix of their characters (one row a number, gathered
-eight bytes at a time through an unaligned ``uint64`` view of the body):
+number grammar. Numbers are read from a matrix of their characters (one row a number, aligned on
+its last byte, gathered eight bytes at a time through an unaligned ``uint64`` view of the body;
+eight digits are summed in one 64-bit word):
 
 - an id is at most ten digits, its value below 2**31;
 - a logprob is its decimal digits ``D`` (at most 18 significant) and exponent ``E``, and
@@ -25,7 +26,7 @@ import re
 import numpy
 
 CHUNK = 16384
-"""Numbers read together: bounds the matrices (a chunk's is about 16 MB at most)."""
+"""Numbers read together: bounds the matrices (a few MB a chunk)."""
 
 MAX_LOGPROB_CHARS = 32
 MAX_ID_DIGITS = 10
@@ -43,12 +44,12 @@ MARGIN = 16
 FLOAT32_NORMAL = 2.0 ** -125
 FLOAT32_LARGE = 3.4e38
 PAD = 32
+"""Bytes a body needs before its first span: every gather of 8 bytes back from a number's end
+stays inside it (a body without them is copied behind zeros)."""
 TAIL = b" 0" + bytes(PAD + MAX_LOGPROB_CHARS)
-"""After a copied span: a ``0`` (a number too long for the matrix is read as a ``0`` of the
+"""After a copied body: a ``0`` (a number too long for the matrix is read as some ``0`` of the
 body, then by ``float`` after a check of its grammar), and zeros."""
 JSON_NUMBER = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
-"""Zero bytes around the span: every gather of 8 bytes, back from a mantissa's end or on from a
-number's start, stays inside it."""
 
 DIGIT0, MINUS, PLUS, DOT, COMMA, LOWER_E, OPEN, CLOSE = b"0-+.,e[]"
 
