@@ -284,6 +284,37 @@ class Batch:
         """The whole batch file (:meth:`lines` joined)."""
         return b"".join(self.lines())
 
+    @property
+    def size(self) -> int:
+        return len(self.rollouts)
+
+    def load(self) -> list[Rollout]:
+        return self.rollouts
+
+    def filed(self, path: Any) -> "FiledBatch":
+        """This batch once its file at ``path`` is written: its rollouts' arrays can go."""
+        return FiledBatch(self.step, path, len(self.rollouts))
+
+
+@dataclass(frozen=True, slots=True)
+class FiledBatch:
+    """A shipped batch whose file is written. Its rollouts live only in the file (nothing in
+    memory holds their arrays any more: memory holds what is in flight, not what is trained);
+    :meth:`load` reads them back, as they were, when a checkpoint lists them untrained."""
+
+    step: int
+    path: Any
+    size: int
+
+    def load(self) -> list[Rollout]:
+        rollouts = []
+        with open(self.path, "rb") as handle:
+            for line in handle:
+                fields = orjson.loads(line)
+                del fields["advantage"]
+                rollouts.append(Rollout.from_json(fields))
+        return rollouts
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -314,6 +345,10 @@ class Generation:
     versions: VersionStamps
     finish_reason: str
     text: str = ""
+    engine_text: bool = False
+    """``text`` is the engine's own decoding of all of ``output_ids``, from one answer to a
+    request with no stop strings and special tokens skipped: what decoding the ids again would
+    give, so it is the completion as it is (a resubmitted generation's text is pieces, and is not)."""
 
 
 @dataclass(slots=True)

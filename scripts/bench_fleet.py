@@ -14,8 +14,10 @@ Runs against ``rlorch fleet`` (simulated engines behind SGLang's HTTP API, see
   /proc: CPU per rollout and per 1k tokens ingested, RSS per in-flight rollout and token (RSS at
   the fullest point above the RSS before the first rollout), the trainer's idle share.
 
-The last line is one JSON object to compare run to run. A size that would not fit this machine's
-memory at the measured bytes per token is skipped with the reason.
+The last line is always one JSON object to compare run to run, a failed run's too (with
+``"error"``, and the exit status 1). A size that would not fit the memory given, at the bytes per
+in-flight token measured so far (orchestrator and fleet together; 60 assumed before the first
+run), is run at the largest in-flight count that fits, halving, and the JSON says so (``"degraded"``).
 
     python scripts/bench_fleet.py --engines 1000 --in-flight 10000 --completion-tokens 4096
 """
@@ -37,19 +39,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CLK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+"""The fleet and ``rlorch train`` run this tree's rlorch, whatever else is installed."""
+PRIOR_BYTES_PER_TOKEN = 60.0
+"""Memory per in-flight token, orchestrator and fleet together, assumed until a run measures it
+(the orchestrator held about 18, the fleet's answers waiting in its sockets up to ~35)."""
 
 
 def start_fleet(engines: int, port_base: int, processes: int, workdir: Path, *extra: str):
+    """``port_base`` 0: the system picks free ports (another bench on this machine cannot collide)."""
     fleet_file = workdir / f"fleet-{port_base}.txt"
     fleet_file.unlink(missing_ok=True)
+    errors = open(workdir / f"fleet-{port_base}.err", "w+b")
     process = subprocess.Popen([sys.executable, "-m", "rlorch.cli", "fleet", "--engines", str(engines),
                                 "--port-base", str(port_base), "--processes", str(processes),
                                 "--fleet-file", str(fleet_file), *extra],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+                               stdout=subprocess.DEVNULL, stderr=errors, start_new_session=True, env=ENV)
     deadline = time.monotonic() + 120
     while not fleet_file.exists():
         if process.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"fleet did not start: {process.stderr.read().decode()[-2000:]}")
+            stop(process)
+            errors.seek(0)
+            raise RuntimeError(f"fleet did not start: {errors.read().decode(errors='replace')[-2000:]}")
         time.sleep(0.1)
     return process, fleet_file.read_text().split()
 
@@ -96,7 +107,7 @@ async def _fanout(addresses: list[str], versions: int) -> dict:
 
 
 def fanout(engines: int, versions: int, processes: int, workdir: Path) -> dict:
-    fleet, addresses = start_fleet(engines, 20000, processes, workdir)
+    fleet, addresses = start_fleet(engines, 0, processes, workdir)
     try:
         return asyncio.run(_fanout(addresses, versions))
     finally:
@@ -146,8 +157,25 @@ def proc_sample(pid: int) -> tuple[float, int]:
     return (int(fields[11]) + int(fields[12])) / CLK, rss
 
 
+def group_rss(group: int) -> int:
+    """RSS bytes of every process in process group ``group`` (the fleet and its workers)."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                if int(handle.read().rsplit(")", 1)[1].split()[2]) != group:
+                    continue
+            with open(f"/proc/{entry}/statm") as handle:
+                total += int(handle.read().split()[1]) * PAGE
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            continue
+    return total
+
+
 def ingest(engines: int, in_flight: int, tokens: int, processes: int, workdir: Path, steps: int) -> dict:
-    fleet, addresses = start_fleet(engines, 26000, processes, workdir, "--length-median", str(tokens),
+    fleet, addresses = start_fleet(engines, 0, processes, workdir, "--length-median", str(tokens),
                                    "--length-sigma", "0", "--vocab", "151936")
     run_dir = workdir / f"run-{engines}-{in_flight}"
     batch = max(1, in_flight // 2)
@@ -158,9 +186,10 @@ def ingest(engines: int, in_flight: int, tokens: int, processes: int, workdir: P
                  f"rollout.queue_size={max(1024, batch)}", f"rollout.max_buffered={in_flight}",
                  f"rollout.max_new_tokens={tokens}", "rollout.pack_samples=64", "eval.every=0",
                  "run.report=false", "inference.health_interval=30", "rollout.request_timeout=600"]
+    errors = open(workdir / f"train-{engines}-{in_flight}.err", "w+b")  # a file: a pipe would fill and stall it
     process = subprocess.Popen([sys.executable, "-m", "rlorch.cli", "train", *overrides],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=workdir)
-    baseline, peak, cpu_start, samples = None, 0, None, []
+                               stdout=subprocess.DEVNULL, stderr=errors, cwd=workdir, env=ENV)
+    baseline, peak, cpu_start, samples, fleet_peak, tick = None, 0, None, [], 0, 0
     try:
         while process.poll() is None:
             try:
@@ -173,12 +202,19 @@ def ingest(engines: int, in_flight: int, tokens: int, processes: int, workdir: P
                 baseline, cpu_start = rss, cpu
             peak = max(peak, rss)
             samples.append((cpu, rss))
+            tick += 1
+            if tick % 10 == 0:
+                fleet_peak = max(fleet_peak, group_rss(fleet.pid))
             time.sleep(0.1)
         process.wait()
     finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
         stop(fleet)
     if process.returncode != 0:
-        raise SystemExit(f"rlorch train failed ({process.returncode}): {process.stderr.read().decode()[-3000:]}")
+        errors.seek(0)
+        raise RuntimeError(f"rlorch train failed ({process.returncode}): {errors.read().decode(errors='replace')[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
     cpu_end = samples[-1][0] if samples else 0.0
     rollouts = summary["admitted"]
@@ -192,10 +228,23 @@ def ingest(engines: int, in_flight: int, tokens: int, processes: int, workdir: P
             "rss_baseline_mb": round((baseline or 0) / 2**20), "rss_peak_mb": round(peak / 2**20),
             "bytes_per_inflight_rollout": round((peak - (baseline or 0)) / in_flight),
             "bytes_per_inflight_token": round((peak - (baseline or 0)) / (in_flight * tokens), 1),
+            "fleet_peak_mb": round(fleet_peak / 2**20),
             "trainer_idle": summary.get("trainer_idle")}
 
 
-def main() -> None:
+def fitting(in_flight: int, tokens: int, bytes_per_token: float, memory: float) -> int:
+    """The largest in-flight count, ``in_flight`` halved until it fits, whose tokens at
+    ``bytes_per_token`` fit in ``memory`` (0: none does)."""
+    while in_flight >= 1 and in_flight * tokens * bytes_per_token > memory:
+        in_flight //= 2
+    return in_flight
+
+
+SUMMARY = ("engines", "in_flight", "completion_tokens", "bytes_per_inflight_token", "ingest_tokens_per_core_s",
+           "fanout_p50_s", "fanout_p99_s", "admission_cost_ratio", "lost", "rss_peak_mb", "fleet_peak_mb")
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", type=int, nargs="+", default=[100, 300, 1000])
     parser.add_argument("--in-flight", type=int, nargs="+", default=[1000, 10000])
@@ -204,56 +253,75 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=2, help="Fleet processes.")
     parser.add_argument("--steps", type=int, default=4, help="Training steps per ingest run.")
     parser.add_argument("--memory-gb", type=float, default=None,
-                        help="Memory the orchestrator may use (default: 70%% of this machine's).")
+                        help="Memory the orchestrator and the fleet may use (default: 70%% of this machine's).")
     args = parser.parse_args()
     # A SIGTERM (timeout, a job scheduler) unwinds through the finally blocks that stop the fleets.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     memory = (args.memory_gb * 2**30 if args.memory_gb else
               0.7 * os.sysconf("SC_PHYS_PAGES") * PAGE)
     workdir = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
-    results = []
+    results, notes, error, partial = [], [], None, {"completion_tokens": args.completion_tokens}
     try:
-        print(f"{'engines':>8} {'fanout p50 s':>13} {'p99 s':>8} {'cpu/version s':>14} {'behind':>7} {'down':>5}")
-        fan = {}
-        for engines in args.engines:
-            fan[engines] = fanout(engines, args.versions, args.processes, workdir)
-            f = fan[engines]
-            print(f"{engines:>8} {f['fanout_p50_s']:>13} {f['fanout_p99_s']:>8} {f['fanout_cpu_s']:>14} "
-                  f"{f['engines_behind']:>7} {f['engines_marked_down']:>5}", flush=True)
-        print(f"\n{'in flight':>10} {'admission us':>13} {'vs 1k':>6}")
-        adm = {}
-        for in_flight in args.in_flight:
-            adm[in_flight] = admission(in_flight)
-            print(f"{in_flight:>10} {adm[in_flight]['admission_us']:>13} {adm[in_flight]['admission_cost_ratio']:>6}",
-                  flush=True)
-        print(f"\n{'engines':>8} {'in flight':>10} {'tokens':>7} {'cpu ms/rollout':>15} {'cpu ms/1k tok':>14} "
-              f"{'tok/core-s':>11} {'B/rollout':>10} {'B/token':>8} {'peak MB':>8} {'trainer idle':>13}")
-        bytes_per_token = None
-        for engines in args.engines:
-            for in_flight in args.in_flight:
-                projected = in_flight * args.completion_tokens * (bytes_per_token or 0)
-                if bytes_per_token and projected > memory:
-                    print(f"{engines:>8} {in_flight:>10} skipped: {in_flight} x {args.completion_tokens} tokens at "
-                          f"{bytes_per_token:.0f} B/token is {projected / 2**30:.1f} GiB, over the "
-                          f"{memory / 2**30:.1f} GiB this machine gives the orchestrator", flush=True)
-                    continue
-                got = ingest(engines, in_flight, args.completion_tokens, args.processes, workdir, args.steps)
-                bytes_per_token = max(bytes_per_token or 0, got["bytes_per_inflight_token"])
-                print(f"{engines:>8} {in_flight:>10} {args.completion_tokens:>7} {got['cpu_ms_per_rollout']:>15} "
-                      f"{got['cpu_ms_per_1k_tokens']:>14} {got['ingest_tokens_per_core_s']:>11} "
-                      f"{got['bytes_per_inflight_rollout']:>10} {got['bytes_per_inflight_token']:>8} "
-                      f"{got['rss_peak_mb']:>8} {got['trainer_idle']:>13}  lost={got['lost']}", flush=True)
-                results.append({"engines": engines, "in_flight": in_flight, "completion_tokens": args.completion_tokens,
-                                **got, **fan[engines], **adm[in_flight]})
+        run(args, memory, workdir, results, notes, partial)
+        if not results:
+            raise RuntimeError("no ingest run fitted")
+    except BaseException as err:  # the JSON line below says what failed, whatever it was
+        error = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    if not results:
-        raise SystemExit("no ingest run fitted")
-    last = results[-1]
-    print(json.dumps({key: last[key] for key in (
-        "engines", "in_flight", "completion_tokens", "bytes_per_inflight_token", "ingest_tokens_per_core_s",
-        "fanout_p50_s", "fanout_p99_s", "admission_cost_ratio")}))
+        last = results[-1] if results else partial  # a failed run: what it measured before
+        line = {key: last.get(key) for key in SUMMARY}
+        if notes:
+            line["degraded"] = notes
+        if error:
+            line["error"] = error[-2000:]
+        print(json.dumps(line), flush=True)
+    return 1 if error else 0
+
+
+def run(args, memory: float, workdir: Path, results: list, notes: list, partial: dict) -> None:
+    """The three measurements; each result goes into ``results`` as it comes, the fan-out and
+    admission figures into ``partial`` too (the JSON line of a run that fails later has them)."""
+    print(f"{'engines':>8} {'fanout p50 s':>13} {'p99 s':>8} {'cpu/version s':>14} {'behind':>7} {'down':>5}")
+    fan = {}
+    for engines in args.engines:
+        fan[engines] = fanout(engines, args.versions, args.processes, workdir)
+        f = fan[engines]
+        partial.update(f, engines=engines)
+        print(f"{engines:>8} {f['fanout_p50_s']:>13} {f['fanout_p99_s']:>8} {f['fanout_cpu_s']:>14} "
+              f"{f['engines_behind']:>7} {f['engines_marked_down']:>5}", flush=True)
+    print(f"\n{'in flight':>10} {'admission us':>13} {'vs 1k':>6}")
+    adm = {}
+    for in_flight in args.in_flight:
+        adm[in_flight] = admission(in_flight)
+        partial.update(adm[in_flight], in_flight=in_flight)
+        print(f"{in_flight:>10} {adm[in_flight]['admission_us']:>13} {adm[in_flight]['admission_cost_ratio']:>6}",
+              flush=True)
+    print(f"\n{'engines':>8} {'in flight':>10} {'tokens':>7} {'cpu ms/rollout':>15} {'cpu ms/1k tok':>14} "
+          f"{'tok/core-s':>11} {'B/rollout':>10} {'B/token':>8} {'peak MB':>8} {'fleet MB':>9} {'trainer idle':>13}")
+    bytes_per_token = PRIOR_BYTES_PER_TOKEN
+    for engines in args.engines:
+        for asked in args.in_flight:
+            in_flight = fitting(asked, args.completion_tokens, bytes_per_token, memory)
+            if in_flight != asked:
+                note = (f"{asked} x {args.completion_tokens} tokens at {bytes_per_token:.0f} B/token (orchestrator "
+                        f"and fleet) is {asked * args.completion_tokens * bytes_per_token / 2**30:.1f} GiB, over "
+                        f"the {memory / 2**30:.1f} GiB given: ran {in_flight} in flight")
+                notes.append(note)
+                print(f"{engines:>8} {asked:>10} {note}", flush=True)
+                if not in_flight:
+                    continue
+            got = ingest(engines, in_flight, args.completion_tokens, args.processes, workdir, args.steps)
+            measured = got["bytes_per_inflight_token"] + got["fleet_peak_mb"] * 2**20 / (in_flight * args.completion_tokens)
+            bytes_per_token = max(measured, 1.0) if not results else max(bytes_per_token, measured)
+            print(f"{engines:>8} {in_flight:>10} {args.completion_tokens:>7} {got['cpu_ms_per_rollout']:>15} "
+                  f"{got['cpu_ms_per_1k_tokens']:>14} {got['ingest_tokens_per_core_s']:>11} "
+                  f"{got['bytes_per_inflight_rollout']:>10} {got['bytes_per_inflight_token']:>8} "
+                  f"{got['rss_peak_mb']:>8} {got['fleet_peak_mb']:>9} {got['trainer_idle']:>13}  lost={got['lost']}",
+                  flush=True)
+            results.append({"engines": engines, "in_flight": in_flight, "completion_tokens": args.completion_tokens,
+                            **got, **fan[engines], **adm[asked]})
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

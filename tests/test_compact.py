@@ -77,3 +77,44 @@ def test_an_answer_the_fast_path_cannot_read_exactly_is_parsed_in_full():
     quoted = orjson.dumps({"text": '"output_token_logprobs":[[1,2,null]]' + "x" * 20000,
                            "meta_info": {"output_token_logprobs": [[-0.5, 5, None]]}})
     assert parse_generate(quoted)["text"].startswith('"output_token_logprobs":[[1,2,null]]')
+
+
+class CountingTokenizer:
+    """Decodes ids as their digits, counting the calls."""
+
+    eos_token_id = None
+
+    def __init__(self):
+        self.calls = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.calls += 1
+        return "".join(str(i % 10) for i in ids)
+
+
+def test_the_engines_own_text_is_the_completion_where_one_answer_carries_it_all():
+    from rlorch.tasks.episode import decode
+    from rlorch.types import SamplingParams
+
+    engine = SGLangEngine("127.0.0.1:9")
+    engine.version = 1
+    answer = {"text": "42", "meta_info": {"finish_reason": {"type": "stop"},
+                                          "output_token_logprobs": [[-0.5, 7, None], [-0.25, 8, None]]}}
+    tokenizer = CountingTokenizer()
+    whole = empty_generation()
+    asyncio.run(engine._append(whole, answer, plain=engine._plain(SamplingParams())))
+    assert whole.engine_text and decode(tokenizer, whole) == "42" and tokenizer.calls == 0
+    assert decode(tokenizer, whole, special=True) == "78" and tokenizer.calls == 1  # a chat turn's, special tokens in
+
+    pieces = empty_generation()   # a pause cut it: two answers, two texts decoded apart
+    aborted = {"text": "4", "meta_info": {"finish_reason": {"type": "abort"},
+                                          "output_token_logprobs": [[-0.5, 7, None]]}}
+    asyncio.run(engine._append(pieces, aborted, plain=True))
+    asyncio.run(engine._append(pieces, {**answer, "meta_info": {**answer["meta_info"],
+                                                                 "output_token_logprobs": [[-0.25, 8, None]]}},
+                                plain=True))
+    assert not pieces.engine_text and decode(tokenizer, pieces) == "78"
+
+    stopped = empty_generation()  # the server cuts its text at a stop string: the ids are decoded
+    asyncio.run(engine._append(stopped, answer, plain=engine._plain(SamplingParams(stop=["\n"]))))
+    assert not stopped.engine_text and decode(tokenizer, stopped) == "78"

@@ -8,7 +8,7 @@ import pytest
 
 from helpers import train
 from rlorch.orchestrator.ledger import Ledger, unaccounted
-from rlorch.types import Batch, Fate
+from rlorch.types import Batch, Fate, FiledBatch, Rollout
 from test_components import rollout
 
 GROUP = 4
@@ -109,3 +109,18 @@ def test_a_run_whose_ledger_does_not_balance_fails_naming_it(tmp_path, monkeypat
     assert code == 1 and summary["status"] == "failed" and summary["stop"] == "bookkeeping", summary
     assert summary["lost"] == (-8 if fault == "twice" else 8), summary
     assert expected in summary["error"] and f"lost = {summary['lost']}" in summary["error"]
+
+
+def test_a_filed_batch_holds_no_rollout_and_a_checkpoint_reads_its_groups_back_from_its_file(tmp_path):
+    shipped = batch(2, 0, 1)
+    path = tmp_path / "step_2.jsonl"
+    path.write_bytes(shipped.to_jsonl())
+    ledger = ledger_of(2)
+    ledger.ship(shipped.filed(path))
+    (held,) = ledger.shipped
+    assert isinstance(held, FiledBatch) and not any(isinstance(v, (list, Rollout)) for v in (held.step, held.path, held.size))
+    assert ledger.shipped_count_after(1) == 2 * GROUP and ledger.trained_through(2) == 2 * GROUP
+    assert ledger.shipped_after(1) == [group(0), group(1)]
+    assert accounting(ledger, step=1, untrained=2 * GROUP)["lost"] == 0
+    ledger.snapshotted(2)
+    assert not ledger.shipped and accounting(ledger, step=2)["lost"] == 0

@@ -3,9 +3,8 @@
 An answer's ``meta_info.output_token_logprobs`` is ``[[logprob, token_id, null], ...]``, about
 25 bytes a token; a general JSON parser makes four Python objects of every entry. Here the
 entries (and ``output_ids``, which repeats their ids) are cut out of the body before it is
-parsed: each entries span becomes one flat ``[logprob, id, logprob, id, ...]`` text (a single
-``bytes.replace``), which orjson and numpy turn into an int32 id array and a float32 logprob
-array; the rest of the body, small, is parsed as JSON, and the entries' place holds a
+parsed: each entries span is read as bytes by numpy (:mod:`rlorch.inference.scan`) into an
+int32 id array and a float32 logprob array; the rest of the body, small, is parsed as JSON, and the entries' place holds a
 :class:`Segment`. An answer this fast path does not read exactly as written (whitespace inside
 the entries, a token's text in them, a non-finite or missing logprob, an id that is not an
 integer) is parsed in full instead, and :func:`segment` reads its entries one by one (and names
@@ -18,9 +17,9 @@ import math
 from array import array
 from typing import Any, NamedTuple
 
-import numpy
 import orjson
 
+from rlorch.inference.scan import Irregular, read_entries
 from rlorch.jsonlines import loads
 from rlorch.types import LOGPROBS, LONG, TOKEN_IDS
 
@@ -31,6 +30,10 @@ neither is ever found in a completion's text."""
 
 SMALL_BODY = 16384
 """Bodies shorter than this (some 600 tokens) are parsed in full: the cuts cost more than they save."""
+
+
+SHORT_ENTRIES = 16 * LONG
+"""Entries spans shorter than this (4 kB: some 120 entries) are parsed as JSON."""
 
 
 class Segment(NamedTuple):
@@ -65,7 +68,7 @@ def _parse_compact(body: bytes) -> Any:
         if entries_at >= 0 and (ids_at < 0 or entries_at < ids_at):
             opened = entries_at + len(ENTRIES)
             end = _entries_end(body, opened)
-            segments.append(_entries(body, opened - 1, end))
+            segments.append((opened - 1, end))
             pieces += [body[at:opened - 1], b"%d" % (len(segments) - 1)]
         else:
             opened = ids_at + len(IDS)
@@ -83,6 +86,7 @@ def _parse_compact(body: bytes) -> Any:
             raise NotCompact("output_ids without entries")
         return loads(body, exact=False)
     pieces.append(body[at:])
+    segments = _entries(body, segments)
     tree = loads(b"".join(pieces), exact=False)
     placed = 0
     for answer in tree if isinstance(tree, list) else [tree]:
@@ -103,43 +107,42 @@ def _entries_end(body: bytes, opened: int) -> int:
     (entries hold numbers and null only, which :func:`_entries` checks)."""
     if body[opened:opened + 1] == b"]":
         return opened + 1
-    end = body.find(b"]]", opened)
+    end = body.find(b"null]]", opened)  # a longer needle is skipped to faster than ]]
     if end < 0:
-        raise NotCompact("unterminated entries")
-    return end + 2
+        end = body.find(b"]]", opened) - 4
+        if end < 0:
+            raise NotCompact("unterminated entries")
+    return end + 6
 
 
-def _entries(body: bytes, start: int, end: int) -> Segment:
-    """``[[lp, id, null], ...]`` at ``body[start:end]`` as arrays. Anything else in the span (a
-    string, whitespace, a third value) leaves nested lists or non-numbers after the replace, which
-    the shape and type checks refuse."""
-    if end - start == 2:
-        return Segment(array(TOKEN_IDS), array(LOGPROBS))
-    count = body.count(b"[", start, end) - 1
-    if count < LONG:  # numpy's fixed costs outweigh a few entries read one by one
+def _entries(body: bytes, spans: list[tuple[int, int]]) -> list[Segment]:
+    """Each ``[[lp, id, null], ...]`` at ``body[start:end]`` as arrays: a short one parsed as
+    JSON, the others read together by :func:`rlorch.inference.scan.read_entries` (bit for bit
+    what parsing them as JSON gives); anything else in a span (a string, whitespace, a third
+    value) is refused."""
+    segments: list[Any] = [None] * len(spans)
+    long = []
+    for number, (start, end) in enumerate(spans):
+        if end - start == 2:
+            segments[number] = Segment(array(TOKEN_IDS), array(LOGPROBS))
+        elif end - start < SHORT_ENTRIES:  # numpy's fixed costs outweigh a few entries
+            try:
+                segments[number] = Segment(*segment(orjson.loads(body[start:end])))
+            except (orjson.JSONDecodeError, ValueError, TypeError, IndexError) as err:
+                raise NotCompact(str(err)) from None
+        else:
+            long.append(number)
+    if long:
         try:
-            return Segment(*segment(orjson.loads(body[start:end])))
-        except (orjson.JSONDecodeError, ValueError, TypeError, IndexError) as err:
+            read = read_entries(body, [spans[number] for number in long])
+        except Irregular as err:
             raise NotCompact(str(err)) from None
-    # [lp,id,null],[lp,id,null] -> [lp,id,lp,id,null]: one flat list, its last value the null
-    flat = body[start + 1:end - 1].replace(b",null],[", b",")
-    try:
-        parsed = orjson.loads(flat)
-        if not isinstance(parsed, list) or parsed.pop() is not None:
-            raise NotCompact("entries other than [logprob, id, null]")
-        values = numpy.array(parsed, dtype=numpy.float64)
-    except (orjson.JSONDecodeError, ValueError, TypeError, IndexError) as err:
-        raise NotCompact(str(err)) from None
-    if values.shape != (2 * count,):
-        raise NotCompact("entries other than [logprob, id, null]")
-    ids, logprobs = values[1::2], values[0::2]
-    if not (numpy.isfinite(logprobs).all() and (ids == numpy.floor(ids)).all()
-            and (0 <= ids).all() and (ids < 2**31).all()):
-        raise NotCompact("a non-finite logprob or an id that is not a token id")
-    out_ids, out_logprobs = array(TOKEN_IDS), array(LOGPROBS)
-    out_ids.frombytes(ids.astype(numpy.int32).tobytes())
-    out_logprobs.frombytes(logprobs.astype(numpy.float32).tobytes())
-    return Segment(out_ids, out_logprobs)
+        for number, (ids, logprobs) in zip(long, read):
+            out_ids, out_logprobs = array(TOKEN_IDS), array(LOGPROBS)
+            out_ids.frombytes(memoryview(ids).cast("B"))
+            out_logprobs.frombytes(memoryview(logprobs).cast("B"))
+            segments[number] = Segment(out_ids, out_logprobs)
+    return segments
 
 
 def segment(entries: Any) -> tuple[array, array]:

@@ -97,7 +97,7 @@ class Snapshots:
         """The summary's accounting at the checkpoint the run ended on (``lost`` must be 0)."""
         step = self.final if self.final is not None else version
         unfinished = self.unfinished()
-        untrained = sum(len(g) for g in unfinished.groups(self.ledger.shipped_after(step)))
+        untrained = self.ledger.shipped_count_after(step) + sum(len(g) for g in unfinished.groups([]))
         return {"steps": step, **self.ledger.account(
             step=step, untrained=untrained, failed_prompts=len(unfinished.dispatcher.failed),
             empty_batches=self.empty_batches(), saved=self.final is not None),

@@ -16,7 +16,7 @@ from collections import deque
 from typing import Callable, Optional
 
 from rlorch.rundir.state import regroup
-from rlorch.types import Batch, Fate, Rollout
+from rlorch.types import Batch, Fate, FiledBatch, Rollout
 
 
 COUNTERS = ("admitted", "trained", "filtered", "dropped_stale", "requeued", "regenerated", "stale_tokens",
@@ -27,7 +27,8 @@ those of earlier lives)."""
 
 
 class Ledger:
-    """Counts every rollout's fate; keeps shipped batches until no checkpoint can need them.
+    """Counts every rollout's fate; keeps shipped batches until no checkpoint can need them, as
+    :class:`FiledBatch` (their file on disk, no arrays in memory) once their file is written.
 
     ``admissions`` reads how many rollouts this life admitted (the gate's count); every other
     fate is reported by the loop as it happens.
@@ -39,7 +40,7 @@ class Ledger:
         restored = restored or {}
         self.counts = {key: int(restored.get(key, 0)) for key in COUNTERS}
         self.base_admitted = self.counts.pop("admitted")
-        self.shipped: deque[Batch] = deque()
+        self.shipped: deque[Batch | FiledBatch] = deque()
         self.last_snapshot = 0
 
     # events --------------------------------------------------------------------------------
@@ -50,7 +51,7 @@ class Ledger:
         """Event counts: ``regenerated``, ``stale_tokens``."""
         self.counts[event] += count
 
-    def ship(self, batch: Batch) -> None:
+    def ship(self, batch: Batch | FiledBatch) -> None:
         self.shipped.append(batch)
 
     def snapshotted(self, step: int) -> None:
@@ -58,7 +59,7 @@ class Ledger:
         this run writes; the rest stay so a snapshot of an older step still lists them."""
         self.last_snapshot = max(self.last_snapshot, step)
         while self.shipped and self.shipped[0].step <= self.last_snapshot:
-            self.counts["trained"] += len(self.shipped.popleft().rollouts)
+            self.counts["trained"] += self.shipped.popleft().size
 
     # views ---------------------------------------------------------------------------------
     @property
@@ -66,11 +67,16 @@ class Ledger:
         return self.base_admitted + self.admissions()
 
     def trained_through(self, step: int) -> int:
-        return self.counts["trained"] + sum(len(b.rollouts) for b in self.shipped if b.step <= step)
+        return self.counts["trained"] + sum(b.size for b in self.shipped if b.step <= step)
 
     def shipped_after(self, step: int) -> list[list[Rollout]]:
-        """Groups of batches shipped after ``step``: untrained as far as checkpoint ``step`` knows."""
-        return [group for batch in self.shipped if batch.step > step for group in regroup(batch.rollouts)]
+        """Groups of batches shipped after ``step``: untrained as far as checkpoint ``step`` knows
+        (a filed batch's read back from its file)."""
+        return [group for batch in self.shipped if batch.step > step for group in regroup(batch.load())]
+
+    def shipped_count_after(self, step: int) -> int:
+        """Rollouts of batches shipped after ``step`` (no file read)."""
+        return sum(batch.size for batch in self.shipped if batch.step > step)
 
     def requeued(self, failed_prompts: int = 0) -> int:
         return self.counts["requeued"] + failed_prompts * self.group_size

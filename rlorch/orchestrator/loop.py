@@ -267,7 +267,7 @@ class Orchestrator:
 
     def _on_shipped(self, batch: Batch, parked_s: float) -> None:
         self.idle.trainer.set("waiting", False)
-        self.ledger.ship(batch)
+        self.ledger.ship(batch.filed(self.run_dir.batch(batch.step)))
         self.steps.shipped(batch, admitted_total=self.dispatcher.admitted, parked_s=parked_s)
         self.dispatcher.notify()
 

@@ -141,8 +141,9 @@ class EngineConversation:
 
 
 def decode(tokenizer: Any, generation: Generation, *, special: bool = False) -> str:
-    """A generation's text (``special``: with its special tokens, as the chat template sees a turn)."""
-    if tokenizer is None:
+    """A generation's text (``special``: with its special tokens, as the chat template sees a turn):
+    the engine's own where it has it (``engine_text``), else its ids decoded."""
+    if tokenizer is None or (generation.engine_text and not special):
         return generation.text
     # A long turn goes as a numpy view: transformers checks every element of a list before
     # decoding it and takes a numpy array's tolist() at once, after a fixed cost (tens of

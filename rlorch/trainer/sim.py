@@ -18,13 +18,22 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from rlorch.backends import trainer_backend
 from rlorch.config.schema import Config, TrainerBackend
 from rlorch.lifecycle import cancel_and_wait
 from rlorch.rundir.layout import COMPLETE, PUBLISHED, CheckpointDir, RunDir, step_name
 from rlorch.types import Batch
+
+
+class Submitted(NamedTuple):
+    """What the simulated trainer keeps of a batch until it trains it (like the real trainer,
+    which reads the batch file, it holds none of the rollouts' arrays)."""
+
+    step: int
+    tokens: int
+    reward_mean: float
 
 
 class SimTrainer:
@@ -36,7 +45,7 @@ class SimTrainer:
         self.step = start_step
         self.checkpointed = start_step
         self.rng = random.Random(config.run.seed)
-        self._batches: asyncio.Queue[Batch] = asyncio.Queue()
+        self._batches: asyncio.Queue[Submitted] = asyncio.Queue()
         self._task: Optional[asyncio.Task] = None
         self._error: Optional[str] = None
 
@@ -46,7 +55,9 @@ class SimTrainer:
         self._task = asyncio.create_task(self._loop(), name="sim-trainer")
 
     async def submit(self, batch: Batch) -> None:
-        await self._batches.put(batch)
+        rewards = [r.reward for r in batch.rollouts]
+        await self._batches.put(Submitted(batch.step, sum(len(r.tokens) for r in batch.rollouts),
+                                          sum(rewards) / len(rewards)))
 
     def error(self) -> Optional[str]:
         return self._error
@@ -70,11 +81,10 @@ class SimTrainer:
         except Exception as err:
             self._error = f"sim trainer failed at step {self.step + 1}: {err}"
 
-    def _record(self, batch: Batch, seconds: float) -> None:
-        rewards = [r.reward for r in batch.rollouts]
+    def _record(self, batch: Submitted, seconds: float) -> None:
         line = {"step": batch.step, "loss": round(self.rng.uniform(-0.1, 0.1), 6),
-                "grad_norm": round(self.rng.uniform(0.1, 1.0), 6), "tokens": sum(len(r.tokens) for r in batch.rollouts),
-                "reward_mean": sum(rewards) / len(rewards), "step_s": round(seconds, 4)}
+                "grad_norm": round(self.rng.uniform(0.1, 1.0), 6), "tokens": batch.tokens,
+                "reward_mean": batch.reward_mean, "step_s": round(seconds, 4)}
         with open(self.run_dir.trainer_metrics, "a") as handle:
             handle.write(json.dumps(line) + "\n")
 

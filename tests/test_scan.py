@@ -1,0 +1,152 @@
+"""The numpy reading of /generate answers gives bit for bit what parsing them as JSON gives, on
+every shape SGLang sends, and refuses (or hands to the full parse) what it cannot vouch for."""
+
+from __future__ import annotations
+
+import json
+import random
+from array import array
+from decimal import Decimal, getcontext
+
+import numpy
+import pytest
+
+from rlorch.inference.answers import Segment, parse_generate, segment
+from rlorch.inference.scan import Irregular, read_entries
+from rlorch.types import LOGPROBS, TOKEN_IDS
+
+
+def reference(body: bytes):
+    """What SGLang's answer says, read by Python's own JSON parser entry by entry."""
+    tree = json.loads(body)
+    return [None if (a.get("meta_info") or {}).get("output_token_logprobs") is None
+            else segment(a["meta_info"]["output_token_logprobs"]) for a in (tree if isinstance(tree, list) else [tree])]
+
+
+def parsed(body: bytes):
+    tree = parse_generate(body)
+    return [None if (a.get("meta_info") or {}).get("output_token_logprobs") is None
+            else segment(a["meta_info"]["output_token_logprobs"]) for a in (tree if isinstance(tree, list) else [tree])]
+
+
+def outcome(read, body: bytes):
+    """The arrays' bytes, or the kind of error."""
+    try:
+        return [None if s is None else (s[0].tobytes(), s[1].tobytes()) for s in read(body)]
+    except (ValueError, OverflowError) as err:
+        return type(err).__name__
+
+
+def answer(entries: str, *, text: str = '"7"') -> str:
+    return ('{"text":' + text + ',"output_ids":[1,2],"meta_info":{"id":"a","finish_reason":{"type":"stop"},'
+            '"output_token_logprobs":' + entries + ',"weight_version":"3"}}')
+
+
+def entries(logprobs, ids=None, third: str = "null") -> str:
+    ids = ids or [i % 151936 for i in range(len(logprobs))]
+    return "[" + ",".join(f"[{lp},{i},{third}]" for lp, i in zip(logprobs, ids)) + "]"
+
+
+def float32_logprobs(count: int, seed: int) -> list[float]:
+    rng = numpy.random.default_rng(seed)
+    return (-rng.exponential(2, count)).astype(numpy.float32).astype(numpy.float64).tolist()
+
+
+def midpoint_decimals(count: int, seed: int) -> list[str]:
+    """Decimals at, just under and just over the midpoints between neighbouring float32s, with
+    17 to 25 significant digits: where a float64 estimate could round to the wrong float32."""
+    getcontext().prec = 60
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        low = numpy.float32(-rng.uniform(1e-6, 30.0))
+        high = numpy.nextafter(low, numpy.float32(0))
+        middle = (Decimal(float(low)) + Decimal(float(high))) / 2
+        digits = rng.randint(17, 25)
+        for nudge in (-1, 0, 1):
+            text = format(middle.quantize(Decimal(1).scaleb(middle.adjusted() - digits + 1)), "f")
+            last = Decimal(1).scaleb(middle.adjusted() - digits + 1) * nudge
+            out.append(format(Decimal(text) + last, "f" if nudge else "e"))
+    return out
+
+
+TRICKY = ["-1.5e-05", "-1e-07", "-1E+2", "-2.5E-3", "-0.0", "0.0", "0", "-0", "-1", "-12", "-3.0517578125e-05",
+          "-1e-300", "-1e300", "-4.9e-324", "-1.17549435e-38", "-1.1754942e-38", "-3.4028235e+38", "-3.4028236e38",
+          "-0.000012345", "-0.12345678901234567890123", "-123456789012345678901234", "-9007199254740993",
+          "-1.00000000000000011102230246251565404236316680908203125", "-1e0", "-1e-0005", "-7.006492321624085e-46",
+          "-1.401298464324817e-45", "-16777217", "-0.1", "-0.30000000000000004", "-99.99999999999999"]
+
+
+def test_float32_logprobs_read_bit_for_bit_as_json_gives_them():
+    logprobs = float32_logprobs(5000, seed=1)
+    body = entries([repr(x) for x in logprobs]).encode()
+    ids, values = read_entries(body, [(0, len(body))])[0]
+    assert ids.tobytes() == array(TOKEN_IDS, range(5000)).tobytes()
+    assert values.tobytes() == array(LOGPROBS, logprobs).tobytes()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_midpoints_exponents_and_long_mantissas_match_pythons_parser(seed):
+    texts = midpoint_decimals(400, seed) + TRICKY
+    texts += [t[1:] for t in texts if t.startswith("-")]
+    random.Random(seed).shuffle(texts)
+    body = entries(texts).encode()
+    ids, values = read_entries(body, [(0, len(body))])[0]
+    assert values.tobytes() == array(LOGPROBS, [float(json.loads(t)) for t in texts]).tobytes()
+    assert ids.tolist() == list(range(len(texts)))
+
+
+def test_token_ids_from_zero_to_int32s_largest():
+    ids = [0, 1, 9, 10, 151935, 99999999, 100000000, 2147483647] * 40
+    body = entries(["-0.5"] * len(ids), ids).encode()
+    assert read_entries(body, [(0, len(body))])[0][0].tolist() == ids
+
+
+@pytest.mark.parametrize("bad", [
+    "[[-0.5, 5, null]]", "[[-0.5,5,null] ]", '[[-0.5,5,"a"]]', "[[-0.5,5]]", "[[-0.5,5,null,null]]",
+    "[[-0.5,5,nul]]", "[[-0.5,5,llun]]", "[[-0.5,05,null]]", "[[-0.5,-5,null]]", "[[-0.5,5.0,null]]",
+    "[[-0.5,2147483648,null]]", "[[-0.5,,null]]", "[[,5,null]]", "[[-05,5,null]]", "[[-.5,5,null]]",
+    "[[-5.,5,null]]", "[[+5,5,null]]", "[[--5,5,null]]", "[[-5e,5,null]]", "[[-5e+,5,null]]", "[[-5-,5,null]]",
+    "[[-5.5.5,5,null]]", "[[-5e5e5,5,null]]", "[[-inf,5,null]]", "[[NaN,5,null]]", "[[null,5,null]]",
+    "[[-0.5,5,null][-0.5,5,null]]", "[[-0.5,5,null],[-0.5,5,null],]", "[[-0.5,5,null]]5", "[[-0.5,5,null]5]",
+    "[[-0.5,5,null],[-0.5,null,5]]", "[[-0.5,5,null],-0.5,[5,null]]", "[[-0.5,5,null]],[[-0.5,5,null]]",
+    "[[-0.5,5,null],[[-0.5,5,null]]]", "[[-1 ,5,null]]", "[[-1\t,5,null]]", "[[-0x1,5,null]]", "[[-1_0,5,null]]",
+])
+def test_anything_off_the_compact_shape_is_refused(bad):
+    body = bad.encode()
+    with pytest.raises(Irregular):
+        read_entries(body, [(0, len(body))])[0]
+
+
+def corpus() -> list[bytes]:
+    """Bodies past SMALL_BODY in every shape an SGLang server sends (and some it does not)."""
+    many = float32_logprobs(700, seed=2)
+    plain = entries([repr(x) for x in many])
+    bodies = [answer(plain), "[" + answer(plain) + "," + answer(entries(TRICKY * 20)) + "]",
+              answer(entries(midpoint_decimals(300, seed=3))),
+              answer(plain, text='"he said \\"]]\\", [1,2,null], \\u00e9\\n' + "x" * 20000 + '"'),
+              answer("null", text='"' + "y" * 20000 + '"'),
+              "[" + answer(plain) + "," + answer("[]") + "," + answer(plain) + "]"]
+    texts = ['"a"', '"\\"]]"', '","', '"[1,2,null]"', '"null"', '"\\u00e9"', '"]],[["']
+    bodies.append(answer("[" + ",".join(f"[{lp!r},{i},{texts[i % len(texts)]}]" for i, lp in enumerate(many)) + "]"))
+    bodies.append(answer("[" + ", ".join(f"[{lp!r}, {i}, null]" for i, lp in enumerate(many)) + "]"))
+    bodies.append(answer(entries([repr(x) for x in many[:-1]] + ["NaN"])))
+    bodies.append(answer(entries([repr(x) for x in many[:-1]] + ["-Infinity"])))
+    bodies.append(answer(entries([repr(x) for x in many[:-1]] + ["null"])))
+    bodies.append(answer(entries([repr(x) for x in many[:-1]] + ["-1e400"])))
+    bodies.append(answer(entries(["-0.5"] * 1400, [5] * 1399 + [2147483648])))
+    bodies.append(answer(entries(["-0.5"] * 1400, [5] * 1399 + ["5.0"])))
+    bodies.append(answer(entries(["-0.5"] * 1400, [5] * 1399 + ["-5"])))
+    return [b.encode() for b in bodies]
+
+
+def test_every_body_of_the_corpus_reads_as_pythons_parser_reads_it():
+    for body in corpus():
+        assert len(body) > 16384
+        assert outcome(parsed, body) == outcome(reference, body), body[:200]
+
+
+def test_the_fast_path_takes_what_sglang_sends():
+    body = corpus()[1]
+    tree = parse_generate(body)
+    assert all(isinstance(a["meta_info"]["output_token_logprobs"], Segment) for a in tree)
