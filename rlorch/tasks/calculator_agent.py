@@ -2,66 +2,52 @@
 
 Nothing here knows about rlorch: the agent asks the model with one tool offered, runs the tool
 when the model calls it, sends the result back and reads the answer, as any OpenAI-client agent
-does. Trained on the tiny default model, the model learns to call ``calculate`` with the
-expression (its tool-call format is ``expression|``: ``task.tool_call_parser=pipe``) and to
-answer with the result.
+does. The tool, ``calculate``, evaluates the question it is asked about; the model cannot add,
+so the skill it learns is the agent's loop itself: call the tool (the tiny model's tool-call
+format is ``|``: ``task.tool_call_parser=pipe``), then answer with what came back.
 """
 
 from __future__ import annotations
 
-import json
-
 from openai import AsyncOpenAI
+
+from rlorch.tasks.calculator import calculate
 
 CALCULATE = {
     "type": "function",
     "function": {
         "name": "calculate",
-        "description": "Evaluate an expression of integers, + and -.",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                       "required": ["expression"]},
+        "description": "Evaluate the expression the user asks about (integers, + and -).",
+        "parameters": {"type": "object", "properties": {}},
     },
 }
 
 
-def calculate(expression: str) -> str:
-    """The tool: ``37+45`` -> ``82``; ``x`` for anything that is not such an expression."""
-    from rlorch.tasks.calculator import calculate as evaluate
-
-    return evaluate(expression)
-
-
 async def solve(sample: dict, *, base_url: str, api_key: str, http_client=None) -> float:
-    """One episode: ``sample["prompt"]`` is ``37+45=``, ``sample["answer"]`` ``82``. The call may
-    be as long as the expression and its ``|``, the answer as long as what the tool returned.
-    Reward 1 for the right answer. Short of it, credit for the parts of the skill: up to 0.4 for
-    the prompt's expression in the first turn (the share of its characters in place), 0.05 for
-    calling the tool, and once the call holds some of the expression, up to 0.2 for an answer
-    repeating what the tool returned. Only the whole solution scores 1. ``http_client``: the one
-    rlorch hands over (cheap to build; a client of one's own works too, slower)."""
-    expression = sample["prompt"].removesuffix("=")
+    """One episode: ``sample["prompt"]`` is ``37+45=``, ``sample["answer"]`` ``82``. The first
+    turn is one token (the call, or a guess), the answer as long as what the tool returned.
+    Reward 1 for the right answer; short of it 0.1 for calling the tool (0.05 for a guess in
+    digits instead) and up to 0.3 for the share of the answer's characters in place. ``http_client``: the one rlorch hands over (cheap
+    to build; a client of one's own works too, slower)."""
+    question = sample["prompt"]
     async with AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client) as client:
-        messages = [{"role": "user", "content": sample["prompt"]}]
+        messages = [{"role": "user", "content": question}]
         reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATE],
-                                                     max_tokens=len(expression) + 1)
+                                                     max_tokens=1)
         message = reply.choices[0].message
-        first, result = message.content or "", None
         if message.tool_calls:
-            messages.append(message.model_dump(exclude_none=True))
-            call = message.tool_calls[0]
-            first = json.loads(call.function.arguments).get("expression", "")
-            result = calculate(first)
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+            result = calculate(question.removesuffix("="))
+            messages += [message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": result}]
             reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATE],
-                                                         max_tokens=max(len(result), 1))
+                                                         max_tokens=len(result))
         answer = (reply.choices[0].message.content or "").strip()
-    if answer == str(sample["answer"]):
+    expected = str(sample["answer"])
+    if answer == expected:
         return 1.0
-    expressed = in_place(first, expression)
-    if result is None:
-        return 0.4 * expressed
-    repeated = in_place(answer, result) if expressed and result.lstrip("-").isdigit() else 0.0
-    return 0.4 * expressed + 0.05 + 0.2 * repeated
+    if not message.tool_calls:
+        return 0.05 * answer.isdigit() + 0.3 * in_place(answer, expected)
+    return 0.1 + 0.3 * in_place(answer, expected)
 
 
 def in_place(text: str, target: str) -> float:
