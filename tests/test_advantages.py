@@ -149,3 +149,18 @@ def test_flat_advantage_zero_is_the_estimators_own():
 def test_flat_advantage_unknown_choice_names_the_key():
     with pytest.raises(ValueError, match="trainer.flat_advantage"):
         advantages(CRAFTED, "grpo", flat="entropy")
+
+
+def test_the_train_sink_trains_a_kept_flat_wrong_group_under_flat_advantage_batch():
+    from rlorch.orchestrator.sinks import TrainSink
+    from test_components import rollout
+
+    def emitted(**kwargs):
+        sink = TrainSink(batch_size=6, max_staleness=2, strict=False, keep_flat=True, **kwargs)
+        for group, rewards in enumerate(([1.0, 0.0], [0.5, 0.5], [1.0, 1.0])):
+            sink.add([rollout(group, r, [[0, 1]], token=i) for i, r in enumerate(rewards)], step=1)
+        return sink.emit(1).advantages
+
+    assert emitted()[2:] == [0.0] * 4
+    mean, std = 4 / 6, math.sqrt((3 * (1 / 3) ** 2 + (2 / 3) ** 2 + 2 * (1 / 6) ** 2) / 6)
+    assert emitted(flat_advantage="batch")[2:] == pytest.approx([(0.5 - mean) / (std + EPS)] * 2 + [0.0] * 2)
