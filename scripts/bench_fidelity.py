@@ -14,12 +14,9 @@ the async grid out; `--no-sync` leaves the sync run out (the default run is then
 of the wall-time column); `--jobs N` runs N trainings at a time (their loop times then include
 the contention; accuracies do not depend on it).
 
-`--task reverse5` runs every arm on the harder task instead: 5-digit reversal (a 5-token answer,
-10^5 strings, each position's credit a fifth of the reward), with room for (S + 1) x B rollouts in
-flight (rollout.max_concurrent=640), so that S=4 really trains tokens up to 4+ versions old
-(at the default's C = B = 128, concurrency binds first and every S > 0 lags about the same).
+`--first-seed N` starts the seeds at N (to add seeds to an earlier invocation's).
 
-Usage: python scripts/bench_fidelity.py [--seeds 3] [--staleness 1,2,4] [--task reverse|reverse5]
+Usage: python scripts/bench_fidelity.py [--seeds 3] [--staleness 1,2,4]
        [--corrections decoupled,tis,none] [--families dr_grpo,rloo,cosine,kl,bf16,lora]
        [--no-sync] [--jobs 1] [--plot outputs/fidelity.png] [--keep DIR] [key=value ...]
 """
@@ -92,14 +89,6 @@ FAMILIES = {
              "trainer.lr=2e-3"],
 }
 """One learning check per trainer option family, on top of the default run."""
-
-
-TASKS = {
-    "reverse": [],
-    "reverse5": ["task.params.min_digits=5", "task.params.max_digits=5", "rollout.max_new_tokens=5",
-                 "rollout.max_concurrent=640"],
-}
-"""``--task``: overrides that every arm gets (the default task, or the harder 5-digit reversal)."""
 
 
 def configurations(staleness: list[int], corrections: list[str], families: list[str] = (),
@@ -178,8 +167,6 @@ def main() -> None:
     parser.add_argument("--staleness", default="1,2,4")
     parser.add_argument("--corrections", default="decoupled,tis,none")
     parser.add_argument("--families", default="", help=f"comma-separated, of {','.join(FAMILIES)}")
-    parser.add_argument("--task", choices=sorted(TASKS), default="reverse",
-                        help="reverse (the default task) or reverse5 (the harder one, see above)")
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--no-sync", action="store_true", help="leave the sync run out (with --families: "
                         "the default run is the reference)")
@@ -208,7 +195,7 @@ def main() -> None:
         def one(seed: int, name: str) -> Run:
             started = time.monotonic()
             run = train(root, name.replace(" ", "_").replace("=", ""), seed,
-                        [*configs[name], *TASKS[args.task], *args.overrides])
+                        [*configs[name], *args.overrides])
             run.name = name
             print(f"{name:16s} seed {seed}: accuracy {run.evals[0][1]:.2f} -> {run.final():.2f} at step "
                   f"{run.evals[-1][0]} ({run.status}), loop {run.loop_s:.1f} s, "
