@@ -164,3 +164,11 @@ def test_the_train_sink_trains_a_kept_flat_wrong_group_under_flat_advantage_batc
     assert emitted()[2:] == [0.0] * 4
     mean, std = 4 / 6, math.sqrt((3 * (1 / 3) ** 2 + (2 / 3) ** 2 + 2 * (1 / 6) ** 2) / 6)
     assert emitted(flat_advantage="batch")[2:] == pytest.approx([(0.5 - mean) / (std + EPS)] * 2 + [0.0] * 2)
+
+
+def test_flat_advantage_negative_never_reinforces_a_flat_wrong_group():
+    groups = [[0.2, 0.2], [0.9, 0.9], [0.0, 1.0]]
+    batch = advantages(groups, "grpo", flat="batch")
+    assert batch[1][0] > 0 > batch[0][0]
+    negative = advantages(groups, "grpo", flat="negative")
+    assert negative == [batch[0], [0.0, 0.0], batch[2]]

@@ -62,6 +62,7 @@ class FlatAdvantage(str, enum.Enum):
 
     zero = "zero"
     batch = "batch"
+    negative = "negative"
 
 
 class ScaleRewards(str, enum.Enum):
@@ -558,9 +559,10 @@ class TrainerConfig:
     estimator's own (group for grpo, none for the others). dr_grpo takes none only."""
     flat_advantage: FlatAdvantage = FlatAdvantage.zero
     """What a zero-variance group below the maximum reward (a prompt answered one wrong way)
-    trains with: zero (the estimator's 0) or batch ((r - batch mean) / batch std: negative when
-    the batch does better on average, so a stuck wrong answer is pushed down). Mixed groups keep
-    the estimator's advantages; flat groups at the maximum stay 0."""
+    trains with: zero (the estimator's 0), batch ((r - batch mean) / batch std: negative when
+    the batch does better on average, so a stuck wrong answer is pushed down) or negative (batch's,
+    never above 0: a flat wrong group above the batch mean is left alone rather than reinforced).
+    Mixed groups keep the estimator's advantages; flat groups at the maximum stay 0."""
     loss_agg: LossAgg = LossAgg.token_mean
     """How per-token losses make a minibatch's loss: token_mean (every trained token of the
     minibatch, all ranks, weighs the same: DAPO), seq_mean_token_sum (each sequence's token sum,

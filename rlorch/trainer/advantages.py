@@ -21,7 +21,10 @@ maximum reward (a prompt the policy answers one wrong way) gets 0 from every gro
 nothing moves it once the policy is deterministic there. ``batch`` gives such a group
 ``(r - batch mean) / (batch std + EPS)`` instead (mixed groups keep the estimator's advantages,
 flat groups at the maximum stay 0): negative wherever the batch does better on average, and
-the policy-gradient term grows as the stuck answer's probability falls back from 1.
+the policy-gradient term grows as the stuck answer's probability falls back from 1. Where most of
+a batch is stuck, a flat group above the batch mean gets a *positive* advantage under ``batch``,
+reinforcing a wrong answer; ``negative`` is the same formula floored at 0 from above (a flat
+wrong group is pushed down or left alone, never reinforced).
 
 Groups of one sample have no group baseline: when every group of a batch has one sample, the
 batch is treated as one group (GRPO across prompts); a lone sample among larger groups gets 0
@@ -95,17 +98,20 @@ def is_flat_below(group: Sequence[float], max_reward: float) -> bool:
     return len(group) > 1 and group[0] < max_reward and all(r == group[0] for r in group)
 
 
-def flat_below_max(groups: Groups, estimated: Groups, max_reward: float = 1.0) -> list[list[float]]:
+def flat_below_max(groups: Groups, estimated: Groups, max_reward: float = 1.0,
+                   most: float = math.inf) -> list[list[float]]:
     """``estimated`` with every flat group below ``max_reward`` replaced by
-    ``(r - batch mean) / (batch std + EPS)`` (``trainer.flat_advantage=batch``)."""
+    ``min((r - batch mean) / (batch std + EPS), most)`` (``trainer.flat_advantage=batch``; with
+    ``most`` 0, ``negative``)."""
     rewards = [r for group in groups for r in group]
     mean, divisor = _mean(rewards), _std(rewards) + EPS
-    return [[(r - mean) / divisor for r in group] if is_flat_below(group, max_reward) else list(advantage)
-            for group, advantage in zip(groups, estimated)]
+    return [[min((r - mean) / divisor, most) for r in group] if is_flat_below(group, max_reward)
+            else list(advantage) for group, advantage in zip(groups, estimated)]
 
 
 FLAT = {"zero": lambda groups, estimated, max_reward: [list(group) for group in estimated],
-        "batch": flat_below_max}
+        "batch": flat_below_max,
+        "negative": lambda groups, estimated, max_reward: flat_below_max(groups, estimated, max_reward, most=0.0)}
 """``trainer.flat_advantage`` -> what flat groups below the maximum get."""
 
 
