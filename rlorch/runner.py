@@ -188,6 +188,8 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
     signals = SignalRelay()
     from rlorch.backends import make_launcher, make_trainer
     from rlorch.tasks.episode import PromptSource, make_work, reward_override
+    from rlorch.tasks.replay import ReplayQueue
+    from rlorch.types import max_reward
     from rlorch.inference.weight_transfer import join_weight_group
     from rlorch.orchestrator.loop import Orchestrator
     from rlorch.rundir.resume import step_of
@@ -208,14 +210,15 @@ async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> i
         for outcome in (launched, trainer_started):
             if isinstance(outcome, BaseException):
                 raise outcome
-        prompts = PromptSource(env, tokenizer=tokenizer, seed=config.run.seed)
+        prompts = PromptSource(env, tokenizer=tokenizer, seed=config.run.seed,
+                               replay=ReplayQueue(config.rollout.replay_share, max_reward=max_reward(env)))
         _note_eval_size(config, prompts)
         _cap_steps_at_epochs(config, env)
         resume = None
         if checkpoint is not None:
             from rlorch.rundir.resume import read_state, weights_of
 
-            resume = read_state(checkpoint, prompts.make)
+            resume = read_state(checkpoint, prompts.make, prompts.replay.load_state_dict)
             prompts.position = resume.prompt_position
             await engines.reload(str(weights_of(checkpoint, run_dir, resume.step)), resume.step)
         await join_weight_group(config, run_dir, engines, trainer.error)

@@ -14,6 +14,8 @@ the async grid out; `--no-sync` leaves the sync run out (the default run is then
 of the wall-time column); `--jobs N` runs N trainings at a time (their loop times then include
 the contention; accuracies do not depend on it).
 
+`--first-seed N` starts the seeds at N (to add seeds to an earlier invocation's).
+
 Usage: python scripts/bench_fidelity.py [--seeds 3] [--staleness 1,2,4]
        [--corrections decoupled,tis,none] [--families dr_grpo,rloo,cosine,kl,bf16,lora]
        [--no-sync] [--jobs 1] [--plot outputs/fidelity.png] [--keep DIR] [key=value ...]
@@ -165,6 +167,7 @@ def main() -> None:
     parser.add_argument("--staleness", default="1,2,4")
     parser.add_argument("--corrections", default="decoupled,tis,none")
     parser.add_argument("--families", default="", help=f"comma-separated, of {','.join(FAMILIES)}")
+    parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--no-sync", action="store_true", help="leave the sync run out (with --families: "
                         "the default run is the reference)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (loop times then include the "
@@ -191,14 +194,15 @@ def main() -> None:
 
         def one(seed: int, name: str) -> Run:
             started = time.monotonic()
-            run = train(root, name.replace(" ", "_").replace("=", ""), seed, [*configs[name], *args.overrides])
+            run = train(root, name.replace(" ", "_").replace("=", ""), seed,
+                        [*configs[name], *args.overrides])
             run.name = name
             print(f"{name:16s} seed {seed}: accuracy {run.evals[0][1]:.2f} -> {run.final():.2f} at step "
                   f"{run.evals[-1][0]} ({run.status}), loop {run.loop_s:.1f} s, "
                   f"process {time.monotonic() - started:.1f} s", flush=True)
             return run
 
-        order = [(seed, name) for seed in range(args.seeds) for name in configs]
+        order = [(seed, name) for seed in range(args.first_seed, args.first_seed + args.seeds) for name in configs]
         with ThreadPoolExecutor(max(args.jobs, 1)) as pool:  # each run is its own process
             for (seed, name), run in zip(order, pool.map(lambda job: one(*job), order)):
                 results[name].append(run)

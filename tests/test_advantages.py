@@ -119,3 +119,56 @@ def test_the_train_sink_emits_the_configured_estimators_advantages():
     assert emitted() == pytest.approx([1.0, -1.0, 1.0, -1.0], abs=1e-5)
     assert emitted(advantage="rloo") == pytest.approx([1.0, -1.0, 1.0, -1.0])
     assert emitted(advantage="reinforce") == pytest.approx([0.0, -1.0, 1.0, 0.0])
+
+
+CRAFTED = [[1.0, 0.6, 0.6, 1.0], [0.6, 0.6, 0.6, 0.6], [1.0, 1.0, 1.0, 1.0]]
+"""Mixed (mean 0.8, std 0.2), flat below the maximum (0.6), flat at the maximum. Batch: 12 rewards,
+mean (2.4 + 2.4 + 4) / 12 = 0.7333..., std sqrt(mean of squares - mean^2)."""
+
+
+def test_flat_advantage_batch_pushes_a_flat_wrong_group_and_nothing_else():
+    rewards = [r for group in CRAFTED for r in group]
+    mean = sum(rewards) / 12
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / 12)
+    mixed = 0.2 / (0.2 + EPS)
+    flat = (0.6 - mean) / (std + EPS)
+    assert flat < -0.5
+    _close(advantages(CRAFTED, "grpo", flat="batch"), [[mixed, -mixed, -mixed, mixed], [flat] * 4, [0.0] * 4])
+    # The maximum is the environment's: below a higher one the third group is stuck too.
+    top = (1.0 - mean) / (std + EPS)
+    assert advantages(CRAFTED, "grpo", flat="batch", max_reward=2.0)[2] == pytest.approx([top] * 4)
+
+
+def test_flat_advantage_zero_is_the_estimators_own():
+    for estimator in ("grpo", "dr_grpo", "rloo", "reinforce"):
+        assert advantages(CRAFTED, estimator, flat="zero") == advantages(CRAFTED, estimator)
+    a = 0.2 / (0.2 + EPS)
+    _close(advantages(CRAFTED, "grpo"), [[a, -a, -a, a], [0.0] * 4, [0.0] * 4])
+
+
+def test_flat_advantage_unknown_choice_names_the_key():
+    with pytest.raises(ValueError, match="trainer.flat_advantage"):
+        advantages(CRAFTED, "grpo", flat="entropy")
+
+
+def test_the_train_sink_trains_a_kept_flat_wrong_group_under_flat_advantage_batch():
+    from rlorch.orchestrator.sinks import TrainSink
+    from test_components import rollout
+
+    def emitted(**kwargs):
+        sink = TrainSink(batch_size=6, max_staleness=2, strict=False, keep_flat=True, **kwargs)
+        for group, rewards in enumerate(([1.0, 0.0], [0.5, 0.5], [1.0, 1.0])):
+            sink.add([rollout(group, r, [[0, 1]], token=i) for i, r in enumerate(rewards)], step=1)
+        return sink.emit(1).advantages
+
+    assert emitted()[2:] == [0.0] * 4
+    mean, std = 4 / 6, math.sqrt((3 * (1 / 3) ** 2 + (2 / 3) ** 2 + 2 * (1 / 6) ** 2) / 6)
+    assert emitted(flat_advantage="batch")[2:] == pytest.approx([(0.5 - mean) / (std + EPS)] * 2 + [0.0] * 2)
+
+
+def test_flat_advantage_negative_never_reinforces_a_flat_wrong_group():
+    groups = [[0.2, 0.2], [0.9, 0.9], [0.0, 1.0]]
+    batch = advantages(groups, "grpo", flat="batch")
+    assert batch[1][0] > 0 > batch[0][0]
+    negative = advantages(groups, "grpo", flat="negative")
+    assert negative == [batch[0], [0.0, 0.0], batch[2]]

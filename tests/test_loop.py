@@ -335,6 +335,9 @@ def test_the_failure_window_is_one_pass_over_the_data_between_the_setting_and_it
     assert failure_window(3, 20, 16) == 3
     assert failure_window(3, 160, 16) == 10
     assert failure_window(3, 10**6, 16) == 3 * FAILURE_WINDOW_CAP
+    # Flat groups below the maximum train with an advantage of their own (trainer.flat_advantage):
+    # a collapse is given the longest window to move.
+    assert failure_window(3, None, 16, flat_signal=True) == 3 * FAILURE_WINDOW_CAP
 
 
 def _children(pid: int) -> list[int]:

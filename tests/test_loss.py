@@ -68,6 +68,26 @@ def test_decoupled_weights_by_capped_behaviour_ratio_and_clips_against_prox():
     assert grad[0, 0] == 0.0 and stats.summary()["clip_frac"] == pytest.approx(1 / 3)
 
 
+@pytest.mark.parametrize("correction", [Correction.none, Correction.decoupled])
+def test_clip_high_lets_a_positive_advantage_grow_past_one_plus_clip_eps(correction):
+    """Ratio 1.25: above 1 + clip_eps (0.2), below 1 + clip_high (0.28): its gradient survives
+    for A > 0; ratio 1.3 is clipped at 1 + clip_high; the low side stays clip_eps."""
+    behaviour = [[-1.0, -1.0, -1.0]]
+    prox = torch.tensor(behaviour, dtype=torch.float64)
+    ratios = [1.25, 1.3, 0.75]
+    moved = [[-1.0 + math.log(r) for r in ratios]]
+    _, _, symmetric = _grad(_leaf(moved), behaviour, [[1, 1, 1]], [1.0], correction, prox=prox)
+    assert symmetric[0, 0] == 0.0
+    _, stats, grad = _grad(_leaf(moved), behaviour, [[1, 1, 1]], [1.0], correction, prox=prox, clip_high=0.28)
+    assert grad[0, 0] == pytest.approx(-1.25 / 3)
+    assert grad[0, 1] == 0.0
+    assert grad[0, 2] == pytest.approx(-0.75 / 3)
+    assert stats.summary()["clip_frac"] == pytest.approx(1 / 3)
+    _, _, negative = _grad(_leaf([[-1.0 + math.log(0.75)]]), [[-1.0]], [[1]], [-1.0], correction,
+                           prox=torch.tensor([[-1.0]], dtype=torch.float64), clip_high=0.28)
+    assert negative[0, 0] == 0.0  # A < 0, ratio below 1 - clip_eps: clipped at the low side
+
+
 def test_decoupled_needs_prox():
     with pytest.raises(ValueError, match="prox"):
         _grad(_leaf([[-1.0]]), [[-1.0]], [[1]], [1.0], Correction.decoupled)

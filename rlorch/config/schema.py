@@ -56,6 +56,15 @@ class Advantage(str, enum.Enum):
     reinforce = "reinforce"
 
 
+class FlatAdvantage(str, enum.Enum):
+    """What a zero-variance group below the maximum reward trains with (see
+    :func:`rlorch.trainer.advantages.flat_below_max`)."""
+
+    zero = "zero"
+    batch = "batch"
+    negative = "negative"
+
+
 class ScaleRewards(str, enum.Enum):
     """What centred rewards are divided by: the group's std, the batch's std, or nothing."""
 
@@ -244,6 +253,11 @@ class RolloutConfig:
     generate others in their place. false trains them with advantage 0: the entropy bonus and the
     token mean still see them, no replacement is generated, and they count toward the empty-batch
     guard all the same (train.max_empty_batches)."""
+    replay_share: float = 0.0
+    """Share of drawn prompts (0..0.5) that are replays of stuck prompts: a prompt whose group
+    came back zero-variance below the maximum reward is queued (at most REPLAY_CAPACITY) and
+    drawn again ahead of new prompts, one replay per 1/share draws, until its group has spread or
+    is solved. 0 = off. Saved at checkpoints with the data position."""
     filter_budget: int = 4
     """Batches' worth of filtered rollouts (zero-variance groups) generated while assembling
     one batch; past it the batch trains on the groups it has (a short batch), so the loop never
@@ -283,6 +297,7 @@ class RolloutConfig:
         _require(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
         _require(self.max_regenerations >= 0, "rollout.max_regenerations", "must be >= 0")
         _require(self.filter_budget >= 0, "rollout.filter_budget", "must be >= 0")
+        _require(0.0 <= self.replay_share <= 0.5, "rollout.replay_share", "must be within [0, 0.5]")
 
 
 @dataclass
@@ -542,6 +557,12 @@ class TrainerConfig:
     scale_rewards: Optional[ScaleRewards] = None
     """Divide the centred rewards by the std of the group, of the batch, or none; unset: the
     estimator's own (group for grpo, none for the others). dr_grpo takes none only."""
+    flat_advantage: FlatAdvantage = FlatAdvantage.zero
+    """What a zero-variance group below the maximum reward (a prompt answered one wrong way)
+    trains with: zero (the estimator's 0), batch ((r - batch mean) / batch std: negative when
+    the batch does better on average, so a stuck wrong answer is pushed down) or negative (batch's,
+    never above 0: a flat wrong group above the batch mean is left alone rather than reinforced).
+    Mixed groups keep the estimator's advantages; flat groups at the maximum stay 0."""
     loss_agg: LossAgg = LossAgg.token_mean
     """How per-token losses make a minibatch's loss: token_mean (every trained token of the
     minibatch, all ranks, weighs the same: DAPO), seq_mean_token_sum (each sequence's token sum,
@@ -560,7 +581,12 @@ class TrainerConfig:
     weight_decay: float = 0.0
     """AdamW weight decay."""
     clip_eps: float = 0.2
-    """PPO clip range around the ratio to the proximal (or behaviour) policy."""
+    """PPO clip range around the ratio to the proximal (or behaviour) policy: the lower bound
+    1 - clip_eps, and the upper one too unless clip_high is set."""
+    clip_high: Optional[float] = None
+    """Upper PPO clip bound 1 + clip_high (DAPO's clip-higher, 0.28 there): a sampled token
+    with a positive advantage may grow further than clip_eps allows. Unset: clip_eps
+    (symmetric)."""
     is_cap: float = 2.0
     """Cap on per-token importance ratios (decoupled and tis)."""
     max_grad_norm: float = 1.0
@@ -605,6 +631,7 @@ class TrainerConfig:
         _require(self.warmup_steps >= 0, "trainer.warmup_steps", "must be >= 0")
         _require(0.0 <= self.min_lr_ratio <= 1.0, "trainer.min_lr_ratio", "must be within [0, 1]")
         _require(self.clip_eps > 0, "trainer.clip_eps", "must be > 0")
+        _require(self.clip_high is None or self.clip_high > 0, "trainer.clip_high", "must be > 0 (unset = clip_eps)")
         _require(self.is_cap >= 1, "trainer.is_cap", "must be >= 1")
         _require(self.entropy_coef >= 0, "trainer.entropy_coef", "must be >= 0")
         _require(self.kl_coef >= 0, "trainer.kl_coef", "must be >= 0 (0 = no reference policy)")

@@ -1,6 +1,7 @@
 """The orchestrator's half of a checkpoint: ``orchestrator.json`` beside the trainer's state.
 
-The loop decides when; this module decides what. A snapshot of step N saves the data position,
+The loop decides when; this module decides what. A snapshot of step N saves the data position
+and the replay queue of stuck prompts,
 every finished rollout not trained at N (batches shipped after N, a parked batch, the sink's
 groups, the dispatcher's finished groups) and every prompt not finished (in flight or abandoned,
 failed, queued), so a resume neither skips nor repeats data.
@@ -45,10 +46,11 @@ class Snapshots:
 
     def __init__(self, run_dir: RunDir, *, ledger: Any, group_size: int, unfinished: Callable[[], Unfinished],
                  prompt_position: Callable[[], int], empty_batches: Callable[[], int], keep: int = 0,
-                 keep_every: int = 0):
+                 keep_every: int = 0, replay: Callable[[], dict] = dict):
         self.run_dir, self.ledger, self.group_size = run_dir, ledger, group_size
         self.keep, self.keep_every = keep, keep_every
         self.unfinished, self.prompt_position, self.empty_batches = unfinished, prompt_position, empty_batches
+        self.replay = replay
         self.done: set[int] = set()
         self.first_step = 1
         self.final: Optional[int] = None
@@ -85,7 +87,8 @@ class Snapshots:
         if abandoned is None:
             totals["requeued"] += len(in_flight) * self.group_size
         resume = ResumeState(step=step, prompt_position=self.prompt_position(), untrained=untrained,
-                             pending_prompts=in_flight + state.failed + state.queued, totals=totals)
+                             pending_prompts=in_flight + state.failed + state.queued, totals=totals,
+                             replay=self.replay())
         write_json_atomic(CheckpointDir(self.run_dir.checkpoint(step)).state, resume.to_json())
         self.ledger.snapshotted(step)
         self.done.add(step)

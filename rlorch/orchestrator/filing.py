@@ -9,7 +9,7 @@ the run: ``on_guard`` is handed its verdict and message when it trips.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from rlorch.types import Fate, Rollout
 
@@ -17,8 +17,11 @@ from rlorch.types import Fate, Rollout
 class Filing:
     def __init__(self, *, sink: Any, ledger: Any, gate: Any, dispatcher: Any, prompts: Any,
                  max_regenerations: int, max_empty_batches: int, on_guard: Callable[[Any, str], None],
-                 kept: Any, stale: Any, failure_window: int = 0):
-        """``kept`` and ``stale`` are the sink's verdicts for a kept and a too-old group."""
+                 kept: Any, stale: Any, failure_window: int = 0,
+                 observe: Optional[Callable[[list[Rollout]], None]] = None):
+        """``kept`` and ``stale`` are the sink's verdicts for a kept and a too-old group;
+        ``observe`` sees every group that is kept or filtered (the prompt source's replay queue)."""
+        self.observe = observe
         self.sink, self.ledger, self.gate, self.dispatcher, self.prompts = sink, ledger, gate, dispatcher, prompts
         self.max_regenerations, self.max_empty_batches, self.on_guard = max_regenerations, max_empty_batches, on_guard
         self.kept, self.stale_verdict = kept, stale
@@ -28,6 +31,8 @@ class Filing:
     def file(self, group: list[Rollout], step: int) -> None:
         """Hand a finished group to the sink for batch ``step``."""
         verdict = self.sink.add(group, step)
+        if self.observe is not None and verdict is not self.stale_verdict:
+            self.observe(group)
         if verdict is self.kept:
             self._guard()    # a kept zero-variance group (rollout.filter_groups=false) counts toward it
             return

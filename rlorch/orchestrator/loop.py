@@ -17,7 +17,7 @@ import asyncio
 import time
 from typing import Any, Optional
 
-from rlorch.config.schema import Colocate, Config, Enforce
+from rlorch.config.schema import Colocate, Config, Enforce, FlatAdvantage
 from rlorch.launch.startup import StartupClock
 from rlorch.lifecycle import cancel_and_wait
 from rlorch.orchestrator.checkpoints import Snapshots, Unfinished
@@ -69,7 +69,7 @@ class Orchestrator:
         self.sink = TrainSink(batch_size=r.batch_size, max_staleness=r.max_staleness, strict=r.enforce is Enforce.strict,
                               max_reward=max_reward(env) if env else 1.0, filter_budget=r.filter_budget * r.batch_size,
                               keep_flat=not r.filter_groups, advantage=config.trainer.advantage,
-                              scale_rewards=config.trainer.scale_rewards)
+                              scale_rewards=config.trainer.scale_rewards, flat_advantage=config.trainer.flat_advantage)
         self.version_changed = asyncio.Event()
         self.swap = (SwapStep(release=lambda: engines.release_memory(), published=run_dir.published_weights,
                               offloaded=run_dir.offloaded_step) if config.run.colocate is Colocate.swap else None)
@@ -91,12 +91,13 @@ class Orchestrator:
         self.filing = Filing(sink=self.sink, ledger=self.ledger, gate=self.gate, dispatcher=self.dispatcher,
                              prompts=prompts, max_regenerations=r.max_regenerations,
                              max_empty_batches=config.train.max_empty_batches, on_guard=self._on_guard,
-                             kept=KEPT, stale=Verdict.stale, failure_window=failure_window(
-                                 config.train.max_empty_batches, getattr(env, "prompt_count", None), r.prompts_per_batch))
+                             kept=KEPT, stale=Verdict.stale, observe=getattr(prompts, "observe", None),
+                             failure_window=failure_window(config.train.max_empty_batches, getattr(env, "prompt_count", None),
+                                                           r.prompts_per_batch, config.trainer.flat_advantage is not FlatAdvantage.zero))
         self.snapshots = Snapshots(run_dir, ledger=self.ledger, group_size=r.group_size,
-                                   unfinished=lambda: Unfinished(self.dispatcher.state(), self.sink.pending_groups(),
-                                                                 self.shipping.parked),
+                                   unfinished=lambda: Unfinished(self.dispatcher.state(), self.sink.pending_groups(), self.shipping.parked),
                                    prompt_position=lambda: prompts.position, empty_batches=lambda: self.sink.totals.empty_batches,
+                                   replay=replay.state_dict if (replay := getattr(prompts, "replay", None)) else dict,
                                    keep=config.trainer.keep_checkpoints, keep_every=config.trainer.keep_checkpoints_every)
         self.convergence = Convergence(stop_on_converged=config.train.stop_on_converged,
                                        evaluating=config.eval.enabled, share=SOLVED_SHARE)

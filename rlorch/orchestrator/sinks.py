@@ -55,10 +55,15 @@ FAILURE_WINDOW_CAP = 10
 times train.max_empty_batches: a long enough look at hard prompts, yet bounded for a large set."""
 
 
-def failure_window(max_empty_batches: int, prompt_count: Optional[int], prompts_per_batch: int) -> int:
+def failure_window(max_empty_batches: int, prompt_count: Optional[int], prompts_per_batch: int,
+                   flat_signal: bool = False) -> int:
     """Batch-worths without a learning signal before a flat reward or a collapsed policy stops it:
     one pass over a finite prompt set of ``prompt_count`` prompts, at least ``max_empty_batches``
-    and at most FAILURE_WINDOW_CAP times it."""
+    and at most FAILURE_WINDOW_CAP times it. ``flat_signal`` (``trainer.flat_advantage`` other
+    than zero: flat groups below the maximum train with an advantage of their own) waits the
+    longest, FAILURE_WINDOW_CAP times ``max_empty_batches``, so a stuck prompt has time to move."""
+    if flat_signal:
+        return FAILURE_WINDOW_CAP * max_empty_batches
     if not prompt_count:
         return max_empty_batches
     one_pass = math.ceil(prompt_count / max(prompts_per_batch, 1))
@@ -117,8 +122,12 @@ class TrainSink:
 
     def __init__(self, *, batch_size: int, max_staleness: int, strict: bool, max_reward: float = 1.0,
                  filters: Optional[Sequence[GroupFilter]] = None, filter_budget: int = 0,
-                 advantage: object = "grpo", scale_rewards: object = None, keep_flat: bool = False):
+                 advantage: object = "grpo", scale_rewards: object = None, keep_flat: bool = False,
+                 flat_advantage: object = "zero"):
         self.batch_size = batch_size
+        self.max_reward = max_reward
+        self.flat_advantage = getattr(flat_advantage, "value", flat_advantage)
+        """What kept flat groups below the maximum train with (``trainer.flat_advantage``)."""
         self.keep_flat = keep_flat
         """Train zero-variance groups (``rollout.filter_groups=false``) instead of dropping them."""
         # Config enums or their names: the estimator table is keyed by name.
@@ -320,7 +329,8 @@ class TrainSink:
             self.totals.short_batches += 1
         rollouts = [r for group in taken for r in group]
         rewards = [[r.reward for r in group] for group in taken]
-        advantages = [a for group in estimate(rewards, self.advantage, self.scale_rewards) for a in group]
+        advantages = [a for group in estimate(rewards, self.advantage, self.scale_rewards,
+                                                             flat=self.flat_advantage, max_reward=self.max_reward) for a in group]
         batch = Batch(step=step, rollouts=rollouts, advantages=advantages)
         if not batch.trainable:
             reason = self.flat(rollouts) or Verdict.no_signal

@@ -11,7 +11,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from rlorch.rundir.validation import check_checkpoint
 from rlorch.config.schema import Config, ConfigError
@@ -81,11 +81,14 @@ def supersede(run_dir: RunDir, step: int, stamp: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def read_state(checkpoint: Path, make_prompt: Callable):
-    """The orchestrator's state saved with ``checkpoint``."""
+def read_state(checkpoint: Path, make_prompt: Callable, restore_replay: Optional[Callable[[dict], None]] = None):
+    """The orchestrator's state saved with ``checkpoint``; ``restore_replay`` is handed the saved
+    replay queue's state before any pending prompt is made (a replay's id resolves through it)."""
     from rlorch.rundir.state import ResumeState
 
     data = json.loads(CheckpointDir(checkpoint).state.read_text())
+    if restore_replay is not None:
+        restore_replay(data.get("replay", {}))
     return ResumeState.from_json(data, make_prompt)
 
 

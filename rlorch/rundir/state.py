@@ -18,9 +18,13 @@ class ResumeState:
     untrained: list[list[Rollout]]
     pending_prompts: list[Prompt]
     totals: dict = field(default_factory=dict)
+    replay: dict = field(default_factory=dict)
+    """The replay queue of stuck prompts (:mod:`rlorch.tasks.replay`), restored before the pending
+    prompts are made (see :func:`rlorch.rundir.resume.read_state`)."""
 
     def to_json(self) -> dict:
         return {"step": self.step, "prompt_position": self.prompt_position, "totals": self.totals,
+                "replay": self.replay,
                 "untrained": [[r.to_json() for r in group] for group in self.untrained],
                 "pending_prompts": [{"group_id": p.group_id, "attempt": p.attempt} for p in self.pending_prompts]}
 
@@ -32,6 +36,7 @@ class ResumeState:
             prompt.attempt = item.get("attempt", 0)
             prompts.append(prompt)
         return cls(step=data["step"], prompt_position=data["prompt_position"], totals=data.get("totals", {}),
+                   replay=data.get("replay", {}),
                    untrained=[[Rollout.from_json(r) for r in group] for group in data["untrained"]],
                    pending_prompts=prompts)
 

@@ -15,6 +15,7 @@ from rlorch.config.schema import Config, InferenceBackend, SimReward
 from rlorch.lifecycle import gather_all
 from rlorch.tasks.base import is_single_turn
 from rlorch.tasks.prompts import chat_suffix, encode_prompt, encode_text
+from rlorch.tasks.replay import ReplayQueue
 from rlorch.types import (LOGPROBS, LONG, TOKEN_IDS, AgentRunner, Engine, Environment, Generation, GroupRequest,
                           Origin, Prompt, Rollout, SamplingParams, VersionStamps, as_array, is_correct, list_of,
                           logprob_array, mask_array, numpy_view, token_ids)
@@ -23,17 +24,21 @@ EVAL_SEED_OFFSET = 1_000_003
 
 
 class PromptSource:
-    """Deterministic prompts by index; ``position`` is the data position saved at checkpoints."""
+    """Deterministic prompts by index; ``position`` is the data position saved at checkpoints.
+    ``replay`` (``rollout.replay_share``) draws stuck prompts again between data prompts: see
+    :mod:`rlorch.tasks.replay`; its state is saved beside the position."""
 
-    def __init__(self, env: Environment, *, tokenizer: Any, seed: int, position: int = 0):
+    def __init__(self, env: Environment, *, tokenizer: Any, seed: int, position: int = 0,
+                 replay: Optional[ReplayQueue] = None):
         self.env = env
         self.tokenizer = tokenizer
         self.seed = seed
         self.position = position
+        self.replay = replay or ReplayQueue()
 
     def make(self, index: int, *, is_eval: bool = False) -> Prompt:
         seed = self.seed + (EVAL_SEED_OFFSET if is_eval else 0)
-        text, answer = self.env.make_prompt(index, seed)
+        text, answer = self.env.make_prompt(index if is_eval else self.replay.source(index), seed)
         return self._prompt(index, text, answer, is_eval)
 
     def _prompt(self, index: int, text: str, answer: Any, is_eval: bool) -> Prompt:
@@ -51,9 +56,17 @@ class PromptSource:
         return self
 
     def __next__(self) -> Prompt:
+        replay = self.replay.draw()
+        if replay is not None:
+            return self.make(replay)
         prompt = self.make(self.position)
         self.position += 1
         return prompt
+
+    def observe(self, group: Sequence[Rollout]) -> None:
+        """A training group finished (trained or filtered): the replay queue sees its rewards."""
+        if group:
+            self.replay.observe(group[0].group_id, [r.reward for r in group])
 
 
 def sampling_params(config: Config, tokenizer: Any, *, greedy: bool = False) -> SamplingParams:

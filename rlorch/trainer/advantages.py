@@ -16,6 +16,16 @@ Scales: ``group`` (population std of the group's rewards), ``batch`` (population
 batch's rewards), ``none``. A divisor is ``std + EPS``, so a zero-variance group's advantages stay
 0 instead of dividing by zero.
 
+Flat groups (``trainer.flat_advantage``): a group whose samples all scored the same below the
+maximum reward (a prompt the policy answers one wrong way) gets 0 from every group baseline, so
+nothing moves it once the policy is deterministic there. ``batch`` gives such a group
+``(r - batch mean) / (batch std + EPS)`` instead (mixed groups keep the estimator's advantages,
+flat groups at the maximum stay 0): negative wherever the batch does better on average, and
+the policy-gradient term grows as the stuck answer's probability falls back from 1. Where most of
+a batch is stuck, a flat group above the batch mean gets a *positive* advantage under ``batch``,
+reinforcing a wrong answer; ``negative`` is the same formula floored at 0 from above (a flat
+wrong group is pushed down or left alone, never reinforced).
+
 Groups of one sample have no group baseline: when every group of a batch has one sample, the
 batch is treated as one group (GRPO across prompts); a lone sample among larger groups gets 0
 under the group baselines (``grpo``, ``dr_grpo``, ``rloo``).
@@ -83,16 +93,43 @@ def scaled(groups: Groups, centred: Groups, scale: str) -> list[list[float]]:
     raise ValueError(f"trainer.scale_rewards: unknown scale {scale!r} (group, batch or none)")
 
 
-def advantages(groups: Groups, estimator: str = "grpo", scale: Optional[str] = None) -> list[list[float]]:
+def is_flat_below(group: Sequence[float], max_reward: float) -> bool:
+    """Whether ``group`` has two or more samples, all with one reward below ``max_reward``."""
+    return len(group) > 1 and group[0] < max_reward and all(r == group[0] for r in group)
+
+
+def flat_below_max(groups: Groups, estimated: Groups, max_reward: float = 1.0,
+                   most: float = math.inf) -> list[list[float]]:
+    """``estimated`` with every flat group below ``max_reward`` replaced by
+    ``min((r - batch mean) / (batch std + EPS), most)`` (``trainer.flat_advantage=batch``; with
+    ``most`` 0, ``negative``)."""
+    rewards = [r for group in groups for r in group]
+    mean, divisor = _mean(rewards), _std(rewards) + EPS
+    return [[min((r - mean) / divisor, most) for r in group] if is_flat_below(group, max_reward)
+            else list(advantage) for group, advantage in zip(groups, estimated)]
+
+
+FLAT = {"zero": lambda groups, estimated, max_reward: [list(group) for group in estimated],
+        "batch": flat_below_max,
+        "negative": lambda groups, estimated, max_reward: flat_below_max(groups, estimated, max_reward, most=0.0)}
+"""``trainer.flat_advantage`` -> what flat groups below the maximum get."""
+
+
+def advantages(groups: Groups, estimator: str = "grpo", scale: Optional[str] = None, *,
+               flat: str = "zero", max_reward: float = 1.0) -> list[list[float]]:
     """Per-sample advantages of a batch of groups (same shape as ``groups``).
 
     ``scale`` None uses the estimator's own (:data:`DEFAULT_SCALE`). A batch whose groups all
-    have one sample is normalised as one group; see the module docstring."""
+    have one sample is normalised as one group; see the module docstring. ``flat`` says what
+    zero-variance groups below ``max_reward`` get (:data:`FLAT`)."""
     if estimator not in BASELINES:
         raise ValueError(f"trainer.advantage: unknown estimator {estimator!r} ({', '.join(BASELINES)})")
+    if flat not in FLAT:
+        raise ValueError(f"trainer.flat_advantage: unknown choice {flat!r} ({', '.join(FLAT)})")
     if len(groups) > 1 and all(len(group) == 1 for group in groups):
         return [[a] for a in advantages([[r for group in groups for r in group]], estimator, scale)[0]]
-    return scaled(groups, BASELINES[estimator](groups), scale or DEFAULT_SCALE[estimator])
+    estimated = scaled(groups, BASELINES[estimator](groups), scale or DEFAULT_SCALE[estimator])
+    return FLAT[flat](groups, estimated, max_reward)
 
 
 def group_advantages(rewards: Sequence[float]) -> list[float]:

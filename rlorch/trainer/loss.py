@@ -140,34 +140,35 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     return torch.nn.functional.pad(entropy, (1, 0), value=0.0)
 
 
-def _ppo_term(log_ratio: torch.Tensor, adv: torch.Tensor, clip_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token clipped surrogate (to minimise) and where the clip took the gradient away."""
+def _ppo_term(log_ratio: torch.Tensor, adv: torch.Tensor, clip: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate (to minimise) and where the clip took the gradient away;
+    ``clip`` = (low, high): the ratio is clamped to [1 - low, 1 + high]."""
     ratio = torch.exp(log_ratio)
     unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
+    clipped = torch.clamp(ratio, 1.0 - clip[0], 1.0 + clip[1]) * adv
     return -torch.minimum(unclipped, clipped), (clipped < unclipped).detach()
 
 
-def _decoupled(logp, behaviour, prox, adv, clip_eps, is_cap):
+def _decoupled(logp, behaviour, prox, adv, clip, is_cap):
     if prox is None:
         raise ValueError("decoupled correction needs the proximal logprobs (prox)")
-    per_token, clipped = _ppo_term(logp - prox, adv, clip_eps)
+    per_token, clipped = _ppo_term(logp - prox, adv, clip)
     raw = torch.exp(prox - behaviour)
     return per_token * torch.clamp(raw, max=is_cap), clipped, raw > is_cap
 
 
-def _tis(logp, behaviour, prox, adv, clip_eps, is_cap):
+def _tis(logp, behaviour, prox, adv, clip, is_cap):
     raw = torch.exp(logp.detach() - behaviour)
     return -torch.clamp(raw, max=is_cap) * adv * logp, torch.zeros_like(raw, dtype=torch.bool), raw > is_cap
 
 
-def _uncorrected(logp, behaviour, prox, adv, clip_eps, is_cap):
-    per_token, clipped = _ppo_term(logp - behaviour, adv, clip_eps)
+def _uncorrected(logp, behaviour, prox, adv, clip, is_cap):
+    per_token, clipped = _ppo_term(logp - behaviour, adv, clip)
     return per_token, clipped, torch.zeros_like(clipped)
 
 
 LOSSES = {Correction.decoupled: _decoupled, Correction.tis: _tis, Correction.none: _uncorrected}
-"""One per-token loss per correction: ``(logp, behaviour, prox, adv, clip_eps, is_cap) ->
+"""One per-token loss per correction: ``(logp, behaviour, prox, adv, (clip low, clip high), is_cap) ->
 (loss to minimise, where the PPO clip removed the gradient, where the IS weight hit its cap)``.
 Only ``decoupled`` reads ``prox``."""
 
@@ -219,11 +220,14 @@ def policy_loss(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
                 advantages: torch.Tensor, *, correction: Correction, clip_eps: float, is_cap: float,
                 prox: Optional[torch.Tensor] = None, normalizer: Optional[float] = None,
                 agg: LossAgg = LossAgg.token_mean, sequences: Optional[float] = None,
-                segments: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, LossStats]:
+                segments: Optional[torch.Tensor] = None,
+                clip_high: Optional[float] = None) -> tuple[torch.Tensor, LossStats]:
     """The loss of one micro-batch (its share of the minibatch's ``agg``) and its stats.
 
     ``prox`` is required for ``decoupled`` (no gradient flows through it). ``normalizer`` (the
     minibatch's masked tokens) and ``sequences`` (its sequences) default to this micro-batch's.
+    The PPO clip keeps the ratio within [1 - clip_eps, 1 + clip_high] (``clip_high`` None:
+    clip_eps, symmetric).
     """
     mask = mask.to(logp.dtype)
     behaviour = behaviour.to(logp.dtype)
@@ -231,7 +235,8 @@ def policy_loss(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
     adv = adv.unsqueeze(-1).expand_as(logp) if adv.dim() == 1 else adv
     if prox is not None:
         prox = prox.detach().to(logp.dtype)
-    per_token, clipped, capped = LOSSES[Correction(correction)](logp, behaviour, prox, adv, clip_eps, is_cap)
+    per_token, clipped, capped = LOSSES[Correction(correction)](
+        logp, behaviour, prox, adv, (clip_eps, clip_eps if clip_high is None else clip_high), is_cap)
     loss = aggregate(per_token, mask, agg, tokens=normalizer, sequences=sequences, segments=segments)
     return loss, _stats(logp.detach(), behaviour, mask, clipped, capped)
 
