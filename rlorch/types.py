@@ -345,10 +345,6 @@ class Generation:
     versions: VersionStamps
     finish_reason: str
     text: str = ""
-    engine_text: bool = False
-    """``text`` is the engine's own decoding of all of ``output_ids``, from one answer to a
-    request with no stop strings and special tokens skipped: what decoding the ids again would
-    give, so it is the completion as it is (a resubmitted generation's text is pieces, and is not)."""
 
 
 @dataclass(slots=True)

@@ -201,7 +201,7 @@ class SGLangEngine:
                 done.finish_reason = "length"
                 return done
             answer = await self._generate_once(wire_ids(input_ids, done), params, remaining, rid, done)
-            await self._append(done, answer, plain=self._plain(params))
+            await self._append(done, answer)
             if self._ends_here(rid, done):
                 return done
             self.resubmits += 1
@@ -217,17 +217,8 @@ class SGLangEngine:
             return True
         return False
 
-    def _plain(self, params: SamplingParams) -> bool:
-        """Whether the server's text of a request is its ids decoded, special tokens skipped, and
-        nothing cut (no stop strings)."""
-        extra = self.extra_params
-        return not params.stop and not extra.get("stop") and extra.get("skip_special_tokens", True) is not False
-
-    async def _append(self, done: Generation, answer: dict, *, plain: bool = False) -> None:
-        """Add one response's segment (tokens, logprobs, version stamps, text, finish reason).
-        ``plain``: the request's text is its ids decoded (:meth:`_plain`); a generation whose
-        every token came in this answer then has the engine's text (``engine_text``)."""
-        whole = not done.output_ids
+    async def _append(self, done: Generation, answer: dict) -> None:
+        """Add one response's segment (tokens, logprobs, version stamps, text, finish reason)."""
         meta = answer["meta_info"]
         self.server_seconds += float(meta.get("e2e_latency") or 0.0)
         reason = meta.get("finish_reason") or {}
@@ -237,9 +228,7 @@ class SGLangEngine:
         done.logprobs += logprobs
         for version, count in await self._stamps(meta, len(ids)):
             done.versions.extend(version, count)
-        text = answer.get("text")
-        done.engine_text = plain and whole and isinstance(text, str)
-        done.text += text or ""
+        done.text += answer.get("text") or ""
 
     async def _stamps(self, meta: dict, count: int) -> list[tuple[int, int]]:
         """(version, tokens) runs for a segment of ``count`` tokens: its ``weight_versions`` spans
@@ -293,7 +282,7 @@ class SGLangEngine:
                     [self._sampling(samples[index][0].params, self._remaining(samples[index][0], done[index]))
                      for index in going_on], refusable=False)
             for index, answer in zip(going_on, body):
-                await self._append(done[index], answer, plain=self._plain(samples[index][0].params))
+                await self._append(done[index], answer)
             going_on = [index for index in going_on if not self._ends_here(samples[index][1], done[index])]
             for index in [index for index in going_on if self._remaining(samples[index][0], done[index]) <= 0]:
                 done[index].finish_reason = "length"

@@ -155,8 +155,9 @@ class EngineConversation:
 
 def decode(tokenizer: Any, generation: Generation, *, special: bool = False) -> str:
     """A generation's text (``special``: with its special tokens, as the chat template sees a turn):
-    the engine's own where it has it (``engine_text``), else its ids decoded."""
-    if tokenizer is None or (generation.engine_text and not special):
+    its ids decoded (an engine's own text can differ: a server's stand-ins and SGLang's
+    incremental detokenizer are not what training decodes)."""
+    if tokenizer is None:
         return generation.text
     # A long turn goes as a numpy view: transformers checks every element of a list before
     # decoding it and takes a numpy array's tolist() at once, after a fixed cost (tens of
