@@ -105,12 +105,9 @@ def chat_suffix(tokenizer: Any, history: Sequence[Message], new: Sequence[Messag
 
     Raises :class:`ChatTemplateError` where the template renders earlier messages differently
     once later ones follow (then earlier ids could not be kept)."""
-    before = _render(tokenizer, history, False, tools)
-    after = _render(tokenizer, [*history, *new], True, tools)
-    if not after.startswith(before):
-        raise ChatTemplateError("the chat template renders earlier messages differently once new ones "
-                                "follow, so a conversation cannot keep the ids already generated")
-    return _closer_rest(tokenizer, history, last_turn) + after[len(before):]
+    return _suffix(tokenizer, history, new, last_turn, tools,
+                   "the chat template renders earlier messages differently once new ones follow, so a "
+                   "conversation cannot keep the ids already generated")
 
 
 BRIDGE_HISTORY = ({"role": "user", "content": "x"}, {"role": "assistant", "content": "x"})
@@ -123,13 +120,19 @@ def bridged_suffix(tokenizer: Any, new: Sequence[Message], *, last_turn: str, to
     stand-in user and assistant turn, so the ids already sampled are kept as they were. The
     sequence then differs from a fresh rendering of the whole chat (the sampled reasoning stays),
     which is what was sampled. Raises :class:`ChatTemplateError` where even that is not a suffix."""
-    stand_in = [dict(m) for m in BRIDGE_HISTORY]
-    before = _render(tokenizer, stand_in, False, tools)
-    after = _render(tokenizer, [*stand_in, *new], True, tools)
+    return _suffix(tokenizer, [dict(m) for m in BRIDGE_HISTORY], new, last_turn, tools,
+                   "the chat template does not render new messages as a suffix even after a stand-in history")
+
+
+def _suffix(tokenizer: Any, history: Sequence[Message], new: Sequence[Message], last_turn: str,
+            tools: Optional[list], refusal: str) -> str:
+    """The closer's rest, then what rendering ``new`` after ``history`` adds (``refusal``: the
+    error where the longer rendering does not start with the shorter)."""
+    before = _render(tokenizer, history, False, tools)
+    after = _render(tokenizer, [*history, *new], True, tools)
     if not after.startswith(before):
-        raise ChatTemplateError("the chat template does not render new messages as a suffix even after a "
-                                "stand-in history")
-    return _closer_rest(tokenizer, stand_in, last_turn) + after[len(before):]
+        raise ChatTemplateError(refusal)
+    return _closer_rest(tokenizer, history, last_turn) + after[len(before):]
 
 
 def _closer_rest(tokenizer: Any, history: Sequence[Message], last_turn: str) -> str:
