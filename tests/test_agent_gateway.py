@@ -148,6 +148,36 @@ def test_a_tool_call_comes_back_parsed_and_its_round_trip_stays_one_sequence(ser
     assert [c.kind for c in trajectory.calls] == [CallKind.first, CallKind.extended] and trajectory.forks == 0
 
 
+def test_tool_choice_none_answers_a_call_shaped_reply_as_text_and_forced_calls_are_refused(server, model_dir):
+    class Scripted:
+        def __init__(self, tokenizer):
+            self.tokenizer = tokenizer
+
+        async def generate(self, input_ids, params, rid):
+            from rlorch.types import Generation, VersionStamps
+
+            ids = self.tokenizer("3+4|<eos>", add_special_tokens=False)["input_ids"]
+            return Generation(ids, [-0.5] * len(ids), VersionStamps.uniform(2, len(ids)), "stop")
+
+    async def scenario():
+        async with _serving(server, model_dir, engine=Scripted(load_tokenizer(model_dir))) as (gateway, _):
+            session = gateway.open(params=PARAMS, rid="e2n")
+            messages = [{"role": "user", "content": "3+4="}]
+            async with _client(session, max_retries=0) as client:
+                reply = await client.chat.completions.create(model="m", messages=messages, tools=[TOOL],
+                                                             tool_choice="none")
+                with pytest.raises(openai.BadRequestError) as forced:
+                    await client.chat.completions.create(model="m", messages=messages, tools=[TOOL],
+                                                         tool_choice="required")
+            await gateway.close(session)
+            return reply, forced.value
+
+    reply, forced = asyncio.run(scenario())
+    assert reply.choices[0].message.tool_calls is None and reply.choices[0].message.content == "3+4|"
+    assert reply.choices[0].finish_reason == "stop"
+    assert forced.param == "tool_choice" and "constrained decoding" in forced.message
+
+
 def test_a_retried_request_is_answered_from_the_record_not_sampled_again(server, model_dir):
     class DropFirstAnswer(httpx.AsyncBaseTransport):
         """Delivers the first request, then loses its answer (a timeout, as the client sees it)."""

@@ -191,6 +191,14 @@ def test_a_task_param_typo_suggests_the_tasks_own_param():
     assert "did you mean task.params.max_operand?" in str(raised.value)
 
 
+def test_a_built_in_param_the_preset_does_not_list_gets_the_plus_hint():
+    with pytest.raises(ConfigError) as raised:
+        compose(["task=agent", "task.params.call_tokens=3"])
+    assert raised.value.key == "task.params.call_tokens"
+    assert "+task.params.call_tokens=VALUE" in str(raised.value) and "did you mean" not in str(raised.value)
+    assert compose(["task=agent", "+task.params.call_tokens=3"]).task.params["call_tokens"] == 3
+
+
 def test_a_new_param_of_your_own_task_without_plus_gets_the_plus_hint():
     with pytest.raises(ConfigError) as raised:
         compose(["task=custom", "task.name=mytasks.guess:Guess", "task.params.turns=2"])

@@ -304,6 +304,9 @@ def test_a_client_that_leaves_a_stream_aborts_its_sequences(plain_server):
     ("/chat/completions", {"messages": USER, "top_logprobs": 2}, "top_logprobs"),
     ("/chat/completions", {"messages": USER, "tools": [CALCULATE], "tool_choice": {
         "type": "function", "function": {"name": "search"}}}, "tool_choice"),
+    ("/chat/completions", {"messages": USER, "tools": [CALCULATE], "tool_choice": "required"}, "tool_choice"),
+    ("/chat/completions", {"messages": USER, "tools": [CALCULATE], "tool_choice": {
+        "type": "function", "function": {"name": "calculate"}}}, "tool_choice"),
     ("/chat/completions", {"messages": [{"content": "x"}]}, "messages[0].role"),
     ("/chat/completions", {"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),
     ("/chat/completions", {"messages": USER, "presence_penalty": 1.0}, "presence_penalty"),

@@ -107,6 +107,15 @@ def test_task_params_belong_to_the_task_and_bad_ones_name_the_key():
     assert _env("task=reverse_retry", "task.params.max_turns=2").max_turns == 2
 
 
+def test_calculator_operands_stay_within_min_and_max_operand():
+    env = _env("task=calculator", "task.params.min_operand=10", "task.params.max_operand=49")
+    operands = [int(part) for i in range(300) for part in env.make_prompt(i, seed=3)[0][:-1].split("+")]
+    assert min(operands) == 10 and max(operands) == 49
+    with pytest.raises(ConfigError) as caught:
+        _env("task=calculator", "task.params.min_operand=50", "task.params.max_operand=49")
+    assert caught.value.key == "task.params.max_operand"
+
+
 def test_held_out_prompts_are_never_training_prompts():
     env = _env()
     held_out = {text for text, _ in env.eval_prompts(200)}

@@ -188,7 +188,7 @@ class AgentGateway:
         text = self.tokenizer.decode(output, skip_special_tokens=True) if self.tokenizer else generation.text
         last_turn = self.tokenizer.decode(output, skip_special_tokens=False) if self.tokenizer else generation.text
         content, tool_calls = text, []
-        if self.tool_parser and chat.tools:
+        if self.tool_parser and chat.tools and chat.tool_choice != "none":
             content, tool_calls = parse_tool_calls(self.tool_parser, text, chat.tools)
         reply = {"role": "assistant", "content": content}
         if tool_calls:

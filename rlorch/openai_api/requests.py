@@ -279,19 +279,22 @@ def _tools(tools: Any) -> Optional[list[dict]]:
 
 
 def _tool_choice(choice: Any, tools: Optional[list[dict]]) -> Any:
+    """``none`` (never parse a call) or ``auto``; a forced call (``required``, a named function)
+    would need constrained decoding, which the engines here do not do, so it is refused rather
+    than answered with a reply that may not call."""
     if choice is None or choice in ("none", "auto"):
         return choice
-    if choice == "required":
-        if not tools:
-            raise ApiError("tool_choice 'required' needs tools", param="tool_choice")
-        return choice
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-    if not isinstance(name, str):
+    forced = choice == "required" or (isinstance(choice, dict) and isinstance(choice.get("function"), dict))
+    if not forced:
         raise ApiError("tool_choice must be 'none', 'auto', 'required' or "
                        "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
-    if name not in {tool["function"]["name"] for tool in tools or []}:
+    name = "required" if choice == "required" else choice["function"].get("name")
+    if not tools:
+        raise ApiError(f"tool_choice {name!r} needs tools", param="tool_choice")
+    if choice != "required" and name not in {tool["function"]["name"] for tool in tools}:
         raise ApiError(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
-    return choice
+    raise ApiError(f"tool_choice {name!r} forces a call, which needs constrained decoding this server does not "
+                   "do; send 'auto' (the model may call) or 'none' (no call is parsed)", param="tool_choice")
 
 
 def _prompts(prompt: Any) -> list:

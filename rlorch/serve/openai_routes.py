@@ -13,7 +13,8 @@ logprobs are the numbers ``/generate`` reports for the same prompt and sampling.
   become a stop string is held until it is known not to be, and with a tool-call parser and
   tools a chat choice is sent when it ends (a call is known only then).
 - Tool calls are parsed from the finished text by ``--tool-call-parser`` (none: ``tools`` are
-  ignored, as SGLang does); ``tool_choice: "none"`` skips parsing.
+  ignored, as SGLang does); ``tool_choice: "none"`` skips parsing; ``required`` or a named
+  function is refused (a forced call needs constrained decoding, which this engine does not do).
 """
 
 from __future__ import annotations

@@ -43,15 +43,19 @@ def calculate(expression: str) -> str:
 
 @dataclass
 class CalculatorParams:
+    min_operand: int = 0
+    """Operands are drawn from min_operand..max_operand."""
     max_operand: int = 99
-    """Operands are drawn from 0..max_operand."""
+    """See min_operand. With both of the same digit count (10..49), every prompt and answer has
+    one length, so an answer's digits sit at the same positions in every episode."""
     call_tokens: int = 8
     """Most tokens of the model's call."""
     answer_tokens: int = 4
     """Most tokens of the model's answer."""
 
     def __post_init__(self) -> None:
-        require(self.max_operand >= 1, "max_operand", "must be >= 1")
+        require(self.min_operand >= 0, "min_operand", "must be >= 0")
+        require(self.max_operand >= max(1, self.min_operand), "max_operand", "must be >= 1 and >= min_operand")
         require(self.call_tokens >= 1, "call_tokens", "must be >= 1")
         require(self.answer_tokens >= 1, "answer_tokens", "must be >= 1")
 
@@ -64,7 +68,8 @@ class CalculatorTask:
 
     def make_prompt(self, index: int, seed: int) -> tuple[str, str]:
         draw = int.from_bytes(hashlib.shake_256(f"{self.name}:{seed}:{index}".encode()).digest(8), "big")
-        a, b = draw % (self.params.max_operand + 1), (draw >> 20) % (self.params.max_operand + 1)
+        low, span = self.params.min_operand, self.params.max_operand - self.params.min_operand + 1
+        a, b = low + draw % span, low + (draw >> 20) % span
         return f"{a}+{b}=", str(a + b)
 
     async def episode(self, conversation: Conversation, answer: str) -> float:

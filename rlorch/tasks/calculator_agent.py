@@ -12,6 +12,7 @@ from __future__ import annotations
 from openai import AsyncOpenAI
 
 from rlorch.tasks.calculator import calculate
+from rlorch.tasks.digits import digit_credit
 
 CALCULATE = {
     "type": "function",
@@ -25,10 +26,11 @@ CALCULATE = {
 
 async def solve(sample: dict, *, base_url: str, api_key: str, http_client=None) -> float:
     """One episode: ``sample["prompt"]`` is ``37+45=``, ``sample["answer"]`` ``82``. The first
-    turn is one token (the call, or a guess), the answer as long as what the tool returned.
-    Reward 1 for the right answer; short of it 0.1 for calling the tool (0.05 for a guess in
-    digits instead) and up to 0.3 for the share of the answer's characters in place. ``http_client``: the one rlorch hands over (cheap
-    to build; a client of one's own works too, slower)."""
+    turn is one token (the call, or a guess); the answer turn, as long as what the tool
+    returned, is asked with ``tool_choice="none"``: a second call there is text, and wrong.
+    Reward 1 for the right answer; short of it, after a call 0.1 plus up to 0.6 for the
+    answer's digits in place (``digit_credit``), without one at most 0.1. ``http_client``: the
+    one rlorch hands over (cheap to build; a client of one's own works too, slower)."""
     question = sample["prompt"]
     async with AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client) as client:
         messages = [{"role": "user", "content": question}]
@@ -40,17 +42,11 @@ async def solve(sample: dict, *, base_url: str, api_key: str, http_client=None) 
             messages += [message.model_dump(exclude_none=True),
                          {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": result}]
             reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATE],
-                                                         max_tokens=len(result))
+                                                         tool_choice="none", max_tokens=len(result))
         answer = (reply.choices[0].message.content or "").strip()
     expected = str(sample["answer"])
     if answer == expected:
         return 1.0
     if not message.tool_calls:
-        return 0.05 * answer.isdigit() + 0.3 * in_place(answer, expected)
-    return 0.1 + 0.3 * in_place(answer, expected)
-
-
-def in_place(text: str, target: str) -> float:
-    """The share of ``target``'s characters ``text`` has at the same positions (the longer
-    length counts: extra characters cost)."""
-    return sum(a == b for a, b in zip(text, target)) / max(len(text), len(target), 1)
+        return 0.1 * digit_credit(answer, expected)
+    return 0.1 + 0.6 * digit_credit(answer, expected)

@@ -103,6 +103,9 @@ def unknown_param(task: str, key: str) -> ConfigError:
     if known is None:
         return ConfigError(key, f"task {task} has no {param} in its preset; a new parameter takes a +: "
                                 f"+{key}=VALUE")
+    if param in known:
+        return ConfigError(key, f"task {task} takes {param}, but the preset in use does not list it; set it "
+                                f"with a +: +{key}=VALUE")
     close = difflib.get_close_matches(param, known, n=1, cutoff=0.6)
     hint = f" (did you mean task.params.{close[0]}?)" if close else ""
     return ConfigError(key, f"unknown parameter of task {task}{hint}; it takes: {', '.join(known) or 'none'}")
