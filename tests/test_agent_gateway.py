@@ -335,3 +335,22 @@ def test_a_template_that_rewrites_earlier_turns_forks_and_says_so_or_is_bridged(
     first, second = bridged.calls
     assert second.prompt_ids[:len(first.prompt_ids) + len(first.output_ids)].tolist() == (
         first.prompt_ids.tolist() + first.output_ids.tolist())
+
+
+def test_a_turn_cut_by_the_agents_max_tokens_is_not_counted_truncated_and_one_cut_by_the_runs_is(server, model_dir):
+    async def scenario():
+        engine = SGLangEngine(server.address, extra_params={"ignore_eos": True})
+        async with _serving(server, model_dir, engine=engine) as (gateway, _):
+            records = []
+            for rid, limit in (("own", {"max_tokens": 2}), ("run", {})):
+                session = gateway.open(params=SamplingParams(max_new_tokens=3), rid=rid)
+                async with _client(session) as client:
+                    reply = await client.chat.completions.create(
+                        model="m", messages=[{"role": "user", "content": "1+2="}], **limit)
+                records.append((reply.choices[0].finish_reason, (await gateway.close(session)).calls[0]))
+            return records
+
+    (own_reply, own), (run_reply, run) = asyncio.run(scenario())
+    assert own_reply == run_reply == "length"
+    assert (len(own.output_ids), own.finish_reason) == (2, "stop")
+    assert (len(run.output_ids), run.finish_reason) == (3, "length")

@@ -193,7 +193,7 @@ class AgentGateway:
         reply = {"role": "assistant", "content": content}
         if tool_calls:
             reply["tool_calls"] = tool_calls
-        session.trajectory.record(plan, generation, reply, last_turn)
+        session.trajectory.record(plan, generation, reply, last_turn, agent_limit=chat.max_tokens is not None)
         logprobs = None
         if chat.logprobs:
             logprobs = [TokenLogprob(self._token(t), float(p)) for t, p in zip(output, list_of(generation.logprobs))]

@@ -109,6 +109,9 @@ class CallRecord:
     logprobs: array
     versions: VersionStamps
     finish_reason: str
+    """As the run counts it: ``length`` only where the run's ``rollout.max_new_tokens`` cut the
+    turn; a turn that reached the agent's own ``max_tokens`` ended where the agent asked, ``stop``
+    (the agent itself was answered ``length``)."""
     kind: CallKind
     segment: int
 
@@ -160,9 +163,11 @@ class Trajectory:
     def _render(self, messages: Sequence[dict], tools: Optional[list]) -> array:
         return token_ids(encode_prompt(self.tokenizer, template_messages(messages), tools=tools))
 
-    def record(self, plan: Plan, generation: Generation, reply: dict, last_turn: str) -> CallRecord:
+    def record(self, plan: Plan, generation: Generation, reply: dict, last_turn: str, *,
+               agent_limit: bool = False) -> CallRecord:
         """Add a call's answer: ``reply`` is the assistant message returned to the agent,
-        ``last_turn`` the sampled text with its special tokens."""
+        ``last_turn`` the sampled text with its special tokens; ``agent_limit``: the call's
+        length limit was the agent's ``max_tokens``, not the run's."""
         output = as_array(TOKEN_IDS, generation.output_ids)
         logprobs = as_array(LOGPROBS, generation.logprobs)
         kind = plan.kind
@@ -189,7 +194,8 @@ class Trajectory:
         segment.held = [*plan.messages, message_key(reply)]
         segment.last_turn = last_turn
         segment.generation += 1
-        record = CallRecord(plan.prompt_ids, output, logprobs, generation.versions, generation.finish_reason, kind,
+        finish_reason = "stop" if agent_limit and generation.finish_reason == "length" else generation.finish_reason
+        record = CallRecord(plan.prompt_ids, output, logprobs, generation.versions, finish_reason, kind,
                             self.segments.index(segment))
         self.calls.append(record)
         return record
