@@ -43,6 +43,9 @@ def test_the_calculator_agent_trains_through_the_gateway(tmp_path):
     assert summary["lost"] == 0 and summary["steps"] == 3
     steps = of_kind(read_metrics(run_dir), "step")
     assert steps[-1]["agent_episodes"] >= 3 * 16 and steps[-1]["agent_failures"] == 0
+    assert (summary["agent_episodes"], summary["agent_failures"]) == (steps[-1]["agent_episodes"], 0)
+    # The agent sets max_tokens on every call: turns that reach it are not truncations.
+    assert summary["truncated_share"] == 0 and "truncated" not in done.stderr
     # Every trained rollout is one episode: a prompt, then model turns (mask 1) with the tool's
     # answer between them (mask 0).
     rollout = json.loads((run_dir / "rollouts" / "step_000001.jsonl").read_text().splitlines()[0])
@@ -61,6 +64,10 @@ def test_an_agent_failing_episodes_is_reported_and_the_run_goes_on(tmp_path):
     last = of_kind(read_metrics(run_dir), "step")[-1]
     assert 0 < last["agent_failures"] < last["agent_episodes"]
     assert any("the tool server is down" in error for error in last["agent_errors"])
+    assert summary["agent_failures"] == last["agent_failures"]
+    agents_line = next(line for line in done.stderr.splitlines() if line.strip().startswith("agents"))
+    assert f"{last['agent_failures']} failed" in agents_line and "the tool server is down" in agents_line
+    assert "| agent episodes / calls / failed / forked |" in (run_dir / "report" / "report.md").read_text()
 
 
 def test_an_agent_that_cannot_be_loaded_is_refused_naming_the_key(tmp_path):

@@ -11,6 +11,10 @@ from typing import Any, Optional
 
 import numpy as np
 
+AGENT_GAUGES = ("agent_episodes", "agent_calls", "agent_failures", "agent_forks_total", "agent_errors")
+"""An agent task's counts since the run's start (the step records carry them as gauges): the
+summary keeps the last seen."""
+
 
 class RunStats:
     """``idle`` is the loop's idle clocks (shares per interval and overall), ``startup`` the run's
@@ -24,6 +28,7 @@ class RunStats:
         self.truncated = 0.0
         self.reward_first: Optional[float] = None
         self.reward_last: Optional[float] = None
+        self.agents: dict = {}
 
     def stamp(self, records: list[dict], *, loop_started: float) -> None:
         """The step records written now: each gets the idle shares of the interval since the last
@@ -43,6 +48,7 @@ class RunStats:
         self.rollouts += record.get("rollouts") or 0
         self.truncated += (record.get("truncated_share") or 0.0) * (record.get("rollouts") or 0)
         self.tokens += record.get("tokens") or 0
+        self.agents.update((key, record[key]) for key in AGENT_GAUGES if key in record)
         if record.get("reward_mean") is not None:
             if self.reward_first is None:
                 self.reward_first = record["reward_mean"]
@@ -66,4 +72,5 @@ class RunStats:
                 "reward_mean_first": self.reward_first, "reward_mean_last": self.reward_last, **self.ages(),
                 "truncated_share": round(self.truncated / self.rollouts, 4) if self.rollouts else None,
                 "rollouts_per_s": round(self.rollouts / span, 3), "tokens_per_s": round(self.tokens / span, 2),
-                "startup_s": round(loop_started - started, 3), **idle, "startup": self.startup.summary()}
+                "startup_s": round(loop_started - started, 3), **idle, "startup": self.startup.summary(),
+                **self.agents}

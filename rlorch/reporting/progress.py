@@ -212,6 +212,12 @@ def report_lines(summary: dict, phases: Optional[dict] = None) -> list[str]:
                      f"{s.get('server_slowest')})")
     if s.get("scale_dropped") or s.get("scale_pending"):
         lines.append(scale_report(s))
+    if s.get("agent_episodes") is not None:
+        line = (f"agents      {s['agent_episodes']} episodes, {s.get('agent_calls')} calls, "
+                f"{s.get('agent_failures')} failed, {s.get('agent_forks_total')} forked")
+        if s.get("agent_failures") and s.get("agent_errors"):
+            line += f"; last error: {s['agent_errors'][-1]}"
+        lines.append(line)
     if (s.get("truncated_share") or 0) > TRUNCATED_WARN:
         lines.append(f"truncated   {s['truncated_share']:.0%} of trained completions ended at the length limit, "
                      "rollout.max_new_tokens: raise it if answers need more tokens")

@@ -279,6 +279,9 @@ def markdown(records: RunRecords, run_dir: RunDir) -> str:
         lines.append(f"| {label} | {_cell(summary, keys)} |")
     if records.summary.get("reason"):
         lines.append(f"| stop reason | {records.summary['reason']} |")
+    if summary.get("agent_episodes") is not None:
+        lines.append(f"| agent episodes / calls / failed / forked | "
+                     f"{_cell(summary, ('agent_episodes', 'agent_calls', 'agent_failures', 'agent_forks_total'))} |")
     lines.append("")
     for name, caption in IMAGES.items():
         lines += [f"## {caption}", "", f"![{caption}]({name})", ""]
