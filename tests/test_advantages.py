@@ -172,3 +172,14 @@ def test_flat_advantage_negative_never_reinforces_a_flat_wrong_group():
     assert batch[1][0] > 0 > batch[0][0]
     negative = advantages(groups, "grpo", flat="negative")
     assert negative == [batch[0], [0.0, 0.0], batch[2]]
+
+
+def test_flat_advantage_bounded_is_negative_floored_at_minus_one():
+    # Nearly all solved: the batch's std is small and a flat wrong group's z-score far below -1.
+    groups = [[1.0, 1.0]] * 14 + [[0.2, 0.2], [0.9, 0.9]]
+    negative = advantages(groups, "grpo", flat="negative")
+    assert negative[14][0] < -3 and -1 < negative[15][0] < 0
+    bounded = advantages(groups, "grpo", flat="bounded")
+    assert bounded[14] == [-1.0, -1.0] and bounded[15] == negative[15] and bounded[:14] == negative[:14]
+    mild = [[0.2, 0.2], [0.9, 0.9], [0.0, 1.0]]
+    assert advantages(mild, "grpo", flat="bounded") == advantages(mild, "grpo", flat="negative")

@@ -63,6 +63,7 @@ class FlatAdvantage(str, enum.Enum):
     zero = "zero"
     batch = "batch"
     negative = "negative"
+    bounded = "bounded"
 
 
 class ScaleRewards(str, enum.Enum):
@@ -560,9 +561,11 @@ class TrainerConfig:
     flat_advantage: FlatAdvantage = FlatAdvantage.zero
     """What a zero-variance group below the maximum reward (a prompt answered one wrong way)
     trains with: zero (the estimator's 0), batch ((r - batch mean) / batch std: negative when
-    the batch does better on average, so a stuck wrong answer is pushed down) or negative (batch's,
-    never above 0: a flat wrong group above the batch mean is left alone rather than reinforced).
-    Mixed groups keep the estimator's advantages; flat groups at the maximum stay 0."""
+    the batch does better on average, so a stuck wrong answer is pushed down), negative (batch's,
+    never above 0: a flat wrong group above the batch mean is left alone rather than reinforced)
+    or bounded (negative's, never below -1: near convergence the batch std is small and batch's
+    push reaches -3 to -5). Mixed groups keep the estimator's advantages; flat groups at the
+    maximum stay 0."""
     loss_agg: LossAgg = LossAgg.token_mean
     """How per-token losses make a minibatch's loss: token_mean (every trained token of the
     minibatch, all ranks, weighs the same: DAPO), seq_mean_token_sum (each sequence's token sum,

@@ -23,8 +23,10 @@ nothing moves it once the policy is deterministic there. ``batch`` gives such a 
 flat groups at the maximum stay 0): negative wherever the batch does better on average, and
 the policy-gradient term grows as the stuck answer's probability falls back from 1. Where most of
 a batch is stuck, a flat group above the batch mean gets a *positive* advantage under ``batch``,
-reinforcing a wrong answer; ``negative`` is the same formula floored at 0 from above (a flat
-wrong group is pushed down or left alone, never reinforced).
+reinforcing a wrong answer; ``negative`` is the same formula capped at 0 (a flat wrong group is
+pushed down or left alone, never reinforced). Where nearly every group is solved the batch's std
+is small and a flat wrong group's advantage reaches -3 to -5, a push that can wreck a converged
+policy; ``bounded`` also floors it at -1, no more than a mixed group's typical sample.
 
 Groups of one sample have no group baseline: when every group of a batch has one sample, the
 batch is treated as one group (GRPO across prompts); a lone sample among larger groups gets 0
@@ -99,19 +101,21 @@ def is_flat_below(group: Sequence[float], max_reward: float) -> bool:
 
 
 def flat_below_max(groups: Groups, estimated: Groups, max_reward: float = 1.0,
-                   most: float = math.inf) -> list[list[float]]:
+                   most: float = math.inf, least: float = -math.inf) -> list[list[float]]:
     """``estimated`` with every flat group below ``max_reward`` replaced by
-    ``min((r - batch mean) / (batch std + EPS), most)`` (``trainer.flat_advantage=batch``; with
-    ``most`` 0, ``negative``)."""
+    ``(r - batch mean) / (batch std + EPS)`` clipped to ``[least, most]``
+    (``trainer.flat_advantage=batch``; ``negative``: ``most`` 0; ``bounded``: ``[-1, 0]``)."""
     rewards = [r for group in groups for r in group]
     mean, divisor = _mean(rewards), _std(rewards) + EPS
-    return [[min((r - mean) / divisor, most) for r in group] if is_flat_below(group, max_reward)
+    return [[max(min((r - mean) / divisor, most), least) for r in group] if is_flat_below(group, max_reward)
             else list(advantage) for group, advantage in zip(groups, estimated)]
 
 
 FLAT = {"zero": lambda groups, estimated, max_reward: [list(group) for group in estimated],
         "batch": flat_below_max,
-        "negative": lambda groups, estimated, max_reward: flat_below_max(groups, estimated, max_reward, most=0.0)}
+        "negative": lambda groups, estimated, max_reward: flat_below_max(groups, estimated, max_reward, most=0.0),
+        "bounded": lambda groups, estimated, max_reward: flat_below_max(groups, estimated, max_reward, most=0.0,
+                                                                       least=-1.0)}
 """``trainer.flat_advantage`` -> what flat groups below the maximum get."""
 
 
