@@ -43,7 +43,8 @@ and mirrors the tokenizer manager and scheduler behaviour rlorch relies on, as r
   the reason on stderr), and so it does on a token generated or weights loaded into released
   memory. ``/flush_cache`` answers 400 while a request runs. ``--refuse-release`` answers every
   release with a tokenizer-side 400; ``--exit-after-release`` exits once a release is answered
-  (an engine lost while its memory is released). ``/server_info``'s internal state lists the
+  (an engine lost while its memory is released); a resume that arrives first is held until then,
+  so the loss always falls before the memory is back. ``/server_info``'s internal state lists the
   control calls in order (``calls``) and the released tags.
 
 ``--shape 0.5.3`` answers a request aborted while queued the way 0.5.3 did (no
@@ -300,6 +301,8 @@ class StandInTokenizerManager:
     async def resume_memory_occupation(self, obj, request=None):
         tags = obj.tags or ["kv_cache", "weights", "cuda_graph"]
         self.calls.append(f"resume:{','.join(tags)}")
+        if self.exit_after_release:
+            await asyncio.Event().wait()    # never answered: the exit scheduled at the release ends the process
         for tag in tags:
             if tag not in self.released:
                 _die(f"KeyError: {tag!r} (resumed, never released)")
