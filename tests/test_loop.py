@@ -117,6 +117,20 @@ def test_a_mostly_solved_task_stops_converged_only_when_held_out_accuracy_agrees
     assert code == 0 and summary["status"] == "completed" and summary["steps"] == 30, summary
 
 
+def test_a_policy_collapsed_on_training_prompts_converges_only_when_held_out_accuracy_agrees(tmp_path):
+    """One prompt in five scores 0.5 on its one sampled completion: the guard finds the policy
+    collapsed (80% solved, under the solved share). Held-out accuracy of the same weights at 100%
+    ends the run converged, naming the collapse; at 0% it fails, as a collapse always did."""
+    collapsed = [*CUSTOM, "train.steps=100", "+task.params.every=5", "+task.params.hard_score=0.5"]
+    collapsed.remove("+task.params.every=20")
+    code, summary, _ = train(tmp_path, "agree", *collapsed)
+    assert code == 0 and summary["status"] == "converged", summary
+    assert "policy collapsed" in summary["reason"] and "held-out accuracy 100.0%" in summary["reason"], summary
+    code, summary, _ = train(tmp_path, "disagree", *collapsed, "+task.params.held_out_correct=false")
+    assert code != 0 and summary["status"] == "failed" and summary["stop"] == "empty_batches", summary
+    assert "policy collapsed" in summary["error"] and "held-out" not in summary["error"], summary
+
+
 def test_a_resume_with_more_steps_continues_a_converged_run(tmp_path):
     code, summary, _ = train(tmp_path, "run", *CUSTOM, "train.steps=100", "+task.params.warm=60")
     assert summary["status"] == "converged" and 5 <= summary["steps"] < 90, summary
@@ -137,6 +151,10 @@ def test_convergence_waits_for_an_evaluation_of_the_same_weights():
     assert check.outcome(8, {"step": 8, "accuracy": 0.95}, idle=False) is Outcome.converged
     keep_going = Convergence(stop_on_converged=False, evaluating=False, share=0.9)
     assert keep_going.outcome(3, None, idle=False) is Outcome.train_on
+    assert check.after_collapse(9, {"step": 8, "accuracy": 1.0}) is Outcome.evaluate
+    assert check.after_collapse(9, {"step": 9, "accuracy": 0.95}) is Outcome.converged
+    assert check.after_collapse(9, {"step": 9, "accuracy": 0.85}) is None
+    assert keep_going.after_collapse(3, None) is None     # no evaluation to agree: a collapse fails the run
 
 
 def test_resume_at_a_late_step_keeps_the_bound_and_loses_nothing(tmp_path):

@@ -411,13 +411,15 @@ def test_a_smaller_held_out_set_than_eval_prompts_is_said(tmp_path, capsys):
 
 
 def test_completions_cut_by_the_length_limit_are_counted_and_above_a_fifth_named(tmp_path):
-    """sim.tokens=8 under rollout.max_new_tokens=3: every completion ends by length, which cuts a
-    5-digit answer short and is exactly a 3-digit one (the default task: no truncation)."""
+    """sim.tokens=8 under rollout.max_new_tokens=3: every completion ends by length, which cuts
+    any answer of a data task short (its answers have no known length) and is exactly a 3-digit
+    one (the default task: no truncation)."""
     from rlorch.reporting.progress import RunView, report_lines
 
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{n}=", "answer": str(n)[::-1]}) + "\n" for n in range(100, 164)))
     _, cut, records = train(tmp_path / "cut", "train.steps=3", "run.report=false", "eval.enabled=false",
-                            "rollout.max_new_tokens=3", "inference.sim.tokens=8", "task.params.min_digits=5",
-                            "task.params.max_digits=5")
+                            "rollout.max_new_tokens=3", "inference.sim.tokens=8", f"data.path={data}")
     assert [r["truncated_share"] for r in of_kind(records, "step")] == [1.0, 1.0, 1.0] and cut["truncated_share"] == 1.0
     _, fits, records = train(tmp_path / "fits", "train.steps=3", "run.report=false", "eval.enabled=false",
                              "rollout.max_new_tokens=3", "inference.sim.tokens=8")

@@ -277,3 +277,16 @@ def test_a_single_turn_environment_samples_a_pack_of_groups_in_one_engine_call(e
     groups = asyncio.run(work.pack(prompts))
     assert [len(group) for group in groups] == [4, 4, 4]
     assert engine.calls == calls and engine.requests == 12
+
+
+def test_a_length_limit_shorter_than_the_tasks_answers_is_refused_naming_it():
+    """Every 4-digit answer cut at 3 tokens: a run that could never score, refused before it starts."""
+    from rlorch.config.preflight import preflight
+
+    with pytest.raises(ConfigError) as caught:
+        preflight(compose(["task.params.min_digits=4", "task.params.max_digits=4"]))
+    assert caught.value.key == "rollout.max_new_tokens" and "rollout.max_new_tokens=4" in str(caught.value)
+    with pytest.raises(ConfigError) as caught:
+        preflight(compose(["task=sort"]))
+    assert caught.value.key == "rollout.max_new_tokens" and "5 tokens" in str(caught.value)
+    preflight(compose(["task=sort", "rollout.max_new_tokens=5"]))

@@ -38,9 +38,15 @@ def preflight(config: Config) -> None:
         if problem:
             raise ConfigError("inference.launch_args", problem)
     try:
-        make_environment(config)
+        environment = make_environment(config)
     except DataError as err:
         raise ConfigError("data.path", str(err)) from err
+    answer_tokens = getattr(environment, "answer_tokens", None)
+    if answer_tokens is not None and answer_tokens > config.rollout.max_new_tokens:
+        # Every answer of that length would be cut: a run that cannot learn, found only at its end.
+        raise ConfigError("rollout.max_new_tokens",
+                          f"{config.rollout.max_new_tokens} cannot hold task {config.task.name}'s longest answer "
+                          f"({answer_tokens} tokens): set rollout.max_new_tokens={answer_tokens} or more")
     if config.task.agent:
         load_agent(config.task.agent)
 

@@ -6,7 +6,7 @@ Invariants kept here rather than in a dashboard:
 - the rollouts of a batch are on disk before the trainer is handed the batch;
 - at train.steps admission stops, in-flight work finishes and is persisted with the checkpoint;
 - after train.max_empty_batches batch-worths in a row with no reward spread the run stops, saying
-  why (a solved task ends ``converged`` once held-out accuracy agrees);
+  why (a solved task, or a collapsed one, ends ``converged`` once held-out accuracy agrees);
 - the first step after a resume admits at most (S + 1) * B rollouts, else the run fails;
 - with ``run.colocate=swap``, see :mod:`rlorch.orchestrator.swap`.
 """
@@ -133,9 +133,14 @@ class Orchestrator:
 
     def _on_guard(self, verdict: Verdict, message: str) -> None:
         """A solved task ends the run converged once held-out accuracy agrees (else it trains on);
-        a collapsed policy or a flat reward fails it."""
+        so does a collapsed policy, whose wrong training groups have nothing left to teach, where
+        held-out accuracy of the same weights agrees (else it fails the run); a flat reward fails it."""
         last, idle = self.evaluations.sink.last, self.policy.value >= self.shipping.shipped and not self.sink.buffered_signal
-        outcome = self.convergence.outcome(self.policy.value, last, idle) if verdict is Verdict.solved else None
+        outcome = None
+        if verdict is Verdict.solved:
+            outcome = self.convergence.outcome(self.policy.value, last, idle)
+        elif verdict is Verdict.collapsed:
+            outcome = self.convergence.after_collapse(self.policy.value, last)
         if outcome in (None, Outcome.converged, Outcome.stalled):
             message = message.rstrip(".") + (self.convergence.explain(outcome, last) if outcome else "") + "."
             raise Converged(message) if outcome is Outcome.converged else RunFailed(

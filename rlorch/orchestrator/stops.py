@@ -82,6 +82,18 @@ class Convergence:
             return Outcome.converged if agrees else Outcome.stalled
         return Outcome.train_on
 
+    def after_collapse(self, version: int, last_eval: Optional[dict]) -> Optional[Outcome]:
+        """A collapsed policy (some training prompts answered wrongly on every sample) whose
+        held-out evaluation of the same weights reaches ``share`` ends ``converged``: the
+        evaluation, not the prompts it memorised wrongly, is what the run is for. ``evaluate``
+        while the latest evaluation is of older weights; None (the run fails) where there is no
+        evaluation to agree, it disagrees, or train.stop_on_converged is false."""
+        if not (self.evaluating and self.stop_on_converged):
+            return None
+        if last_eval is None or last_eval["step"] < version:
+            return Outcome.evaluate
+        return Outcome.converged if (last_eval["accuracy"] or 0.0) >= self.share else None
+
     def explain(self, outcome: Outcome, last_eval: Optional[dict]) -> str:
         if last_eval is None:
             return ""
