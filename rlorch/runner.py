@@ -51,6 +51,15 @@ def new_run_dir(config: Config) -> RunDir:
     return RunDir(root.absolute()).make()
 
 
+def _create_built_in_model(config: Config) -> None:
+    """A built-in model named in ``model.path`` is created here, once, before the trainer and
+    the engines start (each would otherwise create it for itself)."""
+    from rlorch.model import BUILT_IN_MODELS, resolve_model_path
+
+    if config.model.path in BUILT_IN_MODELS:
+        resolve_model_path(config.model.path)
+
+
 def run_training(config: Config, overrides: list[str]) -> int:
     from rlorch.config.preflight import preflight
 
@@ -58,6 +67,7 @@ def run_training(config: Config, overrides: list[str]) -> int:
     try:
         try:
             preflight(config)
+            _create_built_in_model(config)
             unresolved, config = config, resolve_layout(config)
             run_dir = new_run_dir(config)
             lock = RunLock(run_dir.root).acquire()
@@ -160,9 +170,9 @@ def _heavy_modules(config: Config) -> list[str]:
     from rlorch.config.schema import InferenceBackend, TrainerBackend
     from rlorch.launch import forkserver
     from rlorch.launch.placement import has_gpu_driver
-    from rlorch.model import default_model_path, uses_native
+    from rlorch.model import model_directory, uses_native
 
-    path = Path(config.model.path).expanduser() if config.model.path else default_model_path()
+    path = model_directory(config.model.path)
     implementation, trainer = config.model.implementation, config.trainer.backend == TrainerBackend.fsdp
     device = config.trainer.fsdp.device
     trainer_device = "cuda" if device == "cuda" or (device == "auto" and has_gpu_driver()) else "cpu"

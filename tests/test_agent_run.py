@@ -1,5 +1,7 @@
 """`rlorch train task=agent` end to end on CPU: the calculator agent through the gateway, and an
-agent that fails some episodes, reported in the step records while the run goes on."""
+agent that fails some episodes, reported in the step records while the run goes on. These check
+the plumbing, on the random tiny model (``model.path=tiny``, created at once) rather than the
+preset's copy-pretrained one."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from helpers import of_kind, read_metrics
 
 pytest.importorskip("openai")
 
-SMALL = ["rollout.batch_size=16", "rollout.group_size=4", "rollout.max_concurrent=32", "run.progress=false",
+SMALL = ["model.path=tiny", "rollout.batch_size=16", "rollout.group_size=4", "rollout.max_concurrent=32", "run.progress=false",
          "inference.num_servers=1", "train.steps=3", "eval.prompts=8", "train.max_empty_batches=20"]
 FLAKY = '''
 from rlorch.tasks.calculator_agent import solve

@@ -153,6 +153,13 @@ def test_convergence_waits_for_an_evaluation_of_the_same_weights():
     assert keep_going.outcome(3, None, idle=False) is Outcome.train_on
     assert check.after_collapse(9, {"step": 8, "accuracy": 1.0}) is Outcome.evaluate
     assert check.after_collapse(9, {"step": 9, "accuracy": 0.95}) is Outcome.converged
+    # Trained on meanwhile (flat groups a flat advantage trains), the next trip reads the
+    # evaluation its predecessor asked for instead of asking behind a moving version forever;
+    # the trip after that asks about its own version again.
+    assert check.after_collapse(12, {"step": 9, "accuracy": 0.5}) is Outcome.evaluate
+    assert check.after_collapse(15, {"step": 12, "accuracy": 0.95}) is Outcome.converged
+    assert check.outcome(20, {"step": 12, "accuracy": 0.95}, idle=False) is Outcome.evaluate
+    assert check.outcome(24, {"step": 20, "accuracy": 0.95}, idle=False) is Outcome.converged
     assert check.after_collapse(9, {"step": 9, "accuracy": 0.85}) is None
     assert keep_going.after_collapse(3, None) is None     # no evaluation to agree: a collapse fails the run
 

@@ -23,7 +23,7 @@ def preflight(config: Config) -> None:
         if importlib.util.find_spec("ray") is None:
             raise ConfigError("run.launcher", 'ray is not installed: pip install "rlorch[ray]"')
 
-    if config.model.path and config.inference.backend.generates_model_tokens:
+    if config.model.path and config.inference.backend.generates_model_tokens and not _uncreated_built_in(config):
         from rlorch.model import resolve_model_path
 
         path = resolve_model_path(config.model.path)
@@ -49,6 +49,14 @@ def preflight(config: Config) -> None:
                           f"({answer_tokens} tokens): set rollout.max_new_tokens={answer_tokens} or more")
     if config.task.agent:
         load_agent(config.task.agent)
+
+
+def _uncreated_built_in(config: Config) -> bool:
+    """``model.path`` names a built-in model not created yet: a Qwen2 of rlorch's own, nothing to
+    check, and not created here (``validate-config`` stays fast; a run creates it first)."""
+    from rlorch.model import BUILT_IN_MODELS, CONFIG_FILE, model_directory
+
+    return config.model.path in BUILT_IN_MODELS and not (model_directory(config.model.path) / CONFIG_FILE).is_file()
 
 
 def load_agent(spec: str):

@@ -132,15 +132,10 @@ class Orchestrator:
         self.snapshots.resumed_at(state.step)
 
     def _on_guard(self, verdict: Verdict, message: str) -> None:
-        """A solved task ends the run converged once held-out accuracy agrees (else it trains on);
-        so does a collapsed policy, whose wrong training groups have nothing left to teach, where
-        held-out accuracy of the same weights agrees (else it fails the run); a flat reward fails it."""
+        """Solved or collapsed: converged once held-out accuracy agrees (else solved trains on); the rest fail."""
         last, idle = self.evaluations.sink.last, self.policy.value >= self.shipping.shipped and not self.sink.buffered_signal
-        outcome = None
-        if verdict is Verdict.solved:
-            outcome = self.convergence.outcome(self.policy.value, last, idle)
-        elif verdict is Verdict.collapsed:
-            outcome = self.convergence.after_collapse(self.policy.value, last)
+        outcome = (self.convergence.outcome(self.policy.value, last, idle) if verdict is Verdict.solved else
+                   self.convergence.after_collapse(self.policy.value, last) if verdict is Verdict.collapsed else None)
         if outcome in (None, Outcome.converged, Outcome.stalled):
             message = message.rstrip(".") + (self.convergence.explain(outcome, last) if outcome else "") + "."
             raise Converged(message) if outcome is Outcome.converged else RunFailed(

@@ -68,12 +68,26 @@ class Convergence:
         self.stop_on_converged, self.evaluating, self.share = stop_on_converged, evaluating, share
         self.idle_trip: Optional[int] = None
         """The version at which the guard last tripped with nothing left to train."""
+        self.asked: Optional[int] = None
+        """The version the guard's last trip asked to evaluate, until the next trip reads it."""
+
+    def _current(self, version: int, last_eval: Optional[dict]) -> bool:
+        """Whether the latest evaluation is of these weights, or of those the previous trip asked
+        about: trained on since only while the guard counted no reward spread again (flat groups
+        that trainer.flat_advantage trains, kept solved ones), they are the same policy, and
+        asking again would evaluate forever behind a version that keeps moving."""
+        wanted = version if self.asked is None else min(version, self.asked)
+        self.asked = None
+        return last_eval is not None and last_eval["step"] >= wanted
+
+    def _evaluate(self, version: int) -> Outcome:
+        self.asked = version
+        return Outcome.evaluate
 
     def outcome(self, version: int, last_eval: Optional[dict], idle: bool) -> Outcome:
         """``idle``: the trainer has trained every shipped batch and no kept group waits."""
-        current = last_eval is not None and last_eval["step"] >= version
-        if self.evaluating and not current:
-            return Outcome.evaluate
+        if self.evaluating and not self._current(version, last_eval):
+            return self._evaluate(version)
         agrees = not self.evaluating or (last_eval["accuracy"] or 0.0) >= self.share
         if self.stop_on_converged and agrees:
             return Outcome.converged
@@ -90,8 +104,8 @@ class Convergence:
         evaluation to agree, it disagrees, or train.stop_on_converged is false."""
         if not (self.evaluating and self.stop_on_converged):
             return None
-        if last_eval is None or last_eval["step"] < version:
-            return Outcome.evaluate
+        if not self._current(version, last_eval):
+            return self._evaluate(version)
         return Outcome.converged if (last_eval["accuracy"] or 0.0) >= self.share else None
 
     def explain(self, outcome: Outcome, last_eval: Optional[dict]) -> str:
