@@ -130,6 +130,7 @@ def _resume(checkpoint: str, overrides: list[str]) -> int:
             path = locate_checkpoint(Path(checkpoint))
             config, run_dir = resume.resume_target(path, overrides)
             config = resolve_layout(config)
+            _create_built_in_model(config)
         except ConfigError as err:
             console.print(f"[bold red]cannot resume[/] {err}", highlight=False)
             return 2

@@ -1,4 +1,6 @@
-"""The built-in models by name, and the tiny copy model's pretraining (rlorch.model)."""
+"""The built-in models by name, and the tiny copy model's pretraining (rlorch.model). How often
+the agent example learns on it is a benchmark's question (scripts/bench_stuck.py task=agent):
+one run's outcome varies with its seed and its threads."""
 
 from __future__ import annotations
 
