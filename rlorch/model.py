@@ -93,17 +93,6 @@ def default_model_path() -> Path:
 
 
 def model_directory(path: Optional[str]) -> Path:
-    """Where ``model.path`` points, created or not: a directory, a built-in's place in the cache
-    (:data:`BUILT_IN_MODELS`; a directory of that name wins), or the tiny default's."""
-    if not path:
-        return default_model_path()
-    resolved = Path(path).expanduser()
-    if path in BUILT_IN_MODELS and not (resolved / CONFIG_FILE).is_file():
-        return cache_dir() / "models" / BUILT_IN_MODELS[path]
-    return resolved
-
-
-def model_directory(path: Optional[str]) -> Path:
     """Where ``model.path`` points, created or not: a directory (a directory named like a
     built-in wins), a built-in's place in the cache, or the tiny default's when empty."""
     if not path:
@@ -170,13 +159,13 @@ def ensure_default_model() -> Path:
 
 
 def ensure_copy_model() -> Path:
-    """Create the tiny copy model once (pretraining, about 100 s on 2 cores, with a line on
+    """Create the tiny copy model once (pretraining, about 2 minutes on 2 cores, with a line on
     stderr); later calls return its directory."""
     import sys
 
     def create(staging: Path) -> None:
         print("creating the tiny copy model (model.path=tiny-copy): pretraining it to copy, once, "
-              "about 100 s on 2 cores…", file=sys.stderr, flush=True)
+              "about 2 minutes on 2 cores…", file=sys.stderr, flush=True)
         create_copy_model(staging, log=lambda line: print(line, file=sys.stderr, flush=True))
 
     return _created(cache_dir() / "models" / BUILT_IN_MODELS["tiny-copy"], create)
@@ -212,7 +201,7 @@ def _created(target: Path, create) -> Path:
 # a chat turn or an answer. A random 2-layer model learns a task's fixed positional copies from
 # reward alone (the default reverse task), but not "copy what followed the last time this token
 # appeared" at a place that moves, which an agent answering with its tool's result needs.
-# Pretraining runs once, on the CPU, when the model is first asked for (about 100 s on 2 cores):
+# Pretraining runs once, on the CPU, when the model is first asked for (about 2 minutes on 2 cores):
 # COPY_STEPS steps, then on in chunks until the copy accuracy on a fixed probe set reaches
 # REQUIRED_COPY_ACCURACY (the skill arrives as a sudden drop of the loss a few thousand steps in,
 # whose exact step may vary a little between machines).

@@ -58,7 +58,7 @@ def test_validating_the_agent_preset_does_not_create_its_model(monkeypatch, tmp_
 
 @pytest.mark.slow
 def test_the_tiny_copy_model_copies_a_span_it_has_never_seen_and_still_samples_widely():
-    """Created through its name as a run creates it (about 100 s): greedy, it continues a span
+    """Created through its name as a run creates it (about 2 minutes): greedy, it continues a span
     that recurs in a string of characters; where nothing can be copied its next-token
     distribution stays wide (entropy near the uniform's), so RL can still explore."""
     import math

@@ -683,7 +683,7 @@ class ModelConfig:
     """Local HF model directory, or a built-in model created locally on first use: ``tiny`` (the
     default when empty: random weights, RL teaches it everything) or ``tiny-copy`` (the same
     pretrained to copy earlier tokens, as any pretrained LM can: the agent example's base;
-    about 100 s to create on 2 cores)."""
+    about 2 minutes to create on 2 cores)."""
     dtype: str = "float32"
     """Served and compute dtype (float32, bfloat16, float16). Below float32 the trainer keeps
     fp32 master weights and optimizer state and computes in this dtype (FSDP2 mixed precision,
