@@ -112,7 +112,7 @@ def resolve_model_path(path: Optional[str]) -> Path:
     if (resolved / CONFIG_FILE).is_file():
         return resolved
     if path in BUILT_IN_MODELS:
-        return ensure_copy_model() if path == "tiny-copy" else ensure_default_model()
+        return {"tiny": ensure_default_model, "tiny-copy": ensure_copy_model}[path]()
     from rlorch.config.schema import ConfigError
 
     raise ConfigError("model.path", f"{resolved} is not an HF model directory (no config.json), nor a built-in "
