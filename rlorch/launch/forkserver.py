@@ -529,7 +529,14 @@ def _serve_shared(path: str, parent_pid: Optional[int]) -> None:
     listener.bind(path)
     os.chmod(path, 0o600)
     listener.listen(64)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    def stop(*_) -> None:
+        # Exits at once, imports under way or not: a SystemExit raised inside an import can be
+        # swallowed by a library's broad except, leaving the server importing for a minute.
+        if os.path.exists(path):
+            os.unlink(path)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
     preload()
     clients: dict[socket.socket, bytes] = {}
     owners: dict[int, socket.socket] = {}
