@@ -265,6 +265,9 @@ class Batch:
     rollouts: list[Rollout]
     advantages: list[float]
     filtered: int = 0
+    unlikelihood: list[bool] = field(default_factory=list)
+    """Per rollout, whether the trainer scales its advantage per token by ``p / (1 - p)``
+    (``trainer.flat_advantage=unlikelihood``); empty: none is."""
 
     @property
     def trainable(self) -> bool:
@@ -272,12 +275,16 @@ class Batch:
         return any(abs(a) > 1e-8 for a in self.advantages)
 
     def lines(self) -> Iterator[bytes]:
-        """The batch file line by line: each ``Rollout.to_json()`` plus ``"advantage"``, written
-        by orjson straight from the rollout's arrays."""
+        """The batch file line by line: each ``Rollout.to_json()`` plus ``"advantage"`` (and
+        ``"unlikelihood": true`` on a marked rollout), written by orjson straight from the
+        rollout's arrays."""
         dumps, options = orjson.dumps, orjson.OPT_APPEND_NEWLINE | orjson.OPT_SERIALIZE_NUMPY
-        for rollout, advantage in zip(self.rollouts, self.advantages):
+        marks = self.unlikelihood or [False] * len(self.rollouts)
+        for rollout, advantage, marked in zip(self.rollouts, self.advantages, marks):
             line = rollout.to_line()
             line["advantage"] = advantage
+            if marked:
+                line["unlikelihood"] = True
             yield dumps(line, option=options)
 
     def to_jsonl(self) -> bytes:
@@ -312,6 +319,7 @@ class FiledBatch:
             for line in handle:
                 fields = orjson.loads(line)
                 del fields["advantage"]
+                fields.pop("unlikelihood", None)
                 rollouts.append(Rollout.from_json(fields))
         return rollouts
 

@@ -183,3 +183,37 @@ def test_flat_advantage_bounded_is_negative_floored_at_minus_one():
     assert bounded[14] == [-1.0, -1.0] and bounded[15] == negative[15] and bounded[:14] == negative[:14]
     mild = [[0.2, 0.2], [0.9, 0.9], [0.0, 1.0]]
     assert advantages(mild, "grpo", flat="bounded") == advantages(mild, "grpo", flat="negative")
+
+
+def test_flat_advantage_unlikelihood_gives_flat_wrong_groups_minus_one_and_marks_only_them():
+    from rlorch.trainer.advantages import unlikelihood_marks
+
+    groups = [[1.0, 1.0]] * 14 + [[0.2, 0.2], [0.0, 1.0]]
+    unlikely = advantages(groups, "grpo", flat="unlikelihood")
+    assert unlikely[14] == [-1.0, -1.0]
+    assert unlikely[:14] == [[0.0, 0.0]] * 14 and unlikely[15] == advantages(groups, "grpo")[15]
+    assert unlikelihood_marks(groups, "unlikelihood") == [False] * 28 + [True, True, False, False]
+    assert unlikelihood_marks(groups, "bounded") == [False] * 32
+
+
+def test_the_train_sink_marks_a_kept_flat_wrong_group_for_the_trainer_and_its_file_says_so(tmp_path):
+    import orjson
+
+    from rlorch.orchestrator.sinks import TrainSink
+    from test_components import rollout
+
+    def emitted(**kwargs):
+        sink = TrainSink(batch_size=6, max_staleness=2, strict=False, keep_flat=True, **kwargs)
+        for group, rewards in enumerate(([1.0, 0.0], [0.5, 0.5], [1.0, 1.0])):
+            sink.add([rollout(group, r, [[0, 1]], token=i) for i, r in enumerate(rewards)], step=1)
+        return sink.emit(1)
+
+    batch = emitted(flat_advantage="unlikelihood")
+    assert batch.advantages[2:] == [-1.0, -1.0, 0.0, 0.0]
+    assert batch.unlikelihood == [False, False, True, True, False, False]
+    lines = [orjson.loads(line) for line in batch.lines()]
+    assert [line.get("unlikelihood", False) for line in lines] == batch.unlikelihood
+    path = tmp_path / "batch.jsonl"
+    path.write_bytes(batch.to_jsonl())
+    assert [r.reward for r in batch.filed(path).load()] == [1.0, 0.0, 0.5, 0.5, 1.0, 1.0]
+    assert b"unlikelihood" not in emitted(flat_advantage="bounded").to_jsonl()

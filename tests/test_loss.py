@@ -298,3 +298,41 @@ def test_no_reference_is_built_at_kl_coef_zero():
         compose(["trainer.kl_coef=-0.1"])
     with pytest.raises(Exception, match="trainer.kl_estimator"):
         compose(["trainer.kl_estimator=k4"])
+
+
+def _logit_grad(logits_row, adv, *, unlikelihood):
+    """Gradient of the on-policy loss with respect to the logits that sampled token 1."""
+    logits = torch.tensor([logits_row], dtype=torch.float32, requires_grad=True)
+    full = torch.cat([logits.unsqueeze(1), torch.zeros(1, 1, logits.shape[-1])], dim=1)
+    logp = token_logprobs(full, torch.tensor([[0, 1]]))
+    marks = torch.tensor([[False, unlikelihood]])
+    loss, _ = policy_loss(logp, logp.detach(), torch.tensor([[0.0, 1.0]]), torch.tensor([adv]),
+                          correction=Correction.decoupled, prox=logp.detach(), unlikelihood=marks, **ARGS)
+    loss.backward()
+    return logits.grad[0]
+
+
+@pytest.mark.parametrize("gap", [3.0, 8.0, 12.0])
+def test_unlikelihood_pushes_a_sure_wrong_token_down_where_a_plain_negative_advantage_cannot(gap):
+    """Token 1 sampled with probability p = 1 - ~3 exp(-gap) (entropy down to 4e-5 nats): -1
+    moves its logit by 1 - p, the unlikelihood weight by p (the gradient of -log(1 - p))."""
+    row = [0.0, gap, 0.0, 0.0]
+    p = torch.softmax(torch.tensor(row, dtype=torch.float64), -1)[1].item()
+    plain = _logit_grad(row, -1.0, unlikelihood=False)
+    unlikely = _logit_grad(row, -1.0, unlikelihood=True)
+    assert plain[1].item() == pytest.approx(1 - p, rel=0.05)  # float32 softmax
+    assert unlikely[1].item() == pytest.approx(p, rel=1e-3)
+    assert unlikely[[0, 2, 3]].tolist() == pytest.approx([-p / 3] * 3, rel=0.05)  # the others rise
+
+
+@pytest.mark.parametrize("gap", [20.0, 60.0])
+def test_unlikelihood_stays_finite_and_bounded_where_float32_rounds_p_to_one(gap):
+    unlikely = _logit_grad([0.0, gap, 0.0, 0.0], -1.0, unlikelihood=True)
+    assert torch.isfinite(unlikely).all() and unlikely.abs().max().item() <= 1.0
+
+
+def test_unlikelihood_leaves_unmarked_tokens_their_plain_gradient():
+    row = [0.0, 2.0, 0.0, 0.0]
+    marked, plain = _logit_grad(row, -1.0, unlikelihood=True), _logit_grad(row, -1.0, unlikelihood=False)
+    p = torch.softmax(torch.tensor(row), -1)[1].item()
+    assert torch.allclose(marked, plain * p / (1 - p), rtol=1e-4)

@@ -248,6 +248,7 @@ def test_malformed_batch_names_file_and_line(tmp_path):
     ({"tokens": [1, 10_000, 3, 4, 5]}, "outside the vocabulary"),
     ({"loss_mask": [1, 0, 0, 0, 0]}, "loss_mask[0] is set"),
     ({"tokens": "12"}, "must be lists"),
+    ({"unlikelihood": "yes"}, "unlikelihood must be true or false"),
 ])
 def test_read_batch_rejects_malformed_lines(tmp_path, change, message):
     from rlorch.trainer.batch import BatchError, read_batch
@@ -274,6 +275,19 @@ def test_micro_batches_pad_and_fill_to_the_same_count():
     both = rank_share(sequences, 0, 1, max_tokens=None, size=2, pad_id=0)[0]
     assert both.tokens.tolist() == [[5, 6, 7], [5, 6, 0]] and both.mask.tolist() == [[0, 1, 1], [0, 1, 0]]
     assert both.advantages.tolist() == [[1.0, 1.0, 1.0], [-1.0, -1.0, 0.0]]
+
+
+def test_a_line_marked_unlikelihood_marks_its_tokens_padded_packed_and_split(tmp_path):
+    from rlorch.trainer.batch import packed, padded, read_batch
+
+    good = _rollout("12=", "21", 1.0)
+    path = tmp_path / "step_000001.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps({**good, "unlikelihood": True}) + "\n")
+    sequences = read_batch(path, vocab_size=64)
+    assert [s.unlikelihood for s in sequences] == [False, True]
+    n = len(sequences[0].tokens)
+    assert padded(sequences, 0).unlikelihood.tolist() == [[False] * n, [True] * n]
+    assert packed(sequences, 0).unlikelihood.tolist() == [[False] * n + [True] * n]
 
 
 def _one_step_weights(root: Path, *overrides: str) -> tuple[dict, dict]:

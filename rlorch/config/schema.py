@@ -64,6 +64,7 @@ class FlatAdvantage(str, enum.Enum):
     batch = "batch"
     negative = "negative"
     bounded = "bounded"
+    unlikelihood = "unlikelihood"
 
 
 class ScaleRewards(str, enum.Enum):
@@ -564,8 +565,10 @@ class TrainerConfig:
     the batch does better on average, so a stuck wrong answer is pushed down), negative (batch's,
     never above 0: a flat wrong group above the batch mean is left alone rather than reinforced)
     or bounded (negative's, never below -1: near convergence the batch std is small and batch's
-    push reaches -3 to -5). Mixed groups keep the estimator's advantages; flat groups at the
-    maximum stay 0."""
+    push reaches -3 to -5) or unlikelihood (-1, which the trainer scales per token by p / (1 - p)
+    of its current policy: the gradient of -log(1 - p), about 1 on the logit of a deterministic
+    wrong token, where any plain advantage moves it by 1 - p, about 0). Mixed groups keep the
+    estimator's advantages; flat groups at the maximum stay 0."""
     loss_agg: LossAgg = LossAgg.token_mean
     """How per-token losses make a minibatch's loss: token_mean (every trained token of the
     minibatch, all ranks, weighs the same: DAPO), seq_mean_token_sum (each sequence's token sum,

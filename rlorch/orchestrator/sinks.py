@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy
 
-from rlorch.trainer.advantages import advantages as estimate
+from rlorch.trainer.advantages import advantages as estimate, unlikelihood_marks
 from rlorch.types import LONG, Batch, Rollout, head_ages
 
 
@@ -331,7 +331,8 @@ class TrainSink:
         rewards = [[r.reward for r in group] for group in taken]
         advantages = [a for group in estimate(rewards, self.advantage, self.scale_rewards,
                                                              flat=self.flat_advantage, max_reward=self.max_reward) for a in group]
-        batch = Batch(step=step, rollouts=rollouts, advantages=advantages)
+        batch = Batch(step=step, rollouts=rollouts, advantages=advantages,
+                      unlikelihood=unlikelihood_marks(rewards, self.flat_advantage, self.max_reward))
         if not batch.trainable:
             reason = self.flat(rollouts) or Verdict.no_signal
             self.totals.empty_batches += 1

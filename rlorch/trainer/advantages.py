@@ -28,6 +28,14 @@ pushed down or left alone, never reinforced). Where nearly every group is solved
 is small and a flat wrong group's advantage reaches -3 to -5, a push that can wreck a converged
 policy; ``bounded`` also floors it at -1, no more than a mixed group's typical sample.
 
+None of these moves a *deterministic* wrong answer: the policy gradient of a token's logprob
+with respect to its logit is ``1 - p``, about 4e-4 at the entropies stuck runs reach, so any
+bounded advantage on such a token is lost. ``unlikelihood`` gives a flat wrong group -1 and marks
+it (:func:`unlikelihood_marks`); the trainer scales each marked token's advantage by
+``p / (1 - p)`` of its current policy (:func:`rlorch.trainer.loss.unlikelihood_weights`), which
+makes the step the gradient of the unlikelihood loss ``-log(1 - p)`` (Welleck et al.): at most 1
+on the logit of any token, about 1 on a deterministic wrong one, about ``p`` on an uncertain one.
+
 Groups of one sample have no group baseline: when every group of a batch has one sample, the
 batch is treated as one group (GRPO across prompts); a lone sample among larger groups gets 0
 under the group baselines (``grpo``, ``dr_grpo``, ``rloo``).
@@ -111,11 +119,27 @@ def flat_below_max(groups: Groups, estimated: Groups, max_reward: float = 1.0,
             else list(advantage) for group, advantage in zip(groups, estimated)]
 
 
+def flat_below_max_at(groups: Groups, estimated: Groups, max_reward: float = 1.0,
+                      value: float = -1.0) -> list[list[float]]:
+    """``estimated`` with every flat group below ``max_reward`` set to ``value``
+    (``trainer.flat_advantage=unlikelihood``, whose trainer scales it per token)."""
+    return [[value] * len(group) if is_flat_below(group, max_reward) else list(advantage)
+            for group, advantage in zip(groups, estimated)]
+
+
+def unlikelihood_marks(groups: Groups, flat: str, max_reward: float = 1.0) -> list[bool]:
+    """Per sample (flattened in batch order), whether the trainer scales its advantage by
+    ``p / (1 - p)`` per token: the flat groups below ``max_reward`` under ``unlikelihood``."""
+    marked = flat == "unlikelihood"
+    return [marked and is_flat_below(group, max_reward) for group in groups for _ in group]
+
+
 FLAT = {"zero": lambda groups, estimated, max_reward: [list(group) for group in estimated],
         "batch": flat_below_max,
         "negative": lambda groups, estimated, max_reward: flat_below_max(groups, estimated, max_reward, most=0.0),
         "bounded": lambda groups, estimated, max_reward: flat_below_max(groups, estimated, max_reward, most=0.0,
-                                                                       least=-1.0)}
+                                                                       least=-1.0),
+        "unlikelihood": flat_below_max_at}
 """``trainer.flat_advantage`` -> what flat groups below the maximum get."""
 
 

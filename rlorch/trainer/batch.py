@@ -40,6 +40,9 @@ class Sequence:
     versions: list[int] | None = None
     """Per-token policy version aligned with ``tokens`` (NO_VERSION off the loss mask); None
     when the batch line carries no stamps."""
+    unlikelihood: bool = False
+    """Whether each token's advantage is scaled by ``p / (1 - p)`` of the current policy
+    (``"unlikelihood": true`` on the line; see :func:`rlorch.trainer.loss.unlikelihood_weights`)."""
 
 
 def token_versions(mask: list[int], runs: object, where: str) -> list[int] | None:
@@ -76,6 +79,10 @@ def _parse_line(path: Path, number: int, line: str) -> tuple[Sequence, object]:
     if not math.isfinite(sequence.advantage) or not all(map(math.isfinite, sequence.logprobs)):
         raise BatchError(f"{where}: advantage and logprobs must be finite")
     sequence.versions = token_versions(sequence.loss_mask, item.get("versions"), where)
+    marked = item.get("unlikelihood", False)
+    if not isinstance(marked, bool):
+        raise BatchError(f"{where}: unlikelihood must be true or false, not {marked!r}")
+    sequence.unlikelihood = marked
     return sequence, item.get("segments")
 
 
@@ -94,7 +101,7 @@ def split_segments(sequence: Sequence, lengths: object, where: str) -> list[Sequ
             raise BatchError(f"{where}: the segment at token {start} starts with a trained token (no context)")
         versions = sequence.versions[start:end] if sequence.versions is not None else None
         parts.append(Sequence(sequence.tokens[start:end], sequence.loss_mask[start:end], sequence.logprobs[start:end],
-                              sequence.advantage, sequence.reward, versions))
+                              sequence.advantage, sequence.reward, versions, sequence.unlikelihood))
         start = end
     return parts
 
@@ -127,6 +134,8 @@ class MicroBatch:
     behaviour: torch.Tensor
     advantages: torch.Tensor
     """[rows, len]: each token carries its sequence's advantage (0 on padding)."""
+    unlikelihood: torch.Tensor
+    """[rows, len] bool: the positions whose advantage the loss scales by ``p / (1 - p)``."""
     versions: torch.Tensor
     """[rows, len] per-token policy versions (NO_VERSION where none is known)."""
     segments: torch.Tensor
@@ -178,6 +187,7 @@ def padded(chunk: list[Sequence], pad_id: int) -> MicroBatch:
         mask=_padded([s.loss_mask for s in chunk], length, 0, torch.float32),
         behaviour=_padded([s.logprobs for s in chunk], length, 0.0, torch.float32),
         advantages=_padded([[s.advantage] * len(s.tokens) for s in chunk], length, 0.0, torch.float32),
+        unlikelihood=_padded([[s.unlikelihood] * len(s.tokens) for s in chunk], length, False, torch.bool),
         versions=_padded([s.versions if s.versions is not None else [] for s in chunk], length,
                          NO_VERSION, torch.long),
         segments=torch.arange(len(chunk)).unsqueeze(-1).expand(len(chunk), length).contiguous(),
@@ -197,6 +207,7 @@ def packed(chunk: list[Sequence], pad_id: int) -> MicroBatch:
         mask=row([s.loss_mask for s in chunk], torch.float32),
         behaviour=row([s.logprobs for s in chunk], torch.float32),
         advantages=row([[s.advantage] * len(s.tokens) for s in chunk], torch.float32),
+        unlikelihood=row([[s.unlikelihood] * len(s.tokens) for s in chunk], torch.bool),
         versions=row([s.versions if s.versions is not None else [NO_VERSION] * len(s.tokens) for s in chunk],
                      torch.long),
         segments=row([[index] * len(s.tokens) for index, s in enumerate(chunk)], torch.long),

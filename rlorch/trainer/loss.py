@@ -25,6 +25,10 @@ trainer's logprobs before the batch's first optimizer step, computed once per ba
   ``is_cap``, recomputed against the current weights at every minibatch.
 * ``none``: PPO clip of ``exp(logp - behaviour)``, no weighting. Treats the data as on-policy,
   which is only sound when the behaviour policy is the current one (staleness 0).
+
+Tokens marked ``unlikelihood`` (a flat wrong group under ``trainer.flat_advantage=unlikelihood``)
+have their advantage scaled by ``p / (1 - p)`` of the current policy before any of these: see
+:func:`unlikelihood_weights`.
 """
 
 from __future__ import annotations
@@ -140,6 +144,20 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     return torch.nn.functional.pad(entropy, (1, 0), value=0.0)
 
 
+UNLIKELY_FLOOR = 1e-6
+"""Smallest ``1 - p`` the unlikelihood weight divides by. Below it (a float32 softmax rounds
+such a ``p`` to 1) the weight's gradient ``p (1 - p) / UNLIKELY_FLOOR`` on the logit stays under 1."""
+
+
+def unlikelihood_weights(logp: torch.Tensor) -> torch.Tensor:
+    """``p / (1 - p)`` per token (detached) from its logprob: an advantage of -1 scaled by it
+    makes the policy-gradient step the gradient of ``-log(1 - p)``, whose size on the token's
+    logit is ``p``: about 1 where the policy is sure of the token, where ``-1`` alone moves
+    the logit by ``1 - p``."""
+    logp = logp.detach()
+    return torch.exp(logp) / torch.clamp(-torch.expm1(logp), min=UNLIKELY_FLOOR)
+
+
 def _ppo_term(log_ratio: torch.Tensor, adv: torch.Tensor, clip: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token clipped surrogate (to minimise) and where the clip took the gradient away;
     ``clip`` = (low, high): the ratio is clamped to [1 - low, 1 + high]."""
@@ -221,18 +239,22 @@ def policy_loss(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
                 prox: Optional[torch.Tensor] = None, normalizer: Optional[float] = None,
                 agg: LossAgg = LossAgg.token_mean, sequences: Optional[float] = None,
                 segments: Optional[torch.Tensor] = None,
-                clip_high: Optional[float] = None) -> tuple[torch.Tensor, LossStats]:
+                clip_high: Optional[float] = None,
+                unlikelihood: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, LossStats]:
     """The loss of one micro-batch (its share of the minibatch's ``agg``) and its stats.
 
     ``prox`` is required for ``decoupled`` (no gradient flows through it). ``normalizer`` (the
     minibatch's masked tokens) and ``sequences`` (its sequences) default to this micro-batch's.
     The PPO clip keeps the ratio within [1 - clip_eps, 1 + clip_high] (``clip_high`` None:
-    clip_eps, symmetric).
+    clip_eps, symmetric). ``unlikelihood`` (``[rows, seq]`` bool) marks the tokens whose
+    advantage is scaled by :func:`unlikelihood_weights` of ``logp``.
     """
     mask = mask.to(logp.dtype)
     behaviour = behaviour.to(logp.dtype)
     adv = advantages.to(logp.dtype)
     adv = adv.unsqueeze(-1).expand_as(logp) if adv.dim() == 1 else adv
+    if unlikelihood is not None and bool(unlikelihood.any()):
+        adv = torch.where(unlikelihood, adv * unlikelihood_weights(logp), adv)
     if prox is not None:
         prox = prox.detach().to(logp.dtype)
     per_token, clipped, capped = LOSSES[Correction(correction)](
