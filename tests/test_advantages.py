@@ -217,3 +217,11 @@ def test_the_train_sink_marks_a_kept_flat_wrong_group_for_the_trainer_and_its_fi
     path.write_bytes(batch.to_jsonl())
     assert [r.reward for r in batch.filed(path).load()] == [1.0, 0.0, 0.5, 0.5, 1.0, 1.0]
     assert b"unlikelihood" not in emitted(flat_advantage="bounded").to_jsonl()
+
+
+def test_config_refuses_a_flat_advantage_whose_flat_groups_are_filtered_away():
+    assert compose(["trainer.flat_advantage=unlikelihood"]).trainer.flat_advantage.value == "unlikelihood"
+    with pytest.raises(ConfigError) as caught:
+        compose(["trainer.flat_advantage=unlikelihood", "rollout.filter_groups=true"])
+    assert caught.value.key == "trainer.flat_advantage" and "rollout.filter_groups=false" in str(caught.value)
+    compose(["trainer.flat_advantage=zero", "rollout.filter_groups=true"])

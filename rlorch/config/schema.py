@@ -897,6 +897,11 @@ class Config:
                  "inference.router", "weight_transfer=distributed needs every server's rank in the weight group, "
                                      "which a router hides: use inference.weight_transfer=disk with "
                                      "inference.router, or list the servers in inference.addresses without it")
+        _require(self.trainer.flat_advantage is FlatAdvantage.zero or not self.rollout.filter_groups,
+                 "trainer.flat_advantage",
+                 f"{self.trainer.flat_advantage.value} trains flat groups below the maximum reward, but "
+                 "rollout.filter_groups=true drops them before they are trained: set "
+                 "rollout.filter_groups=false (or trainer.flat_advantage=zero)")
         self._check_colocation()
         _require(self.rollout.max_concurrent >= self.rollout.group_size, "rollout.max_concurrent",
                  f"must be >= rollout.group_size ({self.rollout.group_size}): a group is admitted whole")
