@@ -302,6 +302,23 @@ def _one_step_weights(root: Path, *overrides: str) -> tuple[dict, dict]:
 
 
 @pytest.mark.slow
+def test_a_batch_line_marked_unlikelihood_reaches_the_trainers_loss(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    def stepped(root: Path, marked: bool) -> dict:
+        run, config = _make_run(root, "train.steps=1", "rollout.max_staleness=0", "trainer.lr=0.05")
+        lines = [_rollout("123=", "999", -1.0), _rollout("4567=", "76", -1.0), _rollout("89=", "98", 1.0)]
+        _write_batch(run, 1, [{**line, "unlikelihood": marked and line["advantage"] < 0} for line in lines])
+        code, output = _finish(_launch(config, run))
+        assert code == 0, output
+        return load_file(str(run.weights_for(1) / "model.safetensors"))
+
+    plain, marked = stepped(tmp_path / "plain", False), stepped(tmp_path / "marked", True)
+    assert any(not torch.equal(plain[k], marked[k]) for k in plain)
+
+
+@pytest.mark.slow
 def test_minibatches_make_the_corrections_differ_engage_the_clip_and_measure_mismatch_before_any_update(tmp_path):
     import torch
 
