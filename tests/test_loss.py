@@ -300,14 +300,15 @@ def test_no_reference_is_built_at_kl_coef_zero():
         compose(["trainer.kl_estimator=k4"])
 
 
-def _logit_grad(logits_row, adv, *, unlikelihood):
+def _logit_grad(logits_row, adv, *, unlikelihood, scale=1.0):
     """Gradient of the on-policy loss with respect to the logits that sampled token 1."""
     logits = torch.tensor([logits_row], dtype=torch.float32, requires_grad=True)
     full = torch.cat([logits.unsqueeze(1), torch.zeros(1, 1, logits.shape[-1])], dim=1)
     logp = token_logprobs(full, torch.tensor([[0, 1]]))
     marks = torch.tensor([[False, unlikelihood]])
     loss, _ = policy_loss(logp, logp.detach(), torch.tensor([[0.0, 1.0]]), torch.tensor([adv]),
-                          correction=Correction.decoupled, prox=logp.detach(), unlikelihood=marks, **ARGS)
+                          correction=Correction.decoupled, prox=logp.detach(), unlikelihood=marks,
+                          unlikelihood_scale=scale, **ARGS)
     loss.backward()
     return logits.grad[0]
 
@@ -336,3 +337,4 @@ def test_unlikelihood_leaves_unmarked_tokens_their_plain_gradient():
     marked, plain = _logit_grad(row, -1.0, unlikelihood=True), _logit_grad(row, -1.0, unlikelihood=False)
     p = torch.softmax(torch.tensor(row), -1)[1].item()
     assert torch.allclose(marked, plain * p / (1 - p), rtol=1e-4)
+    assert torch.allclose(_logit_grad(row, -1.0, unlikelihood=True, scale=0.1), marked * 0.1, rtol=1e-5)

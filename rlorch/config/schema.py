@@ -569,6 +569,9 @@ class TrainerConfig:
     of its current policy: the gradient of -log(1 - p), about 1 on the logit of a deterministic
     wrong token, where any plain advantage moves it by 1 - p, about 0). Mixed groups keep the
     estimator's advantages; flat groups at the maximum stay 0."""
+    unlikelihood_scale: float = 1.0
+    """Under flat_advantage=unlikelihood, what the p / (1 - p) weight is multiplied by: the push
+    on a deterministic wrong token's logit is about this much (1: the unlikelihood loss's own)."""
     loss_agg: LossAgg = LossAgg.token_mean
     """How per-token losses make a minibatch's loss: token_mean (every trained token of the
     minibatch, all ranks, weighs the same: DAPO), seq_mean_token_sum (each sequence's token sum,
@@ -638,6 +641,7 @@ class TrainerConfig:
         _require(0.0 <= self.min_lr_ratio <= 1.0, "trainer.min_lr_ratio", "must be within [0, 1]")
         _require(self.clip_eps > 0, "trainer.clip_eps", "must be > 0")
         _require(self.clip_high is None or self.clip_high > 0, "trainer.clip_high", "must be > 0 (unset = clip_eps)")
+        _require(self.unlikelihood_scale > 0, "trainer.unlikelihood_scale", "must be > 0")
         _require(self.is_cap >= 1, "trainer.is_cap", "must be >= 1")
         _require(self.entropy_coef >= 0, "trainer.entropy_coef", "must be >= 0")
         _require(self.kl_coef >= 0, "trainer.kl_coef", "must be >= 0 (0 = no reference policy)")

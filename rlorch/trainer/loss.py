@@ -240,21 +240,22 @@ def policy_loss(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
                 agg: LossAgg = LossAgg.token_mean, sequences: Optional[float] = None,
                 segments: Optional[torch.Tensor] = None,
                 clip_high: Optional[float] = None,
-                unlikelihood: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, LossStats]:
+                unlikelihood: Optional[torch.Tensor] = None,
+                unlikelihood_scale: float = 1.0) -> tuple[torch.Tensor, LossStats]:
     """The loss of one micro-batch (its share of the minibatch's ``agg``) and its stats.
 
     ``prox`` is required for ``decoupled`` (no gradient flows through it). ``normalizer`` (the
     minibatch's masked tokens) and ``sequences`` (its sequences) default to this micro-batch's.
     The PPO clip keeps the ratio within [1 - clip_eps, 1 + clip_high] (``clip_high`` None:
     clip_eps, symmetric). ``unlikelihood`` (``[rows, seq]`` bool) marks the tokens whose
-    advantage is scaled by :func:`unlikelihood_weights` of ``logp``.
+    advantage is scaled by :func:`unlikelihood_weights` of ``logp`` times ``unlikelihood_scale``.
     """
     mask = mask.to(logp.dtype)
     behaviour = behaviour.to(logp.dtype)
     adv = advantages.to(logp.dtype)
     adv = adv.unsqueeze(-1).expand_as(logp) if adv.dim() == 1 else adv
     if unlikelihood is not None and bool(unlikelihood.any()):
-        adv = torch.where(unlikelihood, adv * unlikelihood_weights(logp), adv)
+        adv = torch.where(unlikelihood, adv * (unlikelihood_scale * unlikelihood_weights(logp)), adv)
     if prox is not None:
         prox = prox.detach().to(logp.dtype)
     per_token, clipped, capped = LOSSES[Correction(correction)](
