@@ -209,8 +209,9 @@ def test_a_new_param_of_your_own_task_without_plus_gets_the_plus_hint():
 
 def test_the_summary_says_how_batches_are_trained():
     _, default = validate()
-    assert "fsdp / decoupled / 2" in default and "trained with advantage 0" in default
+    assert "fsdp / decoupled / 2" in default and "0; wrong ones unlikelihood x0.1" in default
     _, sync = validate("conf=sync")
     assert "fsdp / none / 1" in sync
-    _, filtered = validate("rollout.filter_groups=true")
+    assert "trained with advantage 0" in validate("trainer.flat_advantage=zero")[1]
+    _, filtered = validate("rollout.filter_groups=true", "trainer.flat_advantage=zero")
     assert "zero-variance groups │ filtered" in filtered

@@ -123,7 +123,8 @@ def test_lora_learns_the_default_task_on_a_partly_trained_base(tmp_path):
     adapters start at zero), so the gain is the adapters' and the norms'."""
     # The base is made with one minibatch and filtering, where those figures were measured: the
     # default's two minibatches and kept flat groups pass 50% by step 175 on some runs.
-    _, base_evals = _train(tmp_path / "base", "train.steps=175", "trainer.minibatches=1", "rollout.filter_groups=true")
+    _, base_evals = _train(tmp_path / "base", "train.steps=175", "trainer.minibatches=1", "rollout.filter_groups=true",
+                              "trainer.flat_advantage=zero")
     base = tmp_path / "base" / "weights" / "step_000175"
     summary, evals = _train(tmp_path / "lora", f"model.path={base}", "train.steps=300", *LORA)
     assert evals[0]["step"] == 0 and evals[0]["accuracy"] == base_evals[-1]["accuracy"] < 0.5, (base_evals, evals)

@@ -220,7 +220,7 @@ def test_the_sync_preset_trains_only_age_0_tokens_for_400_steps_past_convergence
     (filtering on: kept, zero-variance groups make neither)."""
     run_dir = tmp_path / "sync400"
     done = rlorch(env, "train", "conf=sync", f"run.dir={run_dir}", "train.steps=400", "train.stop_on_converged=false",
-                  "rollout.filter_groups=true",
+                  "rollout.filter_groups=true", "trainer.flat_advantage=zero",
                   "run.report=false", "run.progress=false", "inference.num_servers=1", "inference.cpu.max_batch=128",
                   "rollout.pack_samples=128", timeout=600)
     assert done.returncode == 0, done.stderr

@@ -7,6 +7,18 @@ from rich.table import Table
 from rlorch.config.schema import Config
 
 
+def _flat_groups(config: Config) -> str:
+    """What zero-variance groups train with, in words."""
+    if config.rollout.filter_groups:
+        return "filtered"
+    flat = config.trainer.flat_advantage.value
+    if flat == "zero":
+        return "trained with advantage 0"
+    if flat == "unlikelihood":
+        return f"0; wrong ones unlikelihood x{config.trainer.unlikelihood_scale:g}"
+    return f"0; wrong ones flat_advantage={flat}"
+
+
 def config_summary(config: Config) -> Table:
     r = config.rollout
     table = Table(title="rlorch config", show_header=False, title_justify="left")
@@ -16,7 +28,7 @@ def config_summary(config: Config) -> Table:
         ("staleness S / batch B / concurrency C", f"{r.max_staleness} / {r.batch_size} / {r.max_concurrent}"),
         ("pending limit (S+1)*B", str(r.pending_limit)),
         ("group size / enforce", f"{r.group_size} / {r.enforce.value}"),
-        ("zero-variance groups", "filtered" if r.filter_groups else "trained with advantage 0"),
+        ("zero-variance groups", _flat_groups(config)),
         ("inference", f"{config.inference.backend.value} x{config.inference.num_servers}"
                       + (f" at {', '.join(config.inference.addresses)}" if config.inference.addresses else "")),
         ("trainer / correction / minibatches",

@@ -5,7 +5,9 @@ Layout (steps are 1-based; training step N reads batch N and publishes weights v
     config.yaml                     resolved config (written by the runner)
     metrics.jsonl, summary.json     orchestrator metrics and the end-of-run summary
     rollouts/step_000001.jsonl      batch N: the rollouts trained at step N, one JSON object per
-                                    line (Rollout.to_json() plus "advantage"); written atomically
+                                    line (Rollout.to_json() plus "advantage", and "unlikelihood":
+                                    true on a flat wrong group under trainer.flat_advantage=
+                                    unlikelihood); written atomically
                                     before it is shipped, so it is both the persisted record and
                                     the trainer's input
     weights/step_000001/            HF safetensors checkpoint of version N; complete only once
