@@ -529,6 +529,7 @@ def _serve_shared(path: str, parent_pid: Optional[int]) -> None:
     listener.bind(path)
     os.chmod(path, 0o600)
     listener.listen(64)
+
     def stop(*_) -> None:
         # Exits at once, imports under way or not: a SystemExit raised inside an import can be
         # swallowed by a library's broad except, leaving the server importing for a minute.

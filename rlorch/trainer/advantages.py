@@ -33,8 +33,9 @@ with respect to its logit is ``1 - p``, about 4e-4 at the entropies stuck runs r
 bounded advantage on such a token is lost. ``unlikelihood`` gives a flat wrong group -1 and marks
 it (:func:`unlikelihood_marks`); the trainer scales each marked token's advantage by
 ``p / (1 - p)`` of its current policy (:func:`rlorch.trainer.loss.unlikelihood_weights`), which
-makes the step the gradient of the unlikelihood loss ``-log(1 - p)`` (Welleck et al.): at most 1
-on the logit of any token, about 1 on a deterministic wrong one, about ``p`` on an uncertain one.
+makes the step the gradient of the unlikelihood loss ``-log(1 - p)`` (Welleck et al.): ``p`` on
+the token's logit, about 1 on a deterministic wrong one, at most 1 on any; ``trainer.
+unlikelihood_scale`` (0.1 by default) multiplies it.
 
 Groups of one sample have no group baseline: when every group of a batch has one sample, the
 batch is treated as one group (GRPO across prompts); a lone sample among larger groups gets 0
