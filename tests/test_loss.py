@@ -332,7 +332,7 @@ def test_unlikelihood_stays_finite_and_bounded_where_float32_rounds_p_to_one(gap
     assert torch.isfinite(unlikely).all() and unlikely.abs().max().item() <= 1.0
 
 
-def test_unlikelihood_leaves_unmarked_tokens_their_plain_gradient():
+def test_the_unlikelihood_weight_is_p_over_one_minus_p_times_its_scale():
     row = [0.0, 2.0, 0.0, 0.0]
     marked, plain = _logit_grad(row, -1.0, unlikelihood=True), _logit_grad(row, -1.0, unlikelihood=False)
     p = torch.softmax(torch.tensor(row), -1)[1].item()
