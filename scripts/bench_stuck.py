@@ -6,18 +6,24 @@
 Extra arguments are Hydra overrides for every run. Runs go one after another (each is a whole
 asynchronous run: engines and trainer on this machine's cores), seed ``--first-seed`` on.
 
-**Stuck** (what this counts): the run did not end ``converged`` and its last held-out
-evaluation is below 95% (``STUCK_BELOW``). On the default task that is the failure the empty-batch
-guard diagnoses as a collapse: some prompts' groups all sample one wrong answer, GRPO gives them
-advantage 0, and nothing moves them; the diagnosis (``collapsed``, ``constant``, or the status
-when the guard did not stop it) is printed beside each stuck seed.
+**Stuck** (what this counts): the run's last held-out evaluation is below 95% (``STUCK_BELOW``)
+and it is not learning any more: the empty-batch guard's last window held groups that sampled one
+wrong answer (``collapsed``) or scored one reward (``constant``), or its held-out accuracy gained
+less than 5 points (``CLIMBING``) over its last 100 steps (``RECENT_STEPS``). On the default task
+that is a collapse: some prompts' groups all sample one wrong answer, GRPO gives them advantage 0,
+and nothing moves them. Such a run may end ``failed`` (the guard's collapse), ``completed`` (the
+step limit) or ``converged``: held-out accuracy of 90-95% passes the convergence check (90%) while
+the guard's window holds a few collapsed groups. **Slow** is a run below 95% that is still
+climbing: more steps, not a fix, is what it needs. Both are printed beside each seed with the
+diagnosis (``collapsed``, ``constant``, ``solved``, or the status when the guard did not stop it).
 
-Printed per seed: stuck or not, how the run ended, its last held-out accuracy, steps and samples
-to the first evaluation at >= 80%; then the totals, and as the last line one JSON object with
-``seeds``, ``stuck``, ``stuck_seeds``, ``median_samples_to_80`` (a run that never got there counts
-as slower than any that did; null when that is the median), ``samples_to_80`` (per seed) and
-``overrides``. ``--keep DIR`` keeps every stuck run's directory (checkpoints included) under
-``DIR/seed-N``, so a rescue can resume it (``rlorch train --resume DIR/seed-N ...``); the
+Printed per seed: stuck, slow or ok, how the run ended, its last held-out accuracy, steps and
+samples to the first evaluation at >= 80%; then the totals, and as the last line one JSON object
+with ``seeds``, ``stuck``, ``stuck_seeds``, ``slow``, ``slow_seeds``, ``median_samples_to_80`` (a
+run that never got there counts as slower than any that did; null when that is the median),
+``samples_to_80`` and ``last_accuracy`` (per seed) and ``overrides``. ``--keep DIR`` keeps every
+stuck or slow run's directory (checkpoints included) under ``DIR/seed-N``, so a rescue can resume
+it (``rlorch resume DIR/seed-N train.steps=1000 ...``); the
 others are deleted unless ``--keep-all``. ``--source DIR`` runs another checkout of rlorch
 (e.g. a ``git worktree`` of an earlier revision) with the same overrides.
 """
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -38,7 +45,11 @@ from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 STUCK_BELOW = 0.95
-"""A run that did not converge and ends below this held-out accuracy is stuck."""
+"""A run that ends below this held-out accuracy is stuck, or slow where it is still climbing."""
+RECENT_STEPS = 100
+CLIMBING = 0.05
+"""Still learning: the best held-out accuracy of the last RECENT_STEPS steps beats the best before
+them by at least this much (5 points: about 5 of the 97 held-out prompts)."""
 TARGET = 0.8
 
 
@@ -55,20 +66,36 @@ def evaluations(run_dir: Path) -> list[dict]:
 def diagnosis(summary: dict) -> str:
     """What ended the run: the guard's verdict where it stopped it, else the status."""
     reason = summary.get("reason") or ""
-    for verdict, words in (("collapsed", "policy collapsed"), ("constant", "score the same"),
-                           ("solved", "task is solved")):
+    for verdict, words in (("collapsed", "policy collapsed"), ("constant", "score the same")):
         if words in reason:
             return verdict
+    if re.search(r"\b\d+ collapsed\b", reason):
+        return "collapsed"
+    if "task is solved" in reason:
+        return "solved"
     return summary.get("status", "no summary")
 
 
+def climbing(evals: list[dict]) -> bool:
+    """Whether held-out accuracy still rose over the last RECENT_STEPS steps (see CLIMBING)."""
+    if not evals:
+        return False
+    since = evals[-1]["step"] - RECENT_STEPS
+    before = [e["accuracy"] for e in evals if e["step"] <= since]
+    recent = [e["accuracy"] for e in evals if e["step"] > since]
+    return bool(before) and max(recent) >= max(before) + CLIMBING
+
+
 def judge(summary: dict, evals: list[dict], batch_size: int) -> dict:
-    """One run's row: stuck, how it ended, last accuracy, steps and samples to 80%."""
+    """One run's row: stuck or slow, how it ended, last accuracy, steps and samples to 80%."""
     last = evals[-1]["accuracy"] if evals else None
     hit = next((e for e in evals if e["accuracy"] >= TARGET - 1e-9), None)
     status = summary.get("status", "no summary")
-    return {"stuck": status != "converged" and (last is None or last < STUCK_BELOW), "status": status,
-            "diagnosis": diagnosis(summary), "last_accuracy": last, "steps": summary.get("steps"),
+    verdict = diagnosis(summary)
+    below = last is None or last < STUCK_BELOW
+    learning = verdict not in ("collapsed", "constant") and climbing(evals)
+    return {"stuck": below and not learning, "slow": below and learning, "status": status,
+            "diagnosis": verdict, "last_accuracy": last, "steps": summary.get("steps"),
             "step_80": hit["step"] if hit else None, "samples_80": hit["step"] * batch_size if hit else None}
 
 
@@ -100,7 +127,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=8)
     parser.add_argument("--first-seed", type=int, default=0)
-    parser.add_argument("--keep", type=Path, help="keep the stuck runs' directories (checkpoints included) here")
+    parser.add_argument("--keep", type=Path, help="keep the stuck and slow runs' directories (checkpoints included) here")
     parser.add_argument("--keep-all", action="store_true", help="keep every run's directory under --keep")
     parser.add_argument("--source", type=Path, default=REPO, help="the rlorch checkout to run (default: this one)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run")
@@ -113,19 +140,23 @@ def main() -> None:
             run_dir = root / f"seed-{seed}"
             shutil.rmtree(run_dir, ignore_errors=True)
             row = rows[seed] = run(args.source.resolve(), run_dir, seed, args.overrides)
-            print(f"seed {seed:>4} {'STUCK' if row['stuck'] else 'ok   '} {row['status']:<10} "
+            mark = "STUCK" if row["stuck"] else "SLOW " if row["slow"] else "ok   "
+            print(f"seed {seed:>4} {mark} {row['status']:<10} "
                   f"{row['diagnosis']:<10} last {row['last_accuracy']} at step {row['steps']}; "
                   f"80% at step {row['step_80']} ({row['samples_80']} samples); {row['wall_s']} s", flush=True)
-            if args.keep and not row["stuck"] and not args.keep_all:
+            if args.keep and not (row["stuck"] or row["slow"]) and not args.keep_all:
                 shutil.rmtree(run_dir, ignore_errors=True)
     stuck = [seed for seed, row in rows.items() if row["stuck"]]
+    slow = [seed for seed, row in rows.items() if row["slow"]]
     samples = [row["samples_80"] for row in rows.values()]
     median = median_samples(samples)
-    print(f"\n{len(stuck)} of {len(rows)} seeds stuck (not converged, last held-out < {STUCK_BELOW:.0%})"
-          f"{': ' + ', '.join(map(str, stuck)) if stuck else ''}; median samples to 80%: {median}; "
+    print(f"\n{len(stuck)} of {len(rows)} seeds stuck (last held-out < {STUCK_BELOW:.0%}, not climbing)"
+          f"{': ' + ', '.join(map(str, stuck)) if stuck else ''}; {len(slow)} slow (below, still climbing)"
+          f"{': ' + ', '.join(map(str, slow)) if slow else ''}; median samples to 80%: {median}; "
           f"reached 80%: {sum(s is not None for s in samples)} of {len(rows)}"
-          + (f"; stuck runs kept in {args.keep}" if args.keep and stuck else ""))
-    print(json.dumps({"seeds": len(rows), "stuck": len(stuck), "stuck_seeds": stuck, "median_samples_to_80": median,
+          + (f"; stuck and slow runs kept in {args.keep}" if args.keep and (stuck or slow) else ""))
+    print(json.dumps({"seeds": len(rows), "stuck": len(stuck), "stuck_seeds": stuck, "slow": len(slow),
+                      "slow_seeds": slow, "median_samples_to_80": median,
                       "samples_to_80": {str(seed): row["samples_80"] for seed, row in rows.items()},
                       "last_accuracy": {str(seed): row["last_accuracy"] for seed, row in rows.items()},
                       "overrides": args.overrides}))

@@ -26,12 +26,28 @@ def test_a_failed_run_below_95_percent_is_stuck_with_the_guards_diagnosis():
     assert (row["step_80"], row["samples_80"], row["last_accuracy"]) == (175, 22400, 0.91)
 
 
-def test_converged_or_at_least_95_percent_is_not_stuck():
-    assert not bench_stuck.judge({"status": "converged", "reason": "the task is solved"},
-                                 _evals((0, 0.0), (300, 0.92)), 128)["stuck"]
+def test_below_95_percent_and_not_climbing_is_stuck_whatever_the_run_ended_with():
+    # The convergence check passes at 90% held-out while the guard's window holds collapsed groups.
+    near_end = bench_stuck.judge({"status": "converged", "reason": "of the last 384 rollouts 368 solved, "
+                                  "16 collapsed: the task is solved; held-out accuracy 90.7% at step 386."},
+                                 _evals((0, 0.0), (250, 0.91), (300, 0.93), (386, 0.907)), 128)
+    assert near_end["stuck"] and not near_end["slow"] and near_end["diagnosis"] == "collapsed"
+    solved = bench_stuck.judge({"status": "converged", "reason": "of the last 384 rollouts 384 solved: the task "
+                                "is solved; held-out accuracy 100.0% at step 300."}, _evals((0, 0.0), (300, 1.0)), 128)
+    assert not solved["stuck"] and not solved["slow"] and solved["diagnosis"] == "solved"
     assert not bench_stuck.judge({"status": "completed"}, _evals((0, 0.0), (500, 0.96)), 128)["stuck"]
-    never = bench_stuck.judge({"status": "completed"}, _evals((0, 0.0), (500, 0.3)), 128)
-    assert never["stuck"] and never["samples_80"] is None and never["diagnosis"] == "completed"
+    flat = bench_stuck.judge({"status": "completed"}, _evals((0, 0.0), (375, 0.48), (425, 0.47), (500, 0.45)), 128)
+    assert flat["stuck"] and flat["samples_80"] is None and flat["diagnosis"] == "completed"
+
+
+def test_a_run_below_95_percent_still_climbing_is_slow_not_stuck():
+    evals = _evals((0, 0.0), (350, 0.54), (375, 0.61), (400, 0.58), (450, 0.68), (500, 0.66))
+    slow = bench_stuck.judge({"status": "completed"}, evals, 128)
+    assert slow["slow"] and not slow["stuck"]
+    # Under 5 points over the last 100 steps is not climbing; nor is a run the guard found collapsed.
+    assert bench_stuck.judge({"status": "completed"}, _evals((0, 0.0), (400, 0.62), (500, 0.66)), 128)["stuck"]
+    collapsed = bench_stuck.judge({"status": "failed", "reason": COLLAPSED}, evals, 128)
+    assert collapsed["stuck"] and not collapsed["slow"]
 
 
 def test_the_median_counts_never_as_slowest():

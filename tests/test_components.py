@@ -145,6 +145,24 @@ def test_kept_flat_groups_train_with_zero_advantage_and_still_trip_the_guard():
     assert sink.totals.consecutive_empty == 0 and not sink.totals.recent
 
 
+def test_a_collapsed_wrong_group_pushed_by_unlikelihood_is_a_signal_for_the_guard():
+    """Under trainer.flat_advantage=unlikelihood a group that sampled one wrong completion trains
+    with a push of its own: it restarts the guard like a mixed group, so a run with such prompts
+    left neither ends converged nor fails collapsed. A group whose different completions score
+    one wrong reward (a broken reward) still counts, and so does everything under ``zero``."""
+    collapsed = [rollout(0, 0.5, [[0, 1]])] * 2
+    constant = [rollout(1, 0.5, [[0, 1]]), rollout(1, 0.5, [[0, 1]], token=2)]
+    pushed = TrainSink(batch_size=2, max_staleness=0, strict=False, keep_flat=True, flat_advantage="unlikelihood")
+    plain = TrainSink(batch_size=2, max_staleness=0, strict=False, keep_flat=True, flat_advantage="zero")
+    for sink in (pushed, plain):
+        assert sink.add(constant, step=1) is Verdict.kept and sink.totals.consecutive_empty == 1
+        assert sink.add(collapsed, step=1) is Verdict.kept
+    assert pushed.totals.consecutive_empty == 0 and not pushed.totals.recent
+    assert plain.totals.consecutive_empty == 2 and plain.totals.recent == {Verdict.constant: 2, Verdict.collapsed: 2}
+    assert plain.guard(max_empty_batches=2) is not None and pushed.guard(max_empty_batches=2) is None
+    assert pushed.emit(step=1).unlikelihood == [True, True]
+
+
 def test_single_sample_groups_are_normalised_across_the_batch():
     sink = TrainSink(batch_size=2, max_staleness=0, strict=False)
     sink.add([rollout(0, 1.0, [[0, 1]])], step=1)

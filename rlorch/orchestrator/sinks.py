@@ -130,6 +130,11 @@ class TrainSink:
         """What kept flat groups below the maximum train with (``trainer.flat_advantage``)."""
         self.keep_flat = keep_flat
         """Train zero-variance groups (``rollout.filter_groups=false``) instead of dropping them."""
+        self.pushes_collapsed = keep_flat and self.flat_advantage == "unlikelihood"
+        """A kept group that sampled one wrong completion trains with a push of its own (the
+        unlikelihood of its tokens, never zero): a signal, like a mixed group's. It restarts the
+        guard's count, so a run neither ends converged nor fails collapsed while such a prompt is
+        still being moved; different completions scoring one reward still count (a broken reward)."""
         # Config enums or their names: the estimator table is keyed by name.
         self.advantage = getattr(advantage, "value", advantage)
         self.scale_rewards = getattr(scale_rewards, "value", scale_rewards)
@@ -202,10 +207,10 @@ class TrainSink:
         return KEPT
 
     def _verdict(self, group: Sequence[Rollout]) -> Optional[Verdict]:
-        """The first filter's reason to drop ``group``, or None."""
+        """The first filter's reason to drop ``group``, or None (the group carries a signal)."""
         for check in self.filters:
             if reason := check(group):
-                return reason
+                return None if reason is Verdict.collapsed and self.pushes_collapsed else reason
         return None
 
     def _reset_guard(self, group: Sequence[Rollout]) -> None:
