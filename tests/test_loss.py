@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlorch.config.schema import Correction, LossAgg
+from rlorch.config.schema import Correction, LossAgg, UnlikelihoodLevel
 from rlorch.trainer.loss import LossStats, aggregate, policy_loss, token_logprobs
 
 ARGS = dict(clip_eps=0.2, is_cap=2.0)
@@ -338,3 +338,64 @@ def test_the_unlikelihood_weight_is_p_over_one_minus_p_times_its_scale():
     p = torch.softmax(torch.tensor(row), -1)[1].item()
     assert torch.allclose(marked, plain * p / (1 - p), rtol=1e-4)
     assert torch.allclose(_logit_grad(row, -1.0, unlikelihood=True, scale=0.1), marked * 0.1, rtol=1e-5)
+
+
+def _answer_grads(gaps, level, *, scale=1.0, packed=False):
+    """Two prompt tokens, then an answer whose token t the policy sampled with logit gap
+    ``gaps[t]`` over three others, marked for unlikelihood (prompt included: the loss mask must
+    keep it out of the answer's probability). Returns the loss's gradient with respect to each
+    sampled token's logit and that token's probability. ``packed``: the same answer twice in one
+    row, told apart by ``segments``."""
+    copies = 2 if packed else 1
+    width = 2 + len(gaps)
+    logits = torch.zeros(1, width * copies, 4)
+    for copy in range(copies):
+        logits[0, copy * width + 1: copy * width + 1 + len(gaps), 1] = torch.tensor(gaps)
+    logits.requires_grad_(True)
+    tokens = torch.tensor([([0, 2] + [1] * len(gaps)) * copies])
+    mask = torch.tensor([([0.0, 0.0] + [1.0] * len(gaps)) * copies])
+    segments = torch.tensor([[copy for copy in range(copies) for _ in range(width)]]) if packed else None
+    logp = token_logprobs(logits, tokens)
+    advantages = torch.full_like(logp, -1.0) if packed else torch.tensor([-1.0])
+    loss, _ = policy_loss(logp, logp.detach(), mask, advantages, correction=Correction.decoupled,
+                          prox=logp.detach(), unlikelihood=torch.ones_like(mask, dtype=torch.bool),
+                          unlikelihood_scale=scale, unlikelihood_level=level, normalizer=1.0,
+                          segments=segments, **ARGS)
+    loss.backward()
+    answer = slice(1, 1 + len(gaps))
+    return logits.grad[0, answer, 1], torch.softmax(logits.detach()[0, answer], -1)[:, 1]
+
+
+def test_sequence_unlikelihood_is_the_gradient_of_minus_log_one_minus_the_answers_probability():
+    gaps = [7.0, 6.5, 3.1]       # p = 0.997, 0.996, 0.88: two sure right digits, one wrong
+    grads, p = _answer_grads(gaps, UnlikelihoodLevel.sequence)
+    logits = torch.zeros(len(gaps), 4)
+    logits[:, 1] = torch.tensor(gaps)
+    logits.requires_grad_(True)
+    answer = torch.log_softmax(logits, -1)[:, 1].sum()
+    (-torch.log1p(-answer.exp())).backward()
+    assert torch.allclose(grads, logits.grad[:, 1], rtol=1e-4)
+    whole = p.prod()
+    assert torch.allclose(grads, whole * (1 - p) / (1 - whole), rtol=1e-4)
+    # The push lands on the digit the policy is least sure of; per token, it lands on every one.
+    assert grads[2] > 10 * grads[:2].max()
+    tokens, _ = _answer_grads(gaps, UnlikelihoodLevel.token)
+    assert torch.allclose(tokens, p, rtol=1e-4) and grads[:2].max() < 0.05 * tokens[:2].min()
+
+
+def test_sequence_unlikelihood_spreads_evenly_over_a_sure_answer_and_stays_bounded():
+    for gap, bound in ((9.0, 1.0), (25.0, 1.0)):    # float32 rounds p to 1 at 25
+        grads, p = _answer_grads([gap] * 3, UnlikelihoodLevel.sequence)
+        assert torch.isfinite(grads).all() and grads.max().item() <= bound
+        assert torch.allclose(grads, grads[0].expand(3), rtol=1e-3)
+    grads, _ = _answer_grads([9.0] * 3, UnlikelihoodLevel.sequence)
+    assert grads[0].item() == pytest.approx(1 / 3, rel=0.01)   # (1 - p) / (1 - p^3) for p near 1
+
+
+def test_sequence_unlikelihood_reads_each_packed_sequence_alone_and_takes_its_scale():
+    gaps = [7.0, 6.5, 3.1]
+    alone, _ = _answer_grads(gaps, UnlikelihoodLevel.sequence)
+    packed, _ = _answer_grads(gaps, UnlikelihoodLevel.sequence, packed=True)
+    assert torch.allclose(packed, alone, rtol=1e-4)
+    scaled, _ = _answer_grads(gaps, UnlikelihoodLevel.sequence, scale=0.1)
+    assert torch.allclose(scaled, alone * 0.1, rtol=1e-4)

@@ -306,8 +306,8 @@ def test_a_batch_line_marked_unlikelihood_reaches_the_trainers_loss(tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    def stepped(root: Path, marked: bool) -> dict:
-        run, config = _make_run(root, "train.steps=1", "rollout.max_staleness=0", "trainer.lr=0.05")
+    def stepped(root: Path, marked: bool, *overrides: str) -> dict:
+        run, config = _make_run(root, "train.steps=1", "rollout.max_staleness=0", "trainer.lr=0.05", *overrides)
         lines = [_rollout("123=", "999", -1.0), _rollout("4567=", "76", -1.0), _rollout("89=", "98", 1.0)]
         _write_batch(run, 1, [{**line, "unlikelihood": marked and line["advantage"] < 0} for line in lines])
         code, output = _finish(_launch(config, run))
@@ -316,6 +316,9 @@ def test_a_batch_line_marked_unlikelihood_reaches_the_trainers_loss(tmp_path):
 
     plain, marked = stepped(tmp_path / "plain", False), stepped(tmp_path / "marked", True)
     assert any(not torch.equal(plain[k], marked[k]) for k in plain)
+    # The answer's unlikelihood (trainer.unlikelihood_level) weighs the same marks otherwise.
+    answer = stepped(tmp_path / "answer", True, "trainer.unlikelihood_level=sequence")
+    assert any(not torch.equal(answer[k], marked[k]) for k in marked)
 
 
 @pytest.mark.slow

@@ -67,6 +67,13 @@ class FlatAdvantage(str, enum.Enum):
     unlikelihood = "unlikelihood"
 
 
+class UnlikelihoodLevel(str, enum.Enum):
+    """What the unlikelihood push makes less likely: each token, or the whole answer."""
+
+    token = "token"
+    sequence = "sequence"
+
+
 class ScaleRewards(str, enum.Enum):
     """What centred rewards are divided by: the group's std, the batch's std, or nothing."""
 
@@ -568,12 +575,20 @@ class TrainerConfig:
     push reaches -3 to -5) or unlikelihood (-1, which the trainer scales per token by p / (1 - p)
     of its current policy: the gradient of -log(1 - p), about 1 on the logit of a deterministic
     wrong token, where any plain advantage moves it by 1 - p, about 0). Mixed groups keep the
-    estimator's advantages; flat groups at the maximum stay 0."""
+    estimator's advantages; flat groups at the maximum stay 0. Under unlikelihood a group that
+    sampled one wrong completion is a signal to the empty-batch guard, like a mixed group: a run
+    neither ends converged nor fails collapsed while such a prompt is still being pushed."""
     unlikelihood_scale: float = 0.1
     """Under flat_advantage=unlikelihood, what the p / (1 - p) weight is multiplied by: the push
     on a deterministic wrong token's logit is about this much. At 1 (the unlikelihood loss's own)
     the push also knocks down the right digits of a nearly right answer, which every prompt
     shares: 2 of 80 default runs crashed from 100% held-out near the end; at 0.1, none."""
+    unlikelihood_level: UnlikelihoodLevel = UnlikelihoodLevel.token
+    """Under flat_advantage=unlikelihood: token (every token by its own p / (1 - p): the same
+    push on each token's logit, the answer's right tokens included) or sequence (every token of
+    the answer by P / (1 - P), P the whole answer's probability: the gradient of
+    -log(1 - P), whose push on a token's logit is P (1 - p) / (1 - P), so it lands on the tokens
+    the policy is least sure of, and evenly where it is sure of them all)."""
     loss_agg: LossAgg = LossAgg.token_mean
     """How per-token losses make a minibatch's loss: token_mean (every trained token of the
     minibatch, all ranks, weighs the same: DAPO), seq_mean_token_sum (each sequence's token sum,

@@ -397,7 +397,7 @@ def _accumulate(worker: Worker, micros: list, counts: Counts, proximal: list, pr
             correction=trainer.correction, clip_eps=trainer.clip_eps, is_cap=trainer.is_cap,
             prox=prox, normalizer=counted["tokens"], agg=trainer.loss_agg, sequences=counted["sequences"],
             segments=segments, clip_high=trainer.clip_high, unlikelihood=micro.unlikelihood.to(device),
-            unlikelihood_scale=trainer.unlikelihood_scale)
+            unlikelihood_scale=trainer.unlikelihood_scale, unlikelihood_level=trainer.unlikelihood_level)
         if trainer.entropy_coef:
             loss = loss - trainer.entropy_coef * aggregate(entropy, mask, **counted)
         if worker.reference is not None:

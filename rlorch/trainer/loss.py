@@ -27,8 +27,9 @@ trainer's logprobs before the batch's first optimizer step, computed once per ba
   which is only sound when the behaviour policy is the current one (staleness 0).
 
 Tokens marked ``unlikelihood`` (a flat wrong group under ``trainer.flat_advantage=unlikelihood``)
-have their advantage scaled by ``p / (1 - p)`` of the current policy before any of these: see
-:func:`unlikelihood_weights`.
+have their advantage scaled before any of these: by ``p / (1 - p)`` of the current policy per
+token (:func:`unlikelihood_weights`), or by ``P / (1 - P)``, ``P`` the whole answer's probability
+(:func:`sequence_unlikelihood_weights`, ``trainer.unlikelihood_level=sequence``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from rlorch.config.schema import Correction, KlEstimator, LossAgg
+from rlorch.config.schema import Correction, KlEstimator, LossAgg, UnlikelihoodLevel
 
 
 
@@ -158,6 +159,26 @@ def unlikelihood_weights(logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(logp) / torch.clamp(-torch.expm1(logp), min=UNLIKELY_FLOOR)
 
 
+def sequence_unlikelihood_weights(logp: torch.Tensor, marked: torch.Tensor,
+                                  segments: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``P / (1 - P)`` on each token (detached), ``P`` the probability of its whole sequence's
+    ``marked`` tokens (``exp`` of their summed logprobs; a sequence is a row, or a ``segments``
+    id): an advantage of -1 scaled by it makes the step the gradient of ``-log(1 - P)``, the
+    unlikelihood of the answer, whose size on token ``t``'s logit is ``P (1 - p_t) / (1 - P)``.
+    It lands on the tokens the policy is least sure of (a nearly right answer's wrong digit)
+    and is spread evenly over an answer the policy is sure of throughout; at most 1 on a logit,
+    as ``1 - p_t <= 1 - P``, and where the floor holds ``1 - P`` up, ``1 - p_t`` is below it."""
+    logp = logp.detach()
+    picked = torch.where(marked, logp, torch.zeros_like(logp))
+    if segments is None:
+        total = picked.sum(-1, keepdim=True).expand_as(logp)
+    else:
+        ids = segments.reshape(-1)
+        count = int(ids.max()) + 1 if ids.numel() else 0
+        total = picked.new_zeros(count).index_add(0, ids, picked.reshape(-1))[ids].reshape(logp.shape)
+    return torch.exp(total) / torch.clamp(-torch.expm1(total), min=UNLIKELY_FLOOR)
+
+
 def _ppo_term(log_ratio: torch.Tensor, adv: torch.Tensor, clip: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token clipped surrogate (to minimise) and where the clip took the gradient away;
     ``clip`` = (low, high): the ratio is clamped to [1 - low, 1 + high]."""
@@ -241,21 +262,28 @@ def policy_loss(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
                 segments: Optional[torch.Tensor] = None,
                 clip_high: Optional[float] = None,
                 unlikelihood: Optional[torch.Tensor] = None,
-                unlikelihood_scale: float = 1.0) -> tuple[torch.Tensor, LossStats]:
+                unlikelihood_scale: float = 1.0,
+                unlikelihood_level: UnlikelihoodLevel = UnlikelihoodLevel.token) -> tuple[torch.Tensor, LossStats]:
     """The loss of one micro-batch (its share of the minibatch's ``agg``) and its stats.
 
     ``prox`` is required for ``decoupled`` (no gradient flows through it). ``normalizer`` (the
     minibatch's masked tokens) and ``sequences`` (its sequences) default to this micro-batch's.
     The PPO clip keeps the ratio within [1 - clip_eps, 1 + clip_high] (``clip_high`` None:
     clip_eps, symmetric). ``unlikelihood`` (``[rows, seq]`` bool) marks the tokens whose
-    advantage is scaled by :func:`unlikelihood_weights` of ``logp`` times ``unlikelihood_scale``.
+    advantage is scaled by :func:`unlikelihood_weights` of ``logp`` (``unlikelihood_level``
+    token) or :func:`sequence_unlikelihood_weights` over the marked tokens in ``mask`` (sequence),
+    times ``unlikelihood_scale``.
     """
     mask = mask.to(logp.dtype)
     behaviour = behaviour.to(logp.dtype)
     adv = advantages.to(logp.dtype)
     adv = adv.unsqueeze(-1).expand_as(logp) if adv.dim() == 1 else adv
     if unlikelihood is not None and bool(unlikelihood.any()):
-        adv = torch.where(unlikelihood, adv * (unlikelihood_scale * unlikelihood_weights(logp)), adv)
+        if UnlikelihoodLevel(unlikelihood_level) is UnlikelihoodLevel.sequence:
+            weights = sequence_unlikelihood_weights(logp, unlikelihood & (mask > 0), segments)
+        else:
+            weights = unlikelihood_weights(logp)
+        adv = torch.where(unlikelihood, adv * (unlikelihood_scale * weights), adv)
     if prox is not None:
         prox = prox.detach().to(logp.dtype)
     per_token, clipped, capped = LOSSES[Correction(correction)](
