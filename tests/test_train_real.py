@@ -140,10 +140,10 @@ def test_the_default_run_learns(env, tmp_path):
 
     Exact match on held-out prompts under greedy decoding: a model that only learned the
     answer's format (three digits) scores about 0.1% on it, so the gain is the task itself.
-    About 1 run in 25 gets stuck near the end (a few prompts' groups collapsed on a wrong
-    answer, below the 90% that ends a collapse `converged`), and the guard ends it `failed`
-    naming the collapse, as it should: how often is scripts/bench_stuck.py's question (issue
-    44). Such a run has still learned, which is what this asserts."""
+    A few runs in a hundred end below 80% (a collapse the default's unlikelihood push is still
+    undoing at step 500, or a crash from a solved policy: scripts/bench_stuck.py counts them,
+    issue 44); the guard ends a collapse it diagnoses `failed`, naming it. Such a run has still
+    learned, which is what this asserts of it."""
     run_dir = tmp_path / "default"
     done = rlorch(env, "train", f"run.dir={run_dir}", "run.progress=false", timeout=600)
     summary, lines = records(run_dir)
