@@ -145,22 +145,27 @@ def test_kept_flat_groups_train_with_zero_advantage_and_still_trip_the_guard():
     assert sink.totals.consecutive_empty == 0 and not sink.totals.recent
 
 
-def test_a_collapsed_wrong_group_pushed_by_unlikelihood_is_a_signal_for_the_guard():
+def test_a_collapsed_wrong_group_pushed_by_unlikelihood_counts_toward_the_guard_and_marks_its_window():
     """Under trainer.flat_advantage=unlikelihood a group that sampled one wrong completion trains
-    with a push of its own: it restarts the guard like a mixed group, so a run with such prompts
-    left neither ends converged nor fails collapsed. A group whose different completions score
-    one wrong reward (a broken reward) still counts, and so does everything under ``zero``."""
+    with a push of its own: it is trainable (not idle), and it still counts toward the guard's
+    run, so a solved run holding a few such prompts can end; ``pushing`` tells the convergence
+    check the window held one (or a flat wrong group of different completions, pushed alike).
+    Under ``zero`` nothing is pushed."""
     collapsed = [rollout(0, 0.5, [[0, 1]])] * 2
     constant = [rollout(1, 0.5, [[0, 1]]), rollout(1, 0.5, [[0, 1]], token=2)]
     pushed = TrainSink(batch_size=2, max_staleness=0, strict=False, keep_flat=True, flat_advantage="unlikelihood")
     plain = TrainSink(batch_size=2, max_staleness=0, strict=False, keep_flat=True, flat_advantage="zero")
     for sink in (pushed, plain):
         assert sink.add(constant, step=1) is Verdict.kept and sink.totals.consecutive_empty == 1
+        assert sink.pushing is (sink is pushed)  # a flat wrong group too is pushed
         assert sink.add(collapsed, step=1) is Verdict.kept
-    assert pushed.totals.consecutive_empty == 0 and not pushed.totals.recent
-    assert plain.totals.consecutive_empty == 2 and plain.totals.recent == {Verdict.constant: 2, Verdict.collapsed: 2}
-    assert plain.guard(max_empty_batches=2) is not None and pushed.guard(max_empty_batches=2) is None
-    assert pushed.emit(step=1).unlikelihood == [True, True]
+        assert sink.totals.consecutive_empty == 2 and sink.totals.recent == {Verdict.constant: 2, Verdict.collapsed: 2}
+        assert sink.guard(max_empty_batches=2) is not None
+    assert pushed.pushing and not plain.pushing
+    assert pushed.buffered_signal == 4 and plain.buffered_signal == 0
+    pushed.rearm()
+    assert not pushed.pushing
+    assert pushed.emit(step=1).unlikelihood == [True, True]  # every flat group below the maximum is pushed
 
 
 def test_single_sample_groups_are_normalised_across_the_batch():

@@ -164,6 +164,26 @@ def test_convergence_waits_for_an_evaluation_of_the_same_weights():
     assert keep_going.after_collapse(3, None) is None     # no evaluation to agree: a collapse fails the run
 
 
+def test_a_window_with_pushed_collapsed_groups_converges_only_at_the_higher_bar_and_never_fails():
+    """Collapsed wrong groups under the unlikelihood push (``pushing``): a solved window ends the
+    run only at PUSHED_SHARE held-out, and a collapsed one trains on rather than failing."""
+    from rlorch.orchestrator.stops import PUSHED_SHARE, Convergence, Outcome
+
+    assert PUSHED_SHARE > 0.9
+    check = Convergence(stop_on_converged=True, evaluating=True, share=0.9)
+    between = {"step": 7, "accuracy": (0.9 + PUSHED_SHARE) / 2}
+    assert check.outcome(7, between, idle=False) is Outcome.converged
+    assert check.outcome(7, between, idle=False, pushing=True) is Outcome.train_on
+    assert check.outcome(7, {"step": 7, "accuracy": PUSHED_SHARE}, idle=False, pushing=True) is Outcome.converged
+    assert check.after_collapse(7, between) is Outcome.converged
+    assert check.after_collapse(7, between, pushing=True) is Outcome.train_on
+    assert check.after_collapse(7, {"step": 7, "accuracy": 0.5}, pushing=True) is Outcome.train_on
+    assert check.after_collapse(7, {"step": 7, "accuracy": 1.0}, pushing=True) is Outcome.converged
+    assert check.after_collapse(9, {"step": 7, "accuracy": 1.0}, pushing=True) is Outcome.evaluate
+    keep_going = Convergence(stop_on_converged=False, evaluating=True, share=0.9)
+    assert keep_going.after_collapse(3, {"step": 3, "accuracy": 0.5}, pushing=True) is Outcome.train_on
+
+
 def test_resume_at_a_late_step_keeps_the_bound_and_loses_nothing(tmp_path):
     common = ["rollout.max_staleness=2", "inference.sim.latency=[0.005,0.005]", "trainer.sim.step_time=0.02",
               "rollout.max_concurrent=1000", "trainer.checkpoint_every=5"]

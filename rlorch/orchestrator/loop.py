@@ -132,10 +132,10 @@ class Orchestrator:
         self.snapshots.resumed_at(state.step)
 
     def _on_guard(self, verdict: Verdict, message: str) -> None:
-        """Solved or collapsed: converged once held-out accuracy agrees (else solved trains on); the rest fail."""
+        """Solved or collapsed: converged once held-out accuracy agrees (else solved, or collapsed under the push, trains on); the rest fail."""
         last, idle = self.evaluations.sink.last, self.policy.value >= self.shipping.shipped and not self.sink.buffered_signal
-        outcome = (self.convergence.outcome(self.policy.value, last, idle) if verdict is Verdict.solved else
-                   self.convergence.after_collapse(self.policy.value, last) if verdict is Verdict.collapsed else None)
+        outcome = (self.convergence.outcome(self.policy.value, last, idle, self.sink.pushing) if verdict is Verdict.solved else
+                   self.convergence.after_collapse(self.policy.value, last, self.sink.pushing) if verdict is Verdict.collapsed else None)
         if outcome in (None, Outcome.converged, Outcome.stalled):
             message = message.rstrip(".") + (self.convergence.explain(outcome, last) if outcome else "") + "."
             raise Converged(message) if outcome is Outcome.converged else RunFailed(

@@ -132,9 +132,10 @@ class TrainSink:
         """Train zero-variance groups (``rollout.filter_groups=false``) instead of dropping them."""
         self.pushes_collapsed = keep_flat and self.flat_advantage == "unlikelihood"
         """A kept group that sampled one wrong completion trains with a push of its own (the
-        unlikelihood of its tokens, never zero): a signal, like a mixed group's. It restarts the
-        guard's count, so a run neither ends converged nor fails collapsed while such a prompt is
-        still being moved; different completions scoring one reward still count (a broken reward)."""
+        unlikelihood of its tokens, never zero). It still counts toward the guard's run (a solved
+        run whose training set holds a few such prompts must be able to end), and :attr:`pushing`
+        tells the run's convergence check that the window held some, or flat wrong groups (see
+        rlorch.orchestrator.stops.PUSHED_SHARE)."""
         # Config enums or their names: the estimator table is keyed by name.
         self.advantage = getattr(advantage, "value", advantage)
         self.scale_rewards = getattr(scale_rewards, "value", scale_rewards)
@@ -160,9 +161,16 @@ class TrainSink:
 
     @property
     def buffered_signal(self) -> int:
-        """Buffered rollouts the trainer can learn from: kept zero-variance groups left out (cold:
-        read when the guard trips)."""
-        return sum(len(group) for group in self._groups if not self._verdict(group))
+        """Buffered rollouts the trainer can learn from: kept zero-variance groups left out, but
+        for flat wrong ones under the push (cold: read when the guard trips)."""
+        pushed = (Verdict.collapsed, Verdict.constant) if self.pushes_collapsed else ()
+        return sum(len(group) for group in self._groups if (verdict := self._verdict(group)) is None or verdict in pushed)
+
+    @property
+    def pushing(self) -> bool:
+        """The guard's current window holds flat groups below the maximum reward (collapsed or
+        constant) that train with the unlikelihood push: prompts the run is still moving."""
+        return self.pushes_collapsed and self.totals.recent[Verdict.collapsed] + self.totals.recent[Verdict.constant] > 0
 
     def gauges(self) -> dict:
         return {"buffered": self._count, "short_batches": self.totals.short_batches}
@@ -210,7 +218,7 @@ class TrainSink:
         """The first filter's reason to drop ``group``, or None (the group carries a signal)."""
         for check in self.filters:
             if reason := check(group):
-                return None if reason is Verdict.collapsed and self.pushes_collapsed else reason
+                return reason
         return None
 
     def _reset_guard(self, group: Sequence[Rollout]) -> None:
