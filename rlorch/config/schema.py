@@ -575,9 +575,9 @@ class TrainerConfig:
     push reaches -3 to -5) or unlikelihood (-1, which the trainer scales per token by p / (1 - p)
     of its current policy: the gradient of -log(1 - p), about 1 on the logit of a deterministic
     wrong token, where any plain advantage moves it by 1 - p, about 0). Mixed groups keep the
-    estimator's advantages; flat groups at the maximum stay 0. Under unlikelihood a group that
-    sampled one wrong completion is a signal to the empty-batch guard, like a mixed group: a run
-    neither ends converged nor fails collapsed while such a prompt is still being pushed."""
+    estimator's advantages; flat groups at the maximum stay 0. Under unlikelihood a guard window
+    holding pushed flat wrong groups ends the run converged only at 95% held-out (not 90%), and a
+    collapse trains on instead of failing: the push is still moving those prompts."""
     unlikelihood_scale: float = 0.1
     """Under flat_advantage=unlikelihood, what the p / (1 - p) weight is multiplied by: the push
     on a deterministic wrong token's logit is about this much. At 1 (the unlikelihood loss's own)
