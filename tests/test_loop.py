@@ -184,6 +184,37 @@ def test_a_window_with_pushed_collapsed_groups_converges_only_at_the_higher_bar_
     assert keep_going.after_collapse(3, {"step": 3, "accuracy": 0.5}, pushing=True) is Outcome.train_on
 
 
+def test_held_out_accuracy_at_stop_at_on_stop_after_evaluations_in_a_row_ends_the_run():
+    from rlorch.orchestrator.stops import Convergence
+
+    def evals(*accuracies):
+        return [{"step": 25 * i, "accuracy": a} for i, a in enumerate(accuracies)]
+
+    check = Convergence(stop_on_converged=True, evaluating=True, share=0.9, stop_at=0.98, stop_after=2)
+    assert check.held_out_solved(evals(0.0, 1.0)) is None       # the step-0 evaluation breaks the run of two
+    assert check.held_out_solved(evals(0.0, 0.99, 0.97, 1.0)) is None
+    why = check.held_out_solved(evals(0.0, 0.5, 0.98, 1.0))
+    assert why is not None and "98.0% at step 50, 100.0% at step 75" in why and "eval.stop_at=0.98" in why
+    late_first = evals(0.0, 0.5, 0.99, 1.0)[::-1]                # evaluations may finish out of order
+    assert check.held_out_solved(late_first) is not None
+    assert check.held_out_solved(late_first[1:]) is None          # 0.5 at 25, 0.99 at 50: not yet
+    for off in (Convergence(stop_on_converged=True, evaluating=True, share=0.9),
+                Convergence(stop_on_converged=False, evaluating=True, share=0.9, stop_at=0.98),
+                Convergence(stop_on_converged=True, evaluating=False, share=0.9, stop_at=0.98)):
+        assert off.held_out_solved(evals(1.0, 1.0, 1.0)) is None
+    once = Convergence(stop_on_converged=True, evaluating=True, share=0.9, stop_at=1.0, stop_after=1)
+    assert once.held_out_solved(evals(0.0, 1.0)) is not None and once.held_out_solved(evals(0.0, 0.99)) is None
+
+
+def test_a_sim_run_ends_converged_on_held_out_accuracy_before_its_steps(tmp_path):
+    """The custom task solved from the start: eval.stop_at ends the run on its second evaluation
+    at 100%, long before train.steps and without the guard."""
+    code, summary, _ = train(tmp_path, "run", *CUSTOM, "train.steps=100", "eval.every=5", "eval.stop_at=1.0",
+                             "train.max_empty_batches=1000")
+    assert code == 0 and summary["status"] == "converged" and summary["steps"] < 20, summary
+    assert "eval.stop_at=1" in summary["reason"], summary
+
+
 def test_resume_at_a_late_step_keeps_the_bound_and_loses_nothing(tmp_path):
     common = ["rollout.max_staleness=2", "inference.sim.latency=[0.005,0.005]", "trainer.sim.step_time=0.02",
               "rollout.max_concurrent=1000", "trainer.checkpoint_every=5"]

@@ -337,10 +337,19 @@ class EvalConfig:
     the staleness bound). Tasks with a smaller held-out set use all of it."""
     enabled: bool = True
     """Evaluate at all (off: no eval records, no eval accuracy in the summary)."""
+    stop_at: Optional[float] = None
+    """End the run ``converged`` once eval.stop_after evaluations in a row reach this held-out
+    accuracy (0 < stop_at <= 1), whatever the empty-batch guard sees: the held-out set is what
+    the run is for, and training on past solving it only risks it. Unset: only the guard ends a
+    run converged. Off with train.stop_on_converged=false or without evaluation."""
+    stop_after: int = 2
+    """Evaluations in a row (eval.every steps apart) that must reach eval.stop_at."""
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, "eval.every", "must be >= 0")
         _require(self.prompts >= 1, "eval.prompts", "must be >= 1")
+        _require(self.stop_at is None or 0 < self.stop_at <= 1, "eval.stop_at", "must be in (0, 1] or null")
+        _require(self.stop_after >= 1, "eval.stop_after", "must be >= 1")
 
 
 @dataclass

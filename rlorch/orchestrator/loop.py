@@ -6,7 +6,8 @@ Invariants kept here rather than in a dashboard:
 - the rollouts of a batch are on disk before the trainer is handed the batch;
 - at train.steps admission stops, in-flight work finishes and is persisted with the checkpoint;
 - after train.max_empty_batches batch-worths in a row with no reward spread the run stops, saying
-  why (a solved task, or a collapsed one, ends ``converged`` once held-out accuracy agrees);
+  why (a solved task, or a collapsed one, ends ``converged`` once held-out accuracy agrees), and
+  eval.stop_after evaluations in a row at eval.stop_at end it ``converged`` too;
 - the first step after a resume admits at most (S + 1) * B rollouts, else the run fails;
 - with ``run.colocate=swap``, see :mod:`rlorch.orchestrator.swap`.
 """
@@ -51,8 +52,9 @@ class Orchestrator:
         self.batch_size = r.batch_size
         self.ship_side = r.enforce is Enforce.ship
         self.shipping = Shipping(policy=policy, max_staleness=r.max_staleness, park=self.ship_side,
-                                 poll_interval=config.watcher.poll_interval, persist=self._persist,
-                                 on_shipped=self._on_shipped, check=self._check_alarm)
+                                 poll_interval=config.watcher.poll_interval, on_shipped=self._on_shipped, check=self._check_alarm,
+                                 # The batch file, fsynced off the event loop (parked until shipped: checkpoints list it).
+                                 persist=lambda batch: asyncio.to_thread(write_atomic, run_dir.batch(batch.step), batch.lines()))
         self.idle, self.alarm, self.stop_reason = LoopIdle(), asyncio.Event(), None
         self.stats = RunStats(idle=self.idle, startup=startup)
         self.gate = CapacityGate(max_staleness=r.max_staleness, batch_size=r.batch_size,
@@ -99,8 +101,8 @@ class Orchestrator:
                                    prompt_position=lambda: prompts.position, empty_batches=lambda: self.sink.totals.empty_batches,
                                    replay=replay.state_dict if (replay := getattr(prompts, "replay", None)) else dict,
                                    keep=config.trainer.keep_checkpoints, keep_every=config.trainer.keep_checkpoints_every)
-        self.convergence = Convergence(stop_on_converged=config.train.stop_on_converged,
-                                       evaluating=config.eval.enabled, share=SOLVED_SHARE)
+        self.convergence = Convergence(stop_on_converged=config.train.stop_on_converged, evaluating=config.eval.enabled,
+                                       share=SOLVED_SHARE, stop_at=config.eval.stop_at, stop_after=config.eval.stop_after)
 
     # wiring ----------------------------------------------------------------------------------
     def _on_version(self, version: int) -> None:
@@ -246,6 +248,8 @@ class Orchestrator:
     async def _train(self, alarm_task: asyncio.Task) -> None:
         while self.shipping.shipped < self.config.train.steps:
             self._check_alarm()
+            if solved := self.convergence.held_out_solved(self.evaluations.sink.results):
+                raise Converged(solved)
             step = self.shipping.shipped + 1
             for stale in self.sink.restale(step):
                 self.filing.stale(stale)
@@ -261,10 +265,6 @@ class Orchestrator:
                     raise RunFailed(StopReason(StopKind.generation, problem))
             await self.shipping.ship(batch)
             await self.trainer.submit(batch)
-
-    async def _persist(self, batch: Batch) -> None:
-        """The batch file on disk, fsynced off the event loop; parked until shipped (checkpoints list it)."""
-        await asyncio.to_thread(write_atomic, self.run_dir.batch(batch.step), batch.lines())
 
     def _on_shipped(self, batch: Batch, parked_s: float) -> None:
         self.idle.trainer.set("waiting", False)

@@ -74,8 +74,11 @@ class Convergence:
     evaluation of the same weights agrees (accuracy >= ``share``, or PUSHED_SHARE while
     ``pushing``), wherever there is one."""
 
-    def __init__(self, *, stop_on_converged: bool, evaluating: bool, share: float):
+    def __init__(self, *, stop_on_converged: bool, evaluating: bool, share: float,
+                 stop_at: Optional[float] = None, stop_after: int = 2):
         self.stop_on_converged, self.evaluating, self.share = stop_on_converged, evaluating, share
+        self.stop_at, self.stop_after = stop_at, stop_after
+        """eval.stop_at / eval.stop_after: held-out accuracy that ends the run on its own."""
         self.idle_trip: Optional[int] = None
         """The version at which the guard last tripped with nothing left to train."""
         self.asked: Optional[int] = None
@@ -125,6 +128,19 @@ class Convergence:
         if not self._current(version, last_eval):
             return self._evaluate(version)
         return Outcome.converged if self._agrees(last_eval, pushing) else otherwise
+
+    def held_out_solved(self, evaluations: list[dict]) -> Optional[str]:
+        """Why the run ends converged on held-out accuracy alone: the last ``stop_after``
+        evaluations (by step) each reached ``stop_at``. None while they do not, or where
+        stop_at is unset, there is no evaluation, or train.stop_on_converged is false."""
+        if self.stop_at is None or not (self.evaluating and self.stop_on_converged):
+            return None
+        recent = sorted(evaluations, key=lambda record: record["step"])[-self.stop_after:]
+        if len(recent) < self.stop_after or any((r["accuracy"] or 0.0) < self.stop_at for r in recent):
+            return None
+        reached = ", ".join(f"{r['accuracy']:.1%} at step {r['step']}" for r in recent)
+        return (f"held-out accuracy {reached}: {self.stop_after} evaluations in a row at or above "
+                f"eval.stop_at={self.stop_at:g}")
 
     def explain(self, outcome: Outcome, last_eval: Optional[dict]) -> str:
         if last_eval is None:
