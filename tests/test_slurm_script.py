@@ -17,6 +17,8 @@ pytest.importorskip("ray")
 sys.path.insert(0, str(Path(__file__).parent))
 import faults  # noqa: E402
 
+from rlorch.launch.local import free_port  # noqa: E402
+
 SCRIPT = Path(__file__).parent.parent / "scripts" / "slurm" / "ray-on-slurm.sbatch"
 SCONTROL = "#!/bin/sh\n[ \"$1 $2\" = 'show hostnames' ] && printf 'node-a\\nnode-b\\n'\n"
 SRUN = """#!/bin/sh
@@ -38,7 +40,7 @@ def test_the_sbatch_script_starts_a_head_and_a_worker_and_trains_through_them(tm
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     run_dir = tmp_path / "run"
-    port = faults._free_port()
+    port = free_port()
     # Ray's unix sockets live under its temp dir: a pytest path is past their 107-byte limit.
     ray_temp = tempfile.mkdtemp(prefix="rlorch-ray-")
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[a-b]",
