@@ -15,7 +15,8 @@ and nothing moves them. Such a run may end ``failed`` (the guard's collapse), ``
 step limit) or ``converged``: held-out accuracy of 90-95% passes the convergence check (90%) while
 the guard's window holds a few collapsed groups. **Slow** is a run below 95% that is still
 climbing: more steps, not a fix, is what it needs. Both are printed beside each seed with the
-diagnosis (``collapsed``, ``constant``, ``solved``, or the status when the guard did not stop it).
+diagnosis (``collapsed``, ``constant``, ``solved``, ``held-out`` where eval.stop_at ended it, or the
+status when neither stopped it).
 
 Printed per seed: stuck, slow or ok, how the run ended, its last held-out accuracy, steps and
 samples to the first evaluation at >= 80%; then the totals, and as the last line one JSON object
@@ -73,6 +74,8 @@ def diagnosis(summary: dict) -> str:
         return "collapsed"
     if "task is solved" in reason:
         return "solved"
+    if "eval.stop_at" in reason:
+        return "held-out"
     return summary.get("status", "no summary")
 
 

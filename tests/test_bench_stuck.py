@@ -35,6 +35,10 @@ def test_below_95_percent_and_not_climbing_is_stuck_whatever_the_run_ended_with(
     solved = bench_stuck.judge({"status": "converged", "reason": "of the last 384 rollouts 384 solved: the task "
                                 "is solved; held-out accuracy 100.0% at step 300."}, _evals((0, 0.0), (300, 1.0)), 128)
     assert not solved["stuck"] and not solved["slow"] and solved["diagnosis"] == "solved"
+    held_out = bench_stuck.judge({"status": "converged", "reason": "held-out accuracy 99.0% at step 200, 100.0% at "
+                                  "step 225: 2 evaluations in a row at or above eval.stop_at=0.98"},
+                                 _evals((0, 0.0), (200, 0.99), (225, 1.0), (231, 1.0)), 128)
+    assert not held_out["stuck"] and held_out["diagnosis"] == "held-out"
     assert not bench_stuck.judge({"status": "completed"}, _evals((0, 0.0), (500, 0.96)), 128)["stuck"]
     flat = bench_stuck.judge({"status": "completed"}, _evals((0, 0.0), (375, 0.48), (425, 0.47), (500, 0.45)), 128)
     assert flat["stuck"] and flat["samples_80"] is None and flat["diagnosis"] == "completed"

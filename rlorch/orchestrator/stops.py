@@ -61,12 +61,12 @@ class Outcome(str, enum.Enum):
 
 
 PUSHED_SHARE = 0.95
-"""Held-out accuracy a run must reach to end converged while the guard's window holds collapsed
-wrong groups that trainer.flat_advantage=unlikelihood pushes (``pushing``). Below it the run
-trains on: a run at 90% with some prompts memorised wrongly is a stuck one, and the push is what
-moves them (measured: a run that ended converged at 90.7% so reached 100% 161 steps later). At or
-above it the run ends: a solved run that trains on under the push risks its accuracy for
-prompts it does not need."""
+"""Held-out accuracy a run must reach to end converged while the guard's window holds flat wrong
+groups that trainer.flat_advantage=unlikelihood pushes (``pushing``). Below it the run trains on:
+a run at 90% with some prompts memorised wrongly is a stuck one, and the push is what moves them
+(measured: a run the guard had ended converged at 90.7%, resumed under the push, reached 100% in
+161 steps). At or above it the run ends: a solved run that trains on under the push risks its
+accuracy for prompts it does not need."""
 
 
 class Convergence:
@@ -103,7 +103,7 @@ class Convergence:
 
     def outcome(self, version: int, last_eval: Optional[dict], idle: bool, pushing: bool = False) -> Outcome:
         """``idle``: the trainer has trained every shipped batch and no kept group waits;
-        ``pushing``: the guard's window held collapsed wrong groups under the unlikelihood push."""
+        ``pushing``: the guard's window held flat wrong groups under the unlikelihood push."""
         if self.evaluating and not self._current(version, last_eval):
             return self._evaluate(version)
         agrees = self._agrees(last_eval, pushing)
