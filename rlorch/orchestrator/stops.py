@@ -75,7 +75,7 @@ class Convergence:
     ``pushing``), wherever there is one."""
 
     def __init__(self, *, stop_on_converged: bool, evaluating: bool, share: float,
-                 stop_at: Optional[float] = None, stop_after: int = 2):
+                 stop_at: Optional[float] = None, stop_after: int = 3):
         self.stop_on_converged, self.evaluating, self.share = stop_on_converged, evaluating, share
         self.stop_at, self.stop_after = stop_at, stop_after
         """eval.stop_at / eval.stop_after: held-out accuracy that ends the run on its own."""
