@@ -308,6 +308,16 @@ def test_versions_that_went_by_disk_under_distributed_show_in_the_live_line_and_
 
 
 
+def test_the_end_report_of_a_converged_run_says_what_ended_it():
+    from rlorch.reporting.progress import report_lines
+
+    summary = {"admitted": 8, "trained": 8, "filtered": 0, "dropped_stale": 0, "persisted_untrained": 0, "lost": 0}
+    why = "held-out accuracy 100.0% at step 250, 100.0% at step 275, 98.0% at step 300: ..."
+    assert [text for text in report_lines({**summary, "status": "converged", "reason": why})
+            if text.startswith("converged")] == [f"converged   {why}"]
+    assert not any(text.startswith("converged") for text in report_lines({**summary, "status": "completed"}))
+
+
 def test_a_pending_scale_request_shows_in_the_live_line_between_steps_and_a_dropped_one_in_the_end_report():
     from rlorch.reporting.progress import RunView, report_lines
 

@@ -203,6 +203,8 @@ def report_lines(summary: dict, phases: Optional[dict] = None) -> list[str]:
         f"rollouts    admitted {s['admitted']} trained {s['trained']} filtered {s['filtered']} "
         f"dropped_stale {s['dropped_stale']} untrained {s['persisted_untrained']} lost {s['lost']}",
     ]
+    if s.get("status") == "converged" and s.get("reason"):  # why it ended before train.steps
+        lines.append(f"converged   {s['reason']}")
     if s.get("servers_suspect") or s.get("servers_dead") or s.get("server_restarts") or s.get("servers_slow"):
         lines.append(f"servers     {s.get('servers_up')} up, {s.get('servers_suspect')} suspect, {s.get('servers_dead')} "
                      f"dead, {s.get('server_restarts')} restarted after hanging, {s.get('servers_suspect_s')} s suspect in all; "
