@@ -130,11 +130,12 @@ class TrainSink:
         """What kept flat groups below the maximum train with (``trainer.flat_advantage``)."""
         self.keep_flat = keep_flat
         """Train zero-variance groups (``rollout.filter_groups=false``) instead of dropping them."""
-        self.pushes_collapsed = keep_flat and self.flat_advantage == "unlikelihood"
-        """A kept group that sampled one wrong completion trains with a push of its own (the
-        unlikelihood of its tokens, never zero). It still counts toward the guard's run (a solved
-        run whose training set holds a few such prompts must be able to end), and :attr:`pushing`
-        tells the run's convergence check that the window held some, or flat wrong groups (see
+        self.pushes_flat_wrong = keep_flat and self.flat_advantage == "unlikelihood"
+        """A kept flat group below the maximum reward (one wrong completion sampled throughout,
+        or different ones scoring one wrong reward) trains with a push of its own: the
+        unlikelihood of its tokens, never zero. It still counts toward the guard's run (a solved
+        run whose training set holds a few such prompts must be able to end), and
+        :attr:`pushing` tells the run's convergence check that the window held some (see
         rlorch.orchestrator.stops.PUSHED_SHARE)."""
         # Config enums or their names: the estimator table is keyed by name.
         self.advantage = getattr(advantage, "value", advantage)
@@ -163,14 +164,14 @@ class TrainSink:
     def buffered_signal(self) -> int:
         """Buffered rollouts the trainer can learn from: kept zero-variance groups left out, but
         for flat wrong ones under the push (cold: read when the guard trips)."""
-        pushed = (Verdict.collapsed, Verdict.constant) if self.pushes_collapsed else ()
+        pushed = (Verdict.collapsed, Verdict.constant) if self.pushes_flat_wrong else ()
         return sum(len(group) for group in self._groups if (verdict := self._verdict(group)) is None or verdict in pushed)
 
     @property
     def pushing(self) -> bool:
         """The guard's current window holds flat groups below the maximum reward (collapsed or
         constant) that train with the unlikelihood push: prompts the run is still moving."""
-        return self.pushes_collapsed and self.totals.recent[Verdict.collapsed] + self.totals.recent[Verdict.constant] > 0
+        return self.pushes_flat_wrong and self.totals.recent[Verdict.collapsed] + self.totals.recent[Verdict.constant] > 0
 
     def gauges(self) -> dict:
         return {"buffered": self._count, "short_batches": self.totals.short_batches}
