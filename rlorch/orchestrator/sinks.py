@@ -46,6 +46,8 @@ KEPT = Verdict.kept
 """``Verdict.kept``, bound once: :meth:`TrainSink.add` returns it for nearly every group, and
 attribute lookups on an Enum class cost several times a plain class's."""
 
+FLAT_WRONG = (Verdict.collapsed, Verdict.constant)
+"""The verdicts of zero-variance groups below the maximum reward: what trainer.flat_advantage trains."""
 SOLVED_SHARE = 0.9
 """Share of recently filtered rollouts at the maximum reward for the empty-batch guard to call
 the task solved; below it, some prompts are answered wrongly without variance to learn from.
@@ -164,14 +166,14 @@ class TrainSink:
     def buffered_signal(self) -> int:
         """Buffered rollouts the trainer can learn from: kept zero-variance groups left out, but
         for flat wrong ones under the push (cold: read when the guard trips)."""
-        pushed = (Verdict.collapsed, Verdict.constant) if self.pushes_flat_wrong else ()
+        pushed = FLAT_WRONG if self.pushes_flat_wrong else ()
         return sum(len(group) for group in self._groups if (verdict := self._verdict(group)) is None or verdict in pushed)
 
     @property
     def pushing(self) -> bool:
         """The guard's current window holds flat groups below the maximum reward (collapsed or
         constant) that train with the unlikelihood push: prompts the run is still moving."""
-        return self.pushes_flat_wrong and self.totals.recent[Verdict.collapsed] + self.totals.recent[Verdict.constant] > 0
+        return self.pushes_flat_wrong and any(self.totals.recent[verdict] for verdict in FLAT_WRONG)
 
     def gauges(self) -> dict:
         return {"buffered": self._count, "short_batches": self.totals.short_batches}
