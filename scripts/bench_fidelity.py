@@ -99,7 +99,7 @@ def configurations(staleness: list[int], corrections: list[str], families: list[
     configs.update({f"family {name}": FAMILIES[name] for name in families})
     for s in staleness:
         for correction in corrections:
-            extra = ["trainer.allow_uncorrected=true"] if correction == "none" else []
+            extra = ["trainer.allow_uncorrected=true"] if correction in ("none", "recompute") else []
             configs[f"S={s} {correction}"] = [f"rollout.max_staleness={s}", f"trainer.correction={correction}",
                                               *extra]
     return configs

@@ -45,6 +45,12 @@ class Correction(str, enum.Enum):
     decoupled = "decoupled"
     tis = "tis"
     none = "none"
+    recompute = "recompute"
+
+    @property
+    def ignores_staleness(self) -> bool:
+        """Trains tokens sampled by an older policy as if the trainer's own sampled them."""
+        return self in (Correction.none, Correction.recompute)
 
 
 class Advantage(str, enum.Enum):
@@ -568,10 +574,14 @@ class TrainerConfig:
     """sim: sleeps trainer.sim.step_time per batch and publishes marker checkpoints; fsdp: torch
     FSDP2 under torchrun (trainer.fsdp)."""
     correction: Correction = Correction.decoupled
-    """Off-policy correction in the loss: decoupled (recomputed proximal policy), tis
-    (truncated importance sampling vs behaviour logprobs) or none (only sound for S=0)."""
+    """Off-policy correction in the loss: decoupled (PPO clip against the recomputed proximal
+    policy, each token weighted by proximal / behaviour), tis (truncated importance sampling vs
+    behaviour logprobs), none (PPO clip against the behaviour logprobs: PPO without
+    recomputation) or recompute (PPO clip against the recomputed proximal policy, behaviour
+    ignored: the off-policy-unaware baseline). none and recompute are only sound for S=0."""
     allow_uncorrected: bool = False
-    """Permit correction=none with max_staleness > 0 (off-policy data trained as on-policy)."""
+    """Permit correction=none or recompute with max_staleness > 0 (off-policy data trained as
+    on-policy)."""
     advantage: Advantage = Advantage.grpo
     """Advantage estimator: grpo (group mean and std), dr_grpo (group mean, no std), rloo
     (leave-one-out mean of the group's other samples), reinforce (batch mean)."""
@@ -909,14 +919,14 @@ class Config:
         _require(fsdp.nnodes == 1 or self.run.launcher == "ray" or _is_host_port(fsdp.rdzv_endpoint),
                  "trainer.fsdp.rdzv_endpoint",
                  f"must be host:port when trainer.fsdp.nnodes > 1 (got {fsdp.rdzv_endpoint!r})")
-        uncorrected = self.trainer.correction == Correction.none
+        correction = self.trainer.correction
         off_policy = self.rollout.max_staleness > 0 or self.rollout.enforce == Enforce.ship
-        _require(not (uncorrected and off_policy and not self.trainer.allow_uncorrected),
+        _require(not (correction.ignores_staleness and off_policy and not self.trainer.allow_uncorrected),
                  "trainer.correction",
-                 "'none' trains off-policy data (rollout.max_staleness > 0, or enforce=ship) as if "
+                 f"'{correction.value}' trains off-policy data (rollout.max_staleness > 0, or enforce=ship) as if "
                  "on-policy; use decoupled or tis, set rollout.max_staleness=0 with admission or "
                  "strict, or trainer.allow_uncorrected=true")
-        _require(not (uncorrected and self.trainer.minibatches > 1 and not self.trainer.allow_uncorrected),
+        _require(not (correction == Correction.none and self.trainer.minibatches > 1 and not self.trainer.allow_uncorrected),
                  "trainer.correction",
                  f"'none' with trainer.minibatches={self.trainer.minibatches} trains every minibatch after "
                  "the first on weights newer than those that sampled it, as if on-policy; use decoupled "

@@ -23,8 +23,15 @@ trainer's logprobs before the batch's first optimizer step, computed once per ba
 * ``tis``: truncated importance sampling, no PPO clip: ``-min(exp(logp.detach() - behaviour),
   is_cap) * A * logp``: the importance-weighted policy gradient with the weight truncated at
   ``is_cap``, recomputed against the current weights at every minibatch.
-* ``none``: PPO clip of ``exp(logp - behaviour)``, no weighting. Treats the data as on-policy,
-  which is only sound when the behaviour policy is the current one (staleness 0).
+* ``none``: PPO clip of ``exp(logp - behaviour)``, no weighting: PPO without recomputation,
+  the behaviour policy standing in for the proximal one. Its ratio is still an importance
+  weight, so stale tokens are weighted, but the clip's trust region is centred on the sampler,
+  not on the weights the batch starts from: past a few versions of staleness most tokens start
+  outside it.
+* ``recompute``: PPO clip of ``exp(logp - prox)``, no weighting: the behaviour logprobs are
+  ignored and every token is trained as if the proximal policy had sampled it, as a trainer that
+  recomputes the old logprobs and applies no rollout correction does. Unbiased only when
+  behaviour and proximal policies agree (staleness 0, no training-inference mismatch).
 
 Tokens marked ``unlikelihood`` (a flat wrong group under ``trainer.flat_advantage=unlikelihood``)
 have their advantage scaled before any of these: by ``p / (1 - p)`` of the current policy per
@@ -206,10 +213,18 @@ def _uncorrected(logp, behaviour, prox, adv, clip, is_cap):
     return per_token, clipped, torch.zeros_like(clipped)
 
 
-LOSSES = {Correction.decoupled: _decoupled, Correction.tis: _tis, Correction.none: _uncorrected}
+def _recomputed(logp, behaviour, prox, adv, clip, is_cap):
+    if prox is None:
+        raise ValueError("recompute correction needs the proximal logprobs (prox)")
+    per_token, clipped = _ppo_term(logp - prox, adv, clip)
+    return per_token, clipped, torch.zeros_like(clipped)
+
+
+LOSSES = {Correction.decoupled: _decoupled, Correction.tis: _tis, Correction.none: _uncorrected,
+          Correction.recompute: _recomputed}
 """One per-token loss per correction: ``(logp, behaviour, prox, adv, (clip low, clip high), is_cap) ->
 (loss to minimise, where the PPO clip removed the gradient, where the IS weight hit its cap)``.
-Only ``decoupled`` reads ``prox``."""
+Only ``decoupled`` and ``recompute`` read ``prox``."""
 
 
 def _token_mean(per_token, mask, tokens, sequences, segments):
@@ -266,7 +281,7 @@ def policy_loss(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
                 unlikelihood_level: UnlikelihoodLevel = UnlikelihoodLevel.token) -> tuple[torch.Tensor, LossStats]:
     """The loss of one micro-batch (its share of the minibatch's ``agg``) and its stats.
 
-    ``prox`` is required for ``decoupled`` (no gradient flows through it). ``normalizer`` (the
+    ``prox`` is required for ``decoupled`` and ``recompute`` (no gradient flows through it). ``normalizer`` (the
     minibatch's masked tokens) and ``sequences`` (its sequences) default to this micro-batch's.
     The PPO clip keeps the ratio within [1 - clip_eps, 1 + clip_high] (``clip_high`` None:
     clip_eps, symmetric). ``unlikelihood`` (``[rows, seq]`` bool) marks the tokens whose
