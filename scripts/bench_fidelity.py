@@ -4,7 +4,8 @@ Every configuration trains on the same number of samples (train.steps x B) from 
 each run is a separate `rlorch train` process. Prints one row per configuration: final held-out
 accuracy (mean +- sd over seeds), samples to 50% and 80% accuracy (mean over the seeds that got
 there, with how many did), loop wall time and its ratio to sync; writes a PNG of accuracy against
-samples and against wall seconds. `none` runs off-policy only with trainer.allow_uncorrected.
+samples and against wall seconds. `none` and `recompute` run off-policy only with
+trainer.allow_uncorrected, which the grid sets for them.
 
 `--families` adds one learning check per trainer option family, each at the default staleness
 and correction: dr_grpo, rloo, cosine (with warm-up), kl (trainer.kl_coef > 0), bf16
@@ -17,7 +18,7 @@ the contention; accuracies do not depend on it).
 `--first-seed N` starts the seeds at N (to add seeds to an earlier invocation's).
 
 Usage: python scripts/bench_fidelity.py [--seeds 3] [--staleness 1,2,4]
-       [--corrections decoupled,tis,none] [--families dr_grpo,rloo,cosine,kl,bf16,lora]
+       [--corrections decoupled,tis,none,recompute] [--families dr_grpo,rloo,cosine,kl,bf16,lora]
        [--no-sync] [--jobs 1] [--plot outputs/fidelity.png] [--keep DIR] [key=value ...]
 """
 
@@ -130,6 +131,10 @@ def report(results: dict[str, list[Run]]) -> None:
               f"{_reached(runs, 0.8):>18s} {wall:8.1f} {wall / reference_wall:8.2f}  {statuses}")
 
 
+LINE_STYLES = {"sync": "-", "none": "--", "tis": ":", "recompute": (0, (5, 1, 1, 1, 1, 1))}
+"""Line style by the word in a configuration's name; decoupled and the families are dash-dotted."""
+
+
 def plot(results: dict[str, list[Run]], path: Path) -> None:
     import matplotlib
 
@@ -140,7 +145,7 @@ def plot(results: dict[str, list[Run]], path: Path) -> None:
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for index, (name, runs) in enumerate(results.items()):
         colour = colours[index % len(colours)]
-        style = "-" if name.startswith("sync") else ("--" if "none" in name else ":" if "tis" in name else "-.")
+        style = next((style for word, style in LINE_STYLES.items() if word in name), "-.")
         for n, run in enumerate(runs):
             label = name if n == 0 else None
             width = 2.5 if name.startswith("sync") else 1.3
@@ -156,7 +161,7 @@ def plot(results: dict[str, list[Run]], path: Path) -> None:
         axis.grid(alpha=0.3)
         axis.set_ylim(-0.02, 1.02)
     by_samples.legend(fontsize=8, loc="upper left")
-    figure.suptitle("rlorch fidelity: sync vs async on the default task (one line per seed)")
+    figure.suptitle("rlorch fidelity: sync vs async (one line per seed)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
@@ -165,7 +170,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--staleness", default="1,2,4")
-    parser.add_argument("--corrections", default="decoupled,tis,none")
+    parser.add_argument("--corrections", default="decoupled,tis,none,recompute")
     parser.add_argument("--families", default="", help=f"comma-separated, of {','.join(FAMILIES)}")
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--no-sync", action="store_true", help="leave the sync run out (with --families: "

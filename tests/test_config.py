@@ -66,6 +66,7 @@ def test_the_fsdp_trainer_refuses_simulated_tokens():
     ("rollout.staleness=2", "rollout.staleness", "unknown key (did you mean rollout.max_staleness?)"),
     ("rollout.batch_size=many", "rollout.batch_size", "many"),
     ("trainer.correction=none", "trainer.correction", "trainer.allow_uncorrected=true"),
+    ("trainer.correction=recompute", "trainer.correction", "'recompute' trains off-policy data"),
     ("conf=sync trainer.minibatches=2", "trainer.correction", "trainer.minibatches=1"),
 ])
 def test_invalid_setting_names_its_key(override, key, fragment):
@@ -118,6 +119,9 @@ def test_uncorrected_is_allowed_when_asked_or_synchronous():
     assert code == 0, output
     sync = compose(["conf=sync"])
     assert (sync.rollout.max_staleness, sync.trainer.correction) == (0, Correction.none)
+    # recompute clips against the weights each batch starts from, so minibatches need no permit.
+    code, output = validate("conf=sync", "trainer.correction=recompute", "trainer.minibatches=2")
+    assert code == 0, output
 
 
 def test_concurrency_below_batch_warns():

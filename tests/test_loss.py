@@ -109,18 +109,44 @@ def _one_token_grad(correction, current: float, prox: float, behaviour: float) -
 
 def test_corrections_differ_off_policy():
     """Stale data: ``none`` clips it away as if it were a large update, ``decoupled`` and ``tis``
-    keep it, importance-weighted (capped); ``decoupled`` clips only the move away from prox."""
+    keep it, importance-weighted (capped); ``decoupled`` clips only the move away from prox;
+    ``recompute`` keeps it unweighted, as if the proximal policy had sampled it."""
     fresh = {c: _one_token_grad(c, current=0.3, prox=0.3, behaviour=0.2) for c in Correction}
     assert fresh[Correction.none] == 0.0  # ratio 1.5 to behaviour: outside the clip
     assert fresh[Correction.decoupled] == pytest.approx(-1.5)  # weight 1.5, ratio 1 to prox
     assert fresh[Correction.tis] == pytest.approx(-1.5)
+    assert fresh[Correction.recompute] == pytest.approx(-1.0)  # ratio 1 to prox, no weight
     very_stale = {c: _one_token_grad(c, current=0.3, prox=0.3, behaviour=0.1) for c in Correction}
     assert very_stale[Correction.decoupled] == pytest.approx(-2.0)  # weight 3 capped at is_cap
     assert very_stale[Correction.tis] == pytest.approx(-2.0)
+    assert very_stale[Correction.recompute] == pytest.approx(-1.0)  # the behaviour never read
     moved = {c: _one_token_grad(c, current=0.3, prox=0.2, behaviour=0.2) for c in Correction}
     assert moved[Correction.decoupled] == 0.0  # already 1.5x the proximal policy: clipped
     assert moved[Correction.none] == 0.0
+    assert moved[Correction.recompute] == 0.0
     assert moved[Correction.tis] == pytest.approx(-1.5)  # no trust region, only the cap
+
+
+def test_recompute_is_decoupled_without_the_behaviour_weight():
+    """Where behaviour and proximal policies agree (no staleness, no mismatch) the two are the
+    same loss; apart, recompute's gradient is decoupled's divided by each token's weight."""
+    prox = torch.tensor([[-0.75, -0.7, -1.5]], dtype=torch.float64)
+    current = [[-0.7, -0.75, -1.3]]
+    grads = {}
+    for behaviour in (prox, torch.tensor([[-1.2, -0.6, -1.4]], dtype=torch.float64)):
+        for correction in (Correction.decoupled, Correction.recompute):
+            logp = _leaf(current)
+            policy_loss(logp, behaviour, torch.ones(1, 3), torch.tensor([1.0]), correction=correction,
+                        prox=prox, **ARGS)[0].backward()
+            grads[correction] = logp.grad
+        weight = torch.clamp(torch.exp(prox - behaviour), max=ARGS["is_cap"])
+        assert torch.allclose(grads[Correction.decoupled], grads[Correction.recompute] * weight)
+    assert not torch.allclose(grads[Correction.decoupled], grads[Correction.recompute])
+
+
+def test_recompute_without_proximal_logprobs_is_refused():
+    with pytest.raises(ValueError, match="recompute correction needs the proximal logprobs"):
+        _grad(_leaf([[-1.0]]), [[-1.0]], [[1]], [1.0], Correction.recompute)
 
 
 def test_masked_tokens_contribute_nothing():
@@ -198,11 +224,12 @@ def test_kl_is_k3_of_behaviour_to_trainer_and_stays_modest_when_the_trainer_move
     assert MismatchStats().summary()["mismatch_kl"] is None
 
 
-def test_after_an_update_the_three_corrections_give_different_gradients():
+def test_after_an_update_the_corrections_give_different_gradients():
     """What a second minibatch sees: the weights moved since the proximal pass, and the data
     came from an older behaviour policy. decoupled clips against prox, tis weighs against the
-    current policy, none clips against behaviour: three different gradients (token 0 is inside
-    decoupled's trust region around prox but outside none's around behaviour)."""
+    current policy, none clips against behaviour, recompute clips against prox unweighted: four
+    different gradients (token 0 is inside decoupled's trust region around prox but outside
+    none's around behaviour)."""
     behaviour = torch.tensor([[-1.2, -0.2, -2.0]], dtype=torch.float64)
     prox = torch.tensor([[-0.75, -0.7, -1.5]], dtype=torch.float64)
     current = [[-0.7, -0.75, -1.0]]
@@ -218,6 +245,8 @@ def test_after_an_update_the_three_corrections_give_different_gradients():
     assert not torch.allclose(grads[Correction.decoupled], grads[Correction.tis])
     assert not torch.allclose(grads[Correction.decoupled], grads[Correction.none])
     assert not torch.allclose(grads[Correction.tis], grads[Correction.none])
+    assert not torch.allclose(grads[Correction.recompute], grads[Correction.decoupled])
+    assert not torch.allclose(grads[Correction.recompute], grads[Correction.none])
 
 
 def _agg_batch():

@@ -326,14 +326,15 @@ def test_minibatches_make_the_corrections_differ_engage_the_clip_and_measure_mis
     import torch
 
     lines, weights = {}, {}
-    for correction in ("decoupled", "tis", "none"):
-        # `none` past the first minibatch is off-policy: allowed here to compare the three.
+    for correction in ("decoupled", "tis", "none", "recompute"):
+        # `none` past the first minibatch is off-policy: allowed here to compare them all.
         lines[correction], weights[correction] = _one_step_weights(
             tmp_path / correction, f"trainer.correction={correction}", "trainer.minibatches=2",
             "trainer.allow_uncorrected=true")
     assert all(line["minibatches"] == 2 for line in lines.values())
     assert lines["decoupled"]["clip_frac"] > 0
-    for a, b in (("decoupled", "tis"), ("decoupled", "none"), ("tis", "none")):
+    # recompute ignores the hand-written behaviour logprobs that weigh decoupled's tokens.
+    for a, b in (("decoupled", "tis"), ("decoupled", "none"), ("tis", "none"), ("decoupled", "recompute")):
         assert any(not torch.equal(weights[a][k], weights[b][k]) for k in weights[a]), (a, b)
     # One minibatch: the proximal policy is the current one and decoupled == tis exactly.
     one, decoupled = _one_step_weights(tmp_path / "d1", "trainer.correction=decoupled")
