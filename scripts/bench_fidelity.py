@@ -1,11 +1,13 @@
 """Does asynchrony cost accuracy? Sync (S=0) against async S x correction on the default task.
 
-Every configuration trains on the same number of samples (train.steps x B) from the same seeds;
-each run is a separate `rlorch train` process. Prints one row per configuration: final held-out
-accuracy (mean +- sd over seeds), samples to 50% and 80% accuracy (mean over the seeds that got
-there, with how many did), loop wall time and its ratio to sync; writes a PNG of accuracy against
-samples and against wall seconds. `none` and `recompute` run off-policy only with
-trainer.allow_uncorrected, which the grid sets for them.
+Every configuration trains on at most the same number of samples (train.steps x B; a run stops
+early once it converges) from the same seeds; each run is a separate `rlorch train` process.
+Prints one row per configuration: final held-out accuracy (mean +- sd over seeds), held-out
+accuracy at equal samples (at the first configuration's mean samples to 80%; a run that converged
+before that point counts its last evaluation), samples to 50% and 80% accuracy (mean over the
+seeds that got there, with how many did), loop wall time and its ratio to the first; writes a PNG
+of accuracy against samples and against wall seconds. `none` and `recompute` run off-policy only
+with trainer.allow_uncorrected, which the grid sets for them.
 
 `--families` adds one learning check per trainer option family, each at the default staleness
 and correction: dr_grpo, rloo, cosine (with warm-up), kl (trainer.kl_coef > 0), bf16
@@ -15,11 +17,14 @@ the async grid out; `--no-sync` leaves the sync run out (the default run is then
 of the wall-time column); `--jobs N` runs N trainings at a time (their loop times then include
 the contention; accuracies do not depend on it).
 
-`--first-seed N` starts the seeds at N (to add seeds to an earlier invocation's).
+`--first-seed N` starts the seeds at N (to add seeds to an earlier invocation's); `--tabulate DIR`
+trains nothing and reports the runs that `--keep DIR` kept, the seeds of several invocations
+together.
 
 Usage: python scripts/bench_fidelity.py [--seeds 3] [--staleness 1,2,4]
        [--corrections decoupled,tis,none,recompute] [--families dr_grpo,rloo,cosine,kl,bf16,lora]
        [--no-sync] [--jobs 1] [--plot outputs/fidelity.png] [--keep DIR] [key=value ...]
+       python scripts/bench_fidelity.py --tabulate DIR [--plot FILE.png]
 """
 
 from __future__ import annotations
@@ -54,16 +59,29 @@ class Run:
     def samples_to(self, accuracy: float) -> int | None:
         return next((step * self.batch_size for step, acc, _ in self.evals if acc >= accuracy), None)
 
+    def accuracy_at(self, samples: float) -> float:
+        """Held-out accuracy of the last evaluation at or before ``samples`` trained samples (a
+        run that stopped earlier, converged, keeps its last)."""
+        return ([acc for step, acc, _ in self.evals if step * self.batch_size <= samples] or [0.0])[-1]
+
+
+def run_dir_name(name: str, seed: int) -> str:
+    return f"{name.replace(' ', '_').replace('=', '')}-seed{seed}"
+
 
 def train(root: Path, name: str, seed: int, overrides: list[str]) -> Run:
-    run_dir = root / f"{name}-seed{seed}"
+    run_dir = root / run_dir_name(name, seed)
     command = [sys.executable, "-m", "rlorch.cli", "train", f"run.dir={run_dir}", f"run.seed={seed}",
                "run.progress=false", *overrides]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    summary_path = run_dir / "summary.json"
-    if not summary_path.exists():
+    if not (run_dir / "summary.json").exists():
         raise SystemExit(f"{name} seed {seed} failed before writing a summary:\n{done.stderr[-2000:]}")
-    summary = json.loads(summary_path.read_text())
+    return load(run_dir, name, seed)
+
+
+def load(run_dir: Path, name: str, seed: int) -> Run:
+    """A finished run's evaluations, status and loop time, read from its run directory."""
+    summary = json.loads((run_dir / "summary.json").read_text())
     config = (run_dir / "config.yaml").read_text()
     batch_size = int(next(line.split(":")[1] for line in config.splitlines() if line.strip().startswith("batch_size:")))
     run = Run(name, seed, batch_size, loop_s=summary["loop_s"], status=summary["status"])
@@ -118,17 +136,28 @@ def _reached(runs: list[Run], accuracy: float) -> str:
     return f"{statistics.mean(hits):8.0f} ({len(hits)}/{len(runs)})" if hits else f"{'never':>8s} (0/{len(runs)})"
 
 
+def equal_samples_point(runs: list[Run]) -> float:
+    """Where the configurations are compared at equal samples: the reference's mean samples to
+    80% (every run there has trained as much data), or its mean final sample count if no
+    reference run got to 80%."""
+    reached = [n for n in (r.samples_to(0.8) for r in runs) if n is not None]
+    return statistics.mean(reached) if reached else statistics.mean(r.evals[-1][0] * r.batch_size for r in runs)
+
+
 def report(results: dict[str, list[Run]]) -> None:
-    """One row per configuration; wall time is relative to the first (sync, or the default run)."""
+    """One row per configuration; wall time, and the equal-samples column, are relative to the
+    first configuration (sync, or the default run)."""
     reference = next(iter(results))
     reference_wall = statistics.mean(r.loop_s for r in results[reference])
-    print(f"\n{'config':16s} {'final accuracy':>16s} {'samples to 50%':>18s} {'samples to 80%':>18s} "
-          f"{'loop s':>8s} {'vs ' + reference.split()[0]:>8s}  status")
+    at = equal_samples_point(results[reference])
+    at_header = f"acc at {at / 1000:.1f}k"
+    print(f"\n{'config':16s} {'final accuracy':>16s} {at_header:>16s} {'samples to 50%':>18s} "
+          f"{'samples to 80%':>18s} {'loop s':>8s} {'vs ' + reference.split()[0]:>8s}  status")
     for name, runs in results.items():
         wall = statistics.mean(r.loop_s for r in runs)
         statuses = ",".join(sorted({r.status for r in runs}))
-        print(f"{name:16s} {_mean_sd([r.final() for r in runs]):>16s} {_reached(runs, 0.5):>18s} "
-              f"{_reached(runs, 0.8):>18s} {wall:8.1f} {wall / reference_wall:8.2f}  {statuses}")
+        print(f"{name:16s} {_mean_sd([r.final() for r in runs]):>16s} {_mean_sd([r.accuracy_at(at) for r in runs]):>16s} "
+              f"{_reached(runs, 0.5):>18s} {_reached(runs, 0.8):>18s} {wall:8.1f} {wall / reference_wall:8.2f}  {statuses}")
 
 
 LINE_STYLES = {"sync": "-", "none": "--", "tis": ":", "recompute": (0, (5, 1, 1, 1, 1, 1))}
@@ -150,9 +179,9 @@ def plot(results: dict[str, list[Run]], path: Path) -> None:
             label = name if n == 0 else None
             width = 2.5 if name.startswith("sync") else 1.3
             by_samples.plot([s * run.batch_size for s, _, _ in run.evals], [a for _, a, _ in run.evals],
-                            style, color=colour, label=label, linewidth=width, alpha=0.8)
+                            linestyle=style, color=colour, label=label, linewidth=width, alpha=0.8)
             by_wall.plot([t for _, _, t in run.evals], [a for _, a, _ in run.evals],
-                         style, color=colour, label=label, linewidth=width, alpha=0.8)
+                         linestyle=style, color=colour, label=label, linewidth=width, alpha=0.8)
     by_samples.set(xlabel="training samples", ylabel="held-out exact-match accuracy (greedy)",
                    title="accuracy vs samples")
     by_wall.set(xlabel="loop wall seconds", ylabel="held-out exact-match accuracy (greedy)",
@@ -164,6 +193,22 @@ def plot(results: dict[str, list[Run]], path: Path) -> None:
     figure.suptitle("rlorch fidelity: sync vs async (one line per seed)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
+
+
+def tabulated(root: Path) -> dict[str, list[Run]]:
+    """The runs kept under ``root`` by ``--keep``, one configuration per run-directory prefix,
+    sync first (the reference of the relative columns)."""
+    grid = configurations(list(range(17)), ["decoupled", "tis", "none", "recompute"], list(FAMILIES))
+    names = {run_dir_name(name, 0).removesuffix("-seed0"): name for name in grid}
+    results: dict[str, list[Run]] = {}
+    for run_dir in sorted(root.glob("*-seed*"), key=lambda path: (not path.name.startswith("sync"), path.name)):
+        prefix, _, seed = run_dir.name.rpartition("-seed")
+        if (run_dir / "summary.json").exists() and seed.isdigit():
+            name = names.get(prefix, prefix)
+            results.setdefault(name, []).append(load(run_dir, name, int(seed)))
+    if not results:
+        raise SystemExit(f"--tabulate: no finished runs (NAME-seedN with a summary.json) under {root}")
+    return results
 
 
 def main() -> None:
@@ -180,8 +225,17 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=Path("outputs/fidelity.png"),
                         help="where the figure goes (its folder is created)")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
+    parser.add_argument("--tabulate", type=Path, default=None, help="train nothing: report the runs kept "
+                        "under this --keep folder (several invocations' seeds together)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = parser.parse_args()
+    if args.tabulate:
+        results = tabulated(args.tabulate)
+        report(results)
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        plot(results, args.plot)
+        print(f"plot: {args.plot}")
+        return
     families = [name for name in args.families.split(",") if name]
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown:
@@ -199,8 +253,7 @@ def main() -> None:
 
         def one(seed: int, name: str) -> Run:
             started = time.monotonic()
-            run = train(root, name.replace(" ", "_").replace("=", ""), seed,
-                        [*configs[name], *args.overrides])
+            run = train(root, name, seed, [*configs[name], *args.overrides])
             run.name = name
             print(f"{name:16s} seed {seed}: accuracy {run.evals[0][1]:.2f} -> {run.final():.2f} at step "
                   f"{run.evals[-1][0]} ({run.status}), loop {run.loop_s:.1f} s, "

@@ -577,8 +577,9 @@ class TrainerConfig:
     """Off-policy correction in the loss: decoupled (PPO clip against the recomputed proximal
     policy, each token weighted by proximal / behaviour), tis (truncated importance sampling vs
     behaviour logprobs), none (PPO clip against the behaviour logprobs: PPO without
-    recomputation) or recompute (PPO clip against the recomputed proximal policy, behaviour
-    ignored: the off-policy-unaware baseline). none and recompute are only sound for S=0."""
+    recomputation, its trust region around the sampling policy) or recompute (PPO clip against
+    the recomputed proximal policy, the behaviour logprobs ignored: stale tokens trained as if
+    sampled now). With max_staleness > 0, none and recompute take allow_uncorrected."""
     allow_uncorrected: bool = False
     """Permit correction=none or recompute with max_staleness > 0 (off-policy data trained as
     on-policy)."""

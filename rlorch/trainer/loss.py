@@ -26,8 +26,8 @@ trainer's logprobs before the batch's first optimizer step, computed once per ba
 * ``none``: PPO clip of ``exp(logp - behaviour)``, no weighting: PPO without recomputation,
   the behaviour policy standing in for the proximal one. Its ratio is still an importance
   weight, so stale tokens are weighted, but the clip's trust region is centred on the sampler,
-  not on the weights the batch starts from: past a few versions of staleness most tokens start
-  outside it.
+  not on the weights the batch starts from: a token the policy has moved past the clip since
+  it was sampled gives no gradient, so staleness slows the update rather than biasing it.
 * ``recompute``: PPO clip of ``exp(logp - prox)``, no weighting: the behaviour logprobs are
   ignored and every token is trained as if the proximal policy had sampled it, as a trainer that
   recomputes the old logprobs and applies no rollout correction does. Unbiased only when
