@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -198,13 +199,11 @@ def plot(results: dict[str, list[Run]], path: Path) -> None:
 def tabulated(root: Path) -> dict[str, list[Run]]:
     """The runs kept under ``root`` by ``--keep``, one configuration per run-directory prefix,
     sync first (the reference of the relative columns)."""
-    grid = configurations(list(range(17)), ["decoupled", "tis", "none", "recompute"], list(FAMILIES))
-    names = {run_dir_name(name, 0).removesuffix("-seed0"): name for name in grid}
     results: dict[str, list[Run]] = {}
     for run_dir in sorted(root.glob("*-seed*"), key=lambda path: (not path.name.startswith("sync"), path.name)):
         prefix, _, seed = run_dir.name.rpartition("-seed")
         if (run_dir / "summary.json").exists() and seed.isdigit():
-            name = names.get(prefix, prefix)
+            name = re.sub(r"\bS(\d+)\b", r"S=\1", prefix.replace("_", " "))    # run_dir_name undone
             results.setdefault(name, []).append(load(run_dir, name, int(seed)))
     if not results:
         raise SystemExit(f"--tabulate: no finished runs (NAME-seedN with a summary.json) under {root}")

@@ -48,8 +48,9 @@ class Correction(str, enum.Enum):
     recompute = "recompute"
 
     @property
-    def ignores_staleness(self) -> bool:
-        """Trains tokens sampled by an older policy as if the trainer's own sampled them."""
+    def uncorrected(self) -> bool:
+        """Not an off-policy correction (none: no proximal policy; recompute: no behaviour
+        weight), so trained off-policy only with trainer.allow_uncorrected."""
         return self in (Correction.none, Correction.recompute)
 
 
@@ -922,7 +923,7 @@ class Config:
                  f"must be host:port when trainer.fsdp.nnodes > 1 (got {fsdp.rdzv_endpoint!r})")
         correction = self.trainer.correction
         off_policy = self.rollout.max_staleness > 0 or self.rollout.enforce == Enforce.ship
-        _require(not (correction.ignores_staleness and off_policy and not self.trainer.allow_uncorrected),
+        _require(not (correction.uncorrected and off_policy and not self.trainer.allow_uncorrected),
                  "trainer.correction",
                  f"'{correction.value}' trains off-policy data (rollout.max_staleness > 0, or enforce=ship) as if "
                  "on-policy; use decoupled or tis, set rollout.max_staleness=0 with admission or "
