@@ -216,8 +216,7 @@ def _uncorrected(logp, behaviour, prox, adv, clip, is_cap):
 def _recomputed(logp, behaviour, prox, adv, clip, is_cap):
     if prox is None:
         raise ValueError("recompute correction needs the proximal logprobs (prox)")
-    per_token, clipped = _ppo_term(logp - prox, adv, clip)
-    return per_token, clipped, torch.zeros_like(clipped)
+    return _uncorrected(logp, prox, None, adv, clip, is_cap)    # none's loss, clipped around prox
 
 
 LOSSES = {Correction.decoupled: _decoupled, Correction.tis: _tis, Correction.none: _uncorrected,
