@@ -172,6 +172,8 @@ class Qwen2Model(nn.Module):
 class Qwen2ForCausalLM(nn.Module):
     _no_split_modules = ["Qwen2DecoderLayer"]
     """The repeated block: one FSDP unit, one activation-checkpointed region each (as HF's)."""
+    accepts_packing = True
+    """The forward takes a :class:`Packing` (``packing=``) for a row laid out by its caller."""
 
     def __init__(self, config: dict, generation_config: Optional[dict] = None) -> None:
         super().__init__()
@@ -247,7 +249,9 @@ class Qwen2ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
-                past_key_values: Optional[KVCache] = None, logits_to_keep: int = 0, **_: object):
+                past_key_values: Optional[KVCache] = None, logits_to_keep: int = 0,
+                packing: Optional["Packing"] = None, **_: object):
+        """``packing``: how one row's positions attend (else found from ``position_ids``)."""
         cache = cache if cache is not None else past_key_values
         past = cache.length() if cache is not None else 0
         batch, length = input_ids.shape
@@ -255,10 +259,10 @@ class Qwen2ForCausalLM(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(past, past + length, device=input_ids.device).expand(batch, length)
         cos, sin = self._rope(position_ids, hidden.dtype)
-        mask, packing = None, None
+        mask = None
         if attention_mask is not None or past:
             mask = _attention_mask(attention_mask, batch, past, length, input_ids.device)
-        elif batch == 1 and cache is None:
+        elif batch == 1 and cache is None and packing is None:
             packing = Packing.of(position_ids[0])
         for layer in self.model.layers:
             hidden = layer(hidden, cos, sin, mask, cache, packing)
@@ -270,11 +274,12 @@ class Qwen2ForCausalLM(nn.Module):
 
 class Packing:
     """Sequences back to back in one row, found as transformers finds them: ``position_ids``
-    restart at 0 where a sequence starts. Attention stays within each sequence: the row's
-    queries, keys and values are laid out one sequence a row, right-padded, for one causal
-    attention call (a real query never sees the padding after it), and the real positions are
-    read back into the row. Only the attention call sees padding; every other layer runs on the
-    row's real tokens alone."""
+    restart at 0 where a sequence starts (or laid out by the caller, as the trainer's shared
+    prompts are, where a sequence's slots may name positions it shares with others). Attention
+    stays within each sequence: the row's queries, keys and values are laid out one sequence a
+    row, right-padded, for one causal attention call (a real query never sees the padding after
+    it), and the real positions are read back into the row. Only the attention call sees
+    padding; every other layer runs on the row's real tokens alone."""
 
     def __init__(self, gather: torch.Tensor, scatter: torch.Tensor) -> None:
         self.gather = gather

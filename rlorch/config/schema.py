@@ -530,6 +530,12 @@ class FsdpConfig:
     Bounds a pass's activations whatever the completion lengths; set it at least to the longest
     sequence (prompt + rollout.max_new_tokens): a longer one gets a pass of its own. Empty:
     micro_batch_size sequences a pass."""
+    share_prompts: bool = True
+    """Each distinct prompt of a micro-batch runs through the model once, not once per sample,
+    and each sequence's last token (which scores nothing) not at all: the group's samples
+    attend to one copy of their prompt (rlorch.trainer.prefix). Same scores up to float
+    rounding; used with rlorch's own Qwen2 (model.implementation) where it saves at least a
+    tenth of a pass's positions."""
     logit_chunk_rows: int = 256
     """Trained positions whose logits exist at once: the output layer, logprobs and entropies
     are computed this many rows at a time and recomputed in the backward, never as a

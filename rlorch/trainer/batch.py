@@ -10,6 +10,7 @@ padding and every rank does the same work).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Optional
 import torch
 
 from rlorch.jsonlines import parse_record
+from rlorch.trainer.prefix import SharedLayout, layout
 
 _REQUIRED = ("tokens", "loss_mask", "logprobs", "advantage")
 
@@ -151,6 +153,12 @@ class MicroBatch:
     def positions(self) -> int:
         """Positions the model runs over (real tokens plus padding)."""
         return self.tokens.numel()
+
+    @functools.cached_property
+    def shared_layout(self) -> Optional[SharedLayout]:
+        """This micro-batch with each distinct prompt once (:func:`rlorch.trainer.prefix.layout`),
+        or None where that saves too little; worked out once for all its passes."""
+        return layout(self.tokens, self.mask, self.lengths)
 
     def position_ids(self) -> Optional[torch.Tensor]:
         """Packed: ``[1, len]`` positions restarting at every sequence; padded: None (0..len-1)."""

@@ -348,23 +348,40 @@ def _proximal_pass(worker: Worker, micros: list, probe: ProximalProbe) -> list:
 
 
 def scores(model, micro: MicroBatch, *, temperature: float, chunk_rows: int, device,
-           entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+           entropy: bool, share_prompts: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``model``'s logprob of every trained token of ``micro`` at the sampling ``temperature``
     (and the entropy of its distribution when asked), ``[rows, positions]`` with 0 elsewhere.
     The output layer runs over the trained positions only, ``chunk_rows`` at a time
-    (:mod:`rlorch.trainer.head`); a packed row's positions restart at each sequence."""
+    (:mod:`rlorch.trainer.head`); a packed row's positions restart at each sequence. With
+    ``share_prompts`` and a model that takes a packing, the micro-batch runs in its shared
+    layout (:mod:`rlorch.trainer.prefix`) where that saves positions."""
+    shared = micro.shared_layout if share_prompts and accepts_packing(model) else None
     request = head.request_for(micro.mask, micro.tokens, temperature=temperature, entropy=entropy,
-                               chunk_rows=chunk_rows, device=device)
-    position_ids = micro.position_ids()
+                               chunk_rows=chunk_rows, device=device,
+                               hidden_index=None if shared is None else shared.hidden_index)
     with head.scoring(request):
-        out = model(input_ids=micro.tokens.to(device), use_cache=False,
-                    position_ids=None if position_ids is None else position_ids.to(device)).logits
+        if shared is not None:
+            from rlorch.qwen2 import Packing
+
+            out = model(input_ids=shared.input_ids.to(device), use_cache=False,
+                        position_ids=shared.position_ids.to(device),
+                        packing=Packing(shared.gather.to(device), shared.scatter.to(device))).logits
+        else:
+            position_ids = micro.position_ids()
+            out = model(input_ids=micro.tokens.to(device), use_cache=False,
+                        position_ids=None if position_ids is None else position_ids.to(device)).logits
     return out[..., 0], out[..., 1] if entropy else None
+
+
+def accepts_packing(model) -> bool:
+    """Whether ``model`` (under LoRA's wrapper too) takes a caller's packing: rlorch's own Qwen2."""
+    return bool(getattr(lora.base_model(model), "accepts_packing", False))
 
 
 def _scores(worker: Worker, model, micro: MicroBatch, *, entropy: bool):
     return scores(model, micro, temperature=worker.config.rollout.temperature,
-                  chunk_rows=worker.config.trainer.fsdp.logit_chunk_rows, device=worker.device, entropy=entropy)
+                  chunk_rows=worker.config.trainer.fsdp.logit_chunk_rows, device=worker.device, entropy=entropy,
+                  share_prompts=worker.config.trainer.fsdp.share_prompts)
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,11 @@ class ScoreRequest:
     entropy: bool = False
     """Also the entropy of each scored position's distribution (a pass over the vocabulary)."""
     chunk_rows: int = DEFAULT_CHUNK_ROWS
+    hidden_index: Optional[torch.Tensor] = None
+    """Where the input is laid out otherwise (:mod:`rlorch.trainer.prefix`): for each token, the
+    position in the flattened input whose hidden state scores it. None: ``(row, position - 1)``."""
+    shape: Optional[tuple[int, int]] = None
+    """The ``[rows, positions]`` the tokens index, where the input has another shape."""
 
 
 _REQUEST: contextvars.ContextVar[Optional[ScoreRequest]] = contextvars.ContextVar("rlorch_score_request",
@@ -71,14 +76,18 @@ def scoring(request: ScoreRequest) -> Iterator[None]:
 
 
 def request_for(mask: torch.Tensor, tokens: torch.Tensor, *, temperature: float, entropy: bool,
-                chunk_rows: int = DEFAULT_CHUNK_ROWS, device=None) -> ScoreRequest:
+                chunk_rows: int = DEFAULT_CHUNK_ROWS, device=None,
+                hidden_index: Optional[torch.Tensor] = None) -> ScoreRequest:
     """The request scoring every position of ``mask`` (``[rows, positions]``, nonzero = trained),
-    its indices on ``device`` (default: the mask's)."""
+    its indices on ``device`` (default: the mask's); ``hidden_index`` (in ``torch.nonzero(mask)``
+    order) where the model's input is laid out otherwise."""
     rows, positions = torch.nonzero(mask, as_tuple=True)
     targets = tokens[rows, positions]
     if device is not None:
         rows, positions, targets = rows.to(device), positions.to(device), targets.to(device)
-    return ScoreRequest(rows, positions, targets, temperature, entropy, chunk_rows)
+        hidden_index = None if hidden_index is None else hidden_index.to(device)
+    shape = None if hidden_index is None else tuple(mask.shape)
+    return ScoreRequest(rows, positions, targets, temperature, entropy, chunk_rows, hidden_index, shape)
 
 
 def output_layer(model) -> torch.nn.Module:
@@ -119,10 +128,13 @@ def _head_forward(self: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
 def token_scores(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  request: ScoreRequest) -> torch.Tensor:
     """``[rows, positions, 2]`` float32: (logprob, entropy) of each requested token, 0 elsewhere."""
-    picked = hidden[request.rows, request.positions - 1]
+    if request.hidden_index is None:
+        picked = hidden[request.rows, request.positions - 1]
+    else:
+        picked = hidden.reshape(-1, hidden.shape[-1])[request.hidden_index]
     logp, entropy = _ChunkedScores.apply(picked, weight, bias, request.targets, request.temperature,
                                          request.chunk_rows, request.entropy)
-    out = hidden.new_zeros((*hidden.shape[:2], 2), dtype=torch.float32)
+    out = hidden.new_zeros((*(request.shape or hidden.shape[:2]), 2), dtype=torch.float32)
     return out.index_put((request.rows, request.positions), torch.stack([logp, entropy], dim=-1))
 
 
