@@ -482,20 +482,26 @@ def test_loss_aggregation_is_the_same_on_two_ranks_as_on_one(tmp_path, agg):
 def test_token_budgets_on_two_ranks_give_one_ranks_padded_step(tmp_path, agg):
     """The five sequences packed into passes of at most 12 tokens, balanced over two ranks, give
     the loss and gradient norm of one rank's padded micro-batches, and the step records count
-    the positions run: the real tokens only, where padding made one rank's passes longer."""
-    agg_key = f"trainer.loss_agg={agg}"
-    padded, _ = _one_step_weights(tmp_path / "padded", "trainer.fsdp.nproc=1", agg_key)
+    the positions run: the real tokens only, where padding made one rank's passes longer. With
+    shared prompts (the default; two prompts here are sampled twice) the same step runs over
+    fewer positions still."""
+    agg_key, unshared = f"trainer.loss_agg={agg}", "trainer.fsdp.share_prompts=false"
+    padded, _ = _one_step_weights(tmp_path / "padded", "trainer.fsdp.nproc=1", agg_key, unshared)
     one, _ = _one_step_weights(tmp_path / "one", "trainer.fsdp.nproc=1", agg_key,
-                               "trainer.fsdp.max_tokens_per_micro_batch=12")
+                               "trainer.fsdp.max_tokens_per_micro_batch=12", unshared)
     two, _ = _one_step_weights(tmp_path / "two", "trainer.fsdp.nproc=2", agg_key,
-                               "trainer.fsdp.max_tokens_per_micro_batch=12")
-    for packed in (one, two):
-        assert packed["loss"] == pytest.approx(padded["loss"], rel=1e-5)
-        assert packed["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-5)
-        assert packed["entropy"] == pytest.approx(padded["entropy"], rel=1e-5)
-    real = sum(len(line["tokens"]) for line in map(json.loads, RunDir(tmp_path / "one").batch(1).read_text().splitlines()))
+                               "trainer.fsdp.max_tokens_per_micro_batch=12", unshared)
+    shared, _ = _one_step_weights(tmp_path / "shared", "trainer.fsdp.nproc=2", agg_key)
+    for other in (one, two, shared):
+        assert other["loss"] == pytest.approx(padded["loss"], rel=1e-5)
+        assert other["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-5)
+        assert other["entropy"] == pytest.approx(padded["entropy"], rel=1e-5)
+    lines = list(map(json.loads, RunDir(tmp_path / "one").batch(1).read_text().splitlines()))
+    real = sum(len(line["tokens"]) for line in lines)
     assert one["positions"] == real < padded["positions"]
     assert two["positions"] <= real + 2  # at most one 2-token filler pass
+    # Each rank lays out its own sequences: no rank's last token, and a prompt once a rank.
+    assert shared["positions"] <= real - len(lines)
 
 
 @pytest.mark.slow

@@ -279,7 +279,7 @@ def train_step(worker: Worker, step: int) -> dict:
             worker.optimizer.step()
         loss_sum += part_loss / len(plan)
         stats = stats.merge(part_stats)
-    positions = float(sum(micro.positions for micros, _ in plan for micro in micros))
+    positions = float(sum(_positions_run(worker, micro) for micros, _ in plan for micro in micros))
     summed = all_reduce(stats.as_tensor().tolist() + [loss_sum, positions] + probe.sums(), worker.device)
     maxima = all_reduce([stats.ratio_max, probe.mismatch.max_abs], worker.device, "max")
     width = len(stats.as_tensor())
@@ -355,7 +355,7 @@ def scores(model, micro: MicroBatch, *, temperature: float, chunk_rows: int, dev
     (:mod:`rlorch.trainer.head`); a packed row's positions restart at each sequence. With
     ``share_prompts`` and a model that takes a packing, the micro-batch runs in its shared
     layout (:mod:`rlorch.trainer.prefix`) where that saves positions."""
-    shared = micro.shared_layout if share_prompts and accepts_packing(model) else None
+    shared = shared_layout(model, micro, share_prompts)
     request = head.request_for(micro.mask, micro.tokens, temperature=temperature, entropy=entropy,
                                chunk_rows=chunk_rows, device=device,
                                hidden_index=None if shared is None else shared.hidden_index)
@@ -371,6 +371,17 @@ def scores(model, micro: MicroBatch, *, temperature: float, chunk_rows: int, dev
             out = model(input_ids=micro.tokens.to(device), use_cache=False,
                         position_ids=None if position_ids is None else position_ids.to(device)).logits
     return out[..., 0], out[..., 1] if entropy else None
+
+
+def shared_layout(model, micro: MicroBatch, share_prompts: bool):
+    """The layout ``micro`` runs in on ``model``: its shared one (None: as it is)."""
+    return micro.shared_layout if share_prompts and accepts_packing(model) else None
+
+
+def _positions_run(worker: Worker, micro: MicroBatch) -> int:
+    """Positions the model's layers ran over for ``micro``."""
+    shared = shared_layout(worker.model, micro, worker.config.trainer.fsdp.share_prompts)
+    return micro.positions if shared is None else shared.positions
 
 
 def accepts_packing(model) -> bool:
