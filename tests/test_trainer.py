@@ -4,6 +4,7 @@ them, batches written by hand."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -670,3 +671,37 @@ def test_a_single_rank_checkpoint_written_beside_training_holds_the_state_of_its
         assert torch.equal(parameter, at_step_1[name]), name
     assert torch.equal(fresh_optimizer.state[fresh.weight]["exp_avg"], moments)
     assert not torch.equal(model.weight, at_step_1["weight"])
+
+
+def test_a_version_is_published_without_fsync_and_made_durable_by_the_checkpoint_that_links_it(tmp_path, monkeypatch):
+    """The engines read a version through the page cache; what must outlive the machine is a
+    checkpoint, whose COMPLETE comes only after every file it holds (the version's files,
+    hard-linked: the same inodes) is fsynced."""
+    from rlorch.rundir.layout import CheckpointDir
+    from rlorch.trainer.checkpoint import _complete, link_or_copy_tree
+    from rlorch.trainer.publish import publish
+
+    run = RunDir(tmp_path / "run").make()
+    synced: list[tuple[int, bool]] = []   # (inode, whether COMPLETE existed at the time)
+    real_fsync = os.fsync
+    checkpoint = run.checkpoint(1)
+
+    def recording_fsync(fd):
+        synced.append((os.fstat(fd).st_ino, (CheckpointDir(checkpoint).trainer / COMPLETE).exists()))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+
+    def write(directory: Path) -> None:
+        directory.mkdir(parents=True)
+        (directory / "model.safetensors").write_bytes(b"weights")
+        (directory / "config.json").write_text("{}")
+
+    final = publish(run, 1, write)
+    assert (final / PUBLISHED).exists() and synced == []
+    CheckpointDir(checkpoint).trainer.mkdir(parents=True)
+    link_or_copy_tree(final, CheckpointDir(checkpoint).weights)
+    _complete(checkpoint)
+    weights = {(final / name).stat().st_ino for name in ("model.safetensors", "config.json")}
+    assert weights <= {inode for inode, complete in synced if not complete}
+    assert (CheckpointDir(checkpoint).trainer / COMPLETE).exists()
