@@ -12,9 +12,9 @@ its queries sees exactly the keys it sees in its padded row. The output layer sc
 trained token from the hidden state its padded row would have there (``hidden_index``).
 
 The scores are those of the padded micro-batch up to float rounding (the same operations on
-differently shaped matrices; tested within 1e-5, gradients too). On the default task (16
-prompts of 5 tokens, 8 samples each, 3 new tokens) the layers run over 168 positions instead
-of 512 a 64-sequence micro-batch.
+differently shaped matrices; tested within 1e-5, gradients too). On the default task (prompts
+of 5 tokens, 8 samples each, 3 new tokens) a 64-sequence micro-batch runs over 168 positions
+instead of 512.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Optional
 import torch
 
 WORTH_SHARING = 0.9
-"""Laid-out positions, as a fraction of the micro-batch's, below which the layout is used:
-above it the gathers cost about what the positions save."""
+"""Laid-out positions, as a fraction of the micro-batch's, at or below which the layout is used;
+a smaller saving is left to the plain pass, whose attention needs no gathers."""
 
 
 @dataclass(frozen=True)
