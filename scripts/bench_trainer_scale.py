@@ -34,7 +34,8 @@ Measured step. Each variant runs in a fresh process (``--_measure``): one rank (
 one), ``trainer.minibatches=1``, ``trainer.lr=1e-6``, no entropy or KL term, ``model.dtype`` from
 ``--dtype``, activation checkpointing on in both (as the real-model recipe has it;
 ``--no-activation-checkpointing`` keeps every layer's activations in both); batch step 1 holds ``--sequences`` sequences (default 4) of 200 prompt tokens and
-``--completion-tokens`` (default 824: 1024 tokens each) random token ids.
+``--completion-tokens`` (default 824: 1024 tokens each) random token ids (with ``--shared-prompt``
+the same 200 prompt tokens in every sequence, as a GRPO group's samples have them).
 
 * before: the code at ``--baseline`` (default ``dbca41c``, checked out into a temporary git
   worktree and imported from there), ``trainer.fsdp.micro_batch_size=SEQUENCES``: one padded
@@ -218,16 +219,20 @@ def completion_lengths(sequences: int, cap: int, uneven: bool) -> list[int]:
             for _ in range(sequences)]
 
 
-def batch_lines(completions: list[int], seed: int) -> list[dict]:
-    """The batch file's lines: random token ids, the completion trained (loss mask 1)."""
+def batch_lines(completions: list[int], seed: int, shared_prompt: bool = False) -> list[dict]:
+    """The batch file's lines: random token ids, the completion trained (loss mask 1); with
+    ``shared_prompt`` every line starts with the same prompt, as a GRPO group's samples do."""
     rng = random.Random(seed)
+    prompt = [rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)] if shared_prompt else None
     lines = []
     for index, completion in enumerate(completions):
         mask = [0] * PROMPT_TOKENS + [1] * completion
+        tokens = (prompt + [rng.randrange(VOCAB) for _ in range(completion)] if prompt is not None
+                  else [rng.randrange(VOCAB) for _ in mask])
         lines.append({
             "group_id": 0, "episode_id": f"bench-{index}", "env": "bench", "origin": "live",
             "finish_reason": "length", "is_eval": False, "prompt_len": PROMPT_TOKENS, "completion": "",
-            "tokens": [rng.randrange(VOCAB) for _ in mask], "loss_mask": mask,
+            "tokens": tokens, "loss_mask": mask,
             "logprobs": [BEHAVIOUR_LOGPROB * m for m in mask], "versions": [[0, completion]],
             "advantage": 1.0 if index % 2 else -1.0, "reward": float(index % 2)})
     return lines
@@ -303,7 +308,7 @@ def measure(spec: dict) -> int:
     run = RunDir(Path(spec["run"])).make()
     save_config(config, run.config)
     completions = completion_lengths(spec["sequences"], spec["completion_tokens"], spec.get("uneven", False))
-    lines = batch_lines(completions, SEED)
+    lines = batch_lines(completions, SEED, spec.get("shared_prompt", False))
     for step in range(1, steps + 1):
         write_atomic(run.batch(step), "".join(json.dumps(line) + "\n" for line in lines).encode())
     device = _setup_distributed(spec["device"])
@@ -341,7 +346,7 @@ def run_variant(label: str, args, model: Path, runs: Path, code: Path, overrides
     """``measure`` in a fresh Python process importing rlorch from ``code`` (its cwd too)."""
     spec = {"label": label, "model": str(model), "run": str(runs / label), "device": args.device,
             "dtype": args.dtype, "sequences": args.sequences, "completion_tokens": args.completion_tokens,
-            "uneven": args.uneven,
+            "uneven": args.uneven, "shared_prompt": args.shared_prompt,
             "overrides": overrides}
     env = {key: value for key, value in os.environ.items()
            if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RLORCH_CONF_DIR")}
@@ -405,7 +410,7 @@ def measure_both(args, model: Path, runs: Path) -> dict:
 def print_measured(measured: dict, args) -> None:
     print(f"\nMeasured step: {args.layers} layers, vocabulary {VOCAB}, {args.device}, {args.dtype}; "
           f"{args.sequences} x ({PROMPT_TOKENS} + {'lognormal completions up to ' if args.uneven else ''}"
-          f"{args.completion_tokens}) tokens")
+          f"{args.completion_tokens}) tokens{', one prompt shared by all' if args.shared_prompt else ''}")
     print(f"{'variant':<8} {'positions':>9} {'trained':>8} {'before MiB':>10} {'peak MiB':>9} {'step s':>8} "
           f"{'tokens/s':>9}  code")
     for label, row in measured.items():
@@ -423,7 +428,7 @@ def print_measured(measured: dict, args) -> None:
 def summary(args, figures: dict, measured: dict, budget: int) -> dict:
     out = {"layers": args.layers, "vocab": VOCAB, "device": args.device, "dtype": args.dtype,
            "baseline": None if args.skip_before or args.no_measure else args.baseline, "sequences": args.sequences,
-           "completion_tokens": args.completion_tokens, "uneven": args.uneven, "budget": budget, "count_micro_batch_size": COUNT_SIZE,
+           "completion_tokens": args.completion_tokens, "uneven": args.uneven, "shared_prompt": args.shared_prompt, "budget": budget, "count_micro_batch_size": COUNT_SIZE,
            "completion_median": COMPLETION_MEDIAN, "completion_sigma": COMPLETION_SIGMA}
     for cap, entry in figures.items():
         for key, suffix in (("after", ""), ("before", "_before")):
@@ -456,6 +461,8 @@ def parse_args(argv=None):
     parser.add_argument("--sequences", type=int, default=4)
     parser.add_argument("--uneven", action="store_true",
                         help="completion lengths from the recipe's lognormal, capped at --completion-tokens")
+    parser.add_argument("--shared-prompt", action="store_true",
+                        help="the measured sequences share one prompt, as a GRPO group's samples do")
     parser.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
                         help="the analytic token plan's max_tokens_per_micro_batch")
     parser.add_argument("--baseline", default="dbca41c",
