@@ -355,17 +355,14 @@ def scores(model, micro: MicroBatch, *, temperature: float, chunk_rows: int, dev
     (:mod:`rlorch.trainer.head`); a packed row's positions restart at each sequence. With
     ``share_prompts`` and a model that takes a packing, the micro-batch runs in its shared
     layout (:mod:`rlorch.trainer.prefix`) where that saves positions."""
-    shared = shared_layout(model, micro, share_prompts)
+    shared = _layout_for(model, micro, share_prompts)
     request = head.request_for(micro.mask, micro.tokens, temperature=temperature, entropy=entropy,
                                chunk_rows=chunk_rows, device=device,
                                hidden_index=None if shared is None else shared.hidden_index)
     with head.scoring(request):
         if shared is not None:
-            from rlorch.qwen2 import Packing
-
             out = model(input_ids=shared.input_ids.to(device), use_cache=False,
-                        position_ids=shared.position_ids.to(device),
-                        packing=Packing(shared.gather.to(device), shared.scatter.to(device))).logits
+                        position_ids=shared.position_ids.to(device), packing=shared.packing(device)).logits
         else:
             position_ids = micro.position_ids()
             out = model(input_ids=micro.tokens.to(device), use_cache=False,
@@ -373,14 +370,14 @@ def scores(model, micro: MicroBatch, *, temperature: float, chunk_rows: int, dev
     return out[..., 0], out[..., 1] if entropy else None
 
 
-def shared_layout(model, micro: MicroBatch, share_prompts: bool):
+def _layout_for(model, micro: MicroBatch, share_prompts: bool):
     """The layout ``micro`` runs in on ``model``: its shared one (None: as it is)."""
     return micro.shared_layout if share_prompts and accepts_packing(model) else None
 
 
 def _positions_run(worker: Worker, micro: MicroBatch) -> int:
     """Positions the model's layers ran over for ``micro``."""
-    shared = shared_layout(worker.model, micro, worker.config.trainer.fsdp.share_prompts)
+    shared = _layout_for(worker.model, micro, worker.config.trainer.fsdp.share_prompts)
     return micro.positions if shared is None else shared.positions
 
 

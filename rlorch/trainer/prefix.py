@@ -20,9 +20,12 @@ instead of 512.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from rlorch.qwen2 import Packing
 
 WORTH_SHARING = 0.9
 """Laid-out positions, as a fraction of the micro-batch's, at or below which the layout is used;
@@ -50,6 +53,12 @@ class SharedLayout:
     @property
     def positions(self) -> int:
         return self.input_ids.shape[1]
+
+    def packing(self, device) -> Packing:
+        """How the row's positions attend, on ``device``, for the model's ``packing=``."""
+        from rlorch.qwen2 import Packing
+
+        return Packing(self.gather.to(device), self.scatter.to(device))
 
 
 def spans(mask: torch.Tensor, lengths: Optional[list[int]]) -> list[tuple[int, int, int]]:
