@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlorch.config.schema import Correction, LossAgg, UnlikelihoodLevel
-from rlorch.trainer.loss import LossStats, aggregate, policy_loss, token_logprobs
+from rlorch.trainer.loss import LossStats, aggregate, loglinear_proximal, policy_loss, token_logprobs
 
 ARGS = dict(clip_eps=0.2, is_cap=2.0)
 
@@ -147,6 +147,22 @@ def test_recompute_is_decoupled_without_the_behaviour_weight():
 def test_recompute_without_proximal_logprobs_is_refused():
     with pytest.raises(ValueError, match="recompute correction needs the proximal logprobs"):
         _grad(_leaf([[-1.0]]), [[-1.0]], [[1]], [1.0], Correction.recompute)
+
+
+def test_loglinear_proximal_logprobs_move_each_token_by_its_age_toward_the_trained_weights():
+    """Proximal version 7, weights half a version past it (the second of two minibatches). A token
+    sampled by version 7 keeps its behaviour logprob; one sampled by 5 (age 2) is read 2 / 2.5
+    of the way from its behaviour logprob at 5 to the trained one at 7.5; one by 6, 1 / 1.5."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5, -3.0]], requires_grad=True)
+    behaviour = torch.tensor([[-1.4, -1.0, -0.8, 0.0]])
+    versions = torch.tensor([[7, 5, 6, -1]])
+    estimate = loglinear_proximal(logp, behaviour, versions, proximal_version=7, current_version=7.5)
+    expected = [-1.4, -1.0 + 0.8 * (-2.0 + 1.0), -0.8 + (1 / 1.5) * (-0.5 + 0.8)]
+    assert estimate[0, :3].tolist() == pytest.approx(expected, abs=1e-6)
+    assert torch.isfinite(estimate).all() and not estimate.requires_grad
+    # At the proximal weights themselves (the first minibatch) an old token's estimate is exact.
+    exact = loglinear_proximal(logp, behaviour, versions, proximal_version=7, current_version=7.0)
+    assert exact[0, 1:3].tolist() == pytest.approx([-2.0, -0.5])
 
 
 def test_masked_tokens_contribute_nothing():

@@ -291,12 +291,12 @@ def test_a_line_marked_unlikelihood_marks_its_tokens_padded_packed_and_split(tmp
     assert packed(sequences, 0).unlikelihood.tolist() == [[False] * n + [True] * n]
 
 
-def _one_step_weights(root: Path, *overrides: str) -> tuple[dict, dict]:
+def _one_step_weights(root: Path, *overrides: str, lines: list[dict] | None = None) -> tuple[dict, dict]:
     from safetensors.torch import load_file
 
     run, config = _make_run(root, "train.steps=1", "rollout.max_staleness=0", "trainer.lr=0.05",
                             "trainer.fsdp.micro_batch_size=8", *overrides)
-    _write_batch(run, 1)
+    _write_batch(run, 1, lines)
     code, output = _finish(_launch(config, run))
     assert code == 0, output
     return _metrics(run)[0], load_file(str(run.weights_for(1) / "model.safetensors"))
@@ -331,7 +331,7 @@ def test_minibatches_make_the_corrections_differ_engage_the_clip_and_measure_mis
         # `none` past the first minibatch is off-policy: allowed here to compare them all.
         lines[correction], weights[correction] = _one_step_weights(
             tmp_path / correction, f"trainer.correction={correction}", "trainer.minibatches=2",
-            "trainer.allow_uncorrected=true")
+            "trainer.proximal=recompute", "trainer.allow_uncorrected=true")
     assert all(line["minibatches"] == 2 for line in lines.values())
     assert lines["decoupled"]["clip_frac"] > 0
     # recompute ignores the hand-written behaviour logprobs that weigh decoupled's tokens.
@@ -343,7 +343,10 @@ def test_minibatches_make_the_corrections_differ_engage_the_clip_and_measure_mis
     assert all(torch.allclose(decoupled[k], tis[k], atol=1e-6) for k in decoupled)
     # The hand-written behaviour logprobs (-2.5 everywhere) are not the model's: the mismatch
     # over the tokens stamped with the trainer's version says so.
-    assert lines["tis"]["mismatch_tokens"] == 19 and lines["tis"]["mismatch_kl"] > 0.1
+    # tis and none read no proximal logprobs and run no pass for them: their mismatch is the first
+    # minibatch's (its 2 sequences' 8 tokens), measured by its training forward.
+    assert [lines[c]["proximal_pass"] for c in ("decoupled", "tis", "none", "recompute")] == [True, False, False, True]
+    assert lines["tis"]["mismatch_tokens"] == 8 and lines["tis"]["mismatch_kl"] > 0.1
     # Mismatch and entropy are measured on the weights before the first update: with two
     # minibatches the first one's figures come from its training forward and the second one's
     # from a forward before the first update, and together they equal one minibatch's.
@@ -352,6 +355,51 @@ def test_minibatches_make_the_corrections_differ_engage_the_clip_and_measure_mis
     assert two["mismatch_kl"] == pytest.approx(one["mismatch_kl"], rel=1e-5)
     assert two["mismatch_max"] == pytest.approx(one["mismatch_max"], rel=1e-5)
     assert two["entropy"] == pytest.approx(one["entropy"], rel=1e-5)
+
+
+def _own_logprob_lines(temperature: float) -> list[dict]:
+    """The default batch with the base model's own logprobs as behaviour, stamped version 0: as
+    if the proximal weights of step 1 had sampled every token."""
+    import torch
+
+    from rlorch.model import ensure_default_model
+    from rlorch.qwen2 import Qwen2ForCausalLM
+    from rlorch.trainer.loss import token_logprobs
+
+    model = Qwen2ForCausalLM.from_pretrained(ensure_default_model()).eval()
+    lines = [_rollout("123=", "321", 1.0), _rollout("123=", "999", -1.0), _rollout("4567=", "7654", 0.5),
+             _rollout("4567=", "76", -0.5), _rollout("89=", "98", 0.0)]
+    for line in lines:
+        tokens = torch.tensor([line["tokens"]])
+        with torch.no_grad():
+            own = token_logprobs(model(input_ids=tokens).logits, tokens, temperature)[0].tolist()
+        line["logprobs"] = [value * mask for value, mask in zip(own, line["loss_mask"])]
+    return lines
+
+
+@pytest.mark.slow
+def test_loglinear_skips_the_proximal_pass_and_is_exact_where_the_proximal_weights_sampled(tmp_path):
+    import torch
+
+    two = ("trainer.minibatches=2", "rollout.temperature=1.0")
+    own = _own_logprob_lines(1.0)
+    recomputed, recomputed_weights = _one_step_weights(tmp_path / "recompute", *two, "trainer.proximal=recompute",
+                                                       lines=own)
+    estimated, estimated_weights = _one_step_weights(tmp_path / "loglinear", *two, "trainer.proximal=loglinear", lines=own)
+    assert recomputed["proximal_pass"] and not estimated["proximal_pass"]
+    # Every token sampled by the proximal weights: the estimate is their behaviour logprob, which
+    # is what the pass recomputes (up to the mismatch), so both train the same weights.
+    assert all(torch.allclose(recomputed_weights[k], estimated_weights[k], atol=1e-6) for k in recomputed_weights)
+    assert estimated["mismatch_tokens"] == 8 and estimated["mismatch_kl"] < 1e-9
+    # Behaviour logprobs that are not the model's are taken at their word...
+    _, differs = _one_step_weights(tmp_path / "hand", *two, "trainer.proximal=loglinear")
+    _, hand_recomputed = _one_step_weights(tmp_path / "hand-recompute", *two, "trainer.proximal=recompute")
+    assert any(not torch.equal(differs[k], hand_recomputed[k]) for k in differs)
+    # ...and a batch with a trained token of unknown version is recomputed.
+    unknown = [{key: value for key, value in line.items() if key != "versions"} for line in own]
+    fallback, fallback_weights = _one_step_weights(tmp_path / "unknown", *two, "trainer.proximal=loglinear", lines=unknown)
+    assert fallback["proximal_pass"]
+    assert all(torch.equal(fallback_weights[k], recomputed_weights[k]) for k in recomputed_weights)
 
 
 def test_a_handed_off_state_dict_does_not_follow_the_next_optimizer_step():

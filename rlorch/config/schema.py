@@ -53,6 +53,18 @@ class Correction(str, enum.Enum):
         weight), so trained off-policy only with trainer.allow_uncorrected."""
         return self in (Correction.none, Correction.recompute)
 
+    @property
+    def reads_proximal(self) -> bool:
+        """Whether the loss clips against the proximal policy (and so needs its logprobs)."""
+        return self in (Correction.decoupled, Correction.recompute)
+
+
+class Proximal(str, enum.Enum):
+    """Where a later minibatch's proximal logprobs come from (see :func:`rlorch.trainer.loss.loglinear_proximal`)."""
+
+    recompute = "recompute"
+    loglinear = "loglinear"
+
 
 class Advantage(str, enum.Enum):
     """Advantage estimator (baselines in :mod:`rlorch.trainer.advantages`)."""
@@ -660,9 +672,20 @@ class TrainerConfig:
     """Recompute each decoder layer's activations in the backward pass instead of keeping them:
     less memory for about one more forward's time; the same losses and gradients."""
     minibatches: int = 1
-    """Optimizer steps per batch (PPO-style): the batch is cut into this many minibatches, and
-    the proximal logprobs are computed once, before the first. Above 1, decoupled (clip against
-    the proximal policy) and tis (importance weight against the current one) differ."""
+    """Optimizer steps per batch (PPO-style): the batch is cut into this many minibatches; the
+    proximal policy is the weights before the first (trainer.proximal). Above 1, decoupled
+    (clip against the proximal policy) and tis (importance weight against the current one)
+    differ."""
+    proximal: Proximal = Proximal.recompute
+    """With trainer.minibatches > 1, how the minibatches after the first get their proximal
+    logprobs (the first one's training forward runs on the proximal weights and gives its own):
+    recompute (a forward pass without gradients over them before the first update) or
+    loglinear (no such pass: each token's logprob is taken to move linearly in the policy
+    version, from its behaviour logprob at the version that sampled it to the logprob of the
+    weights being trained, 1/minibatches of a version per update, and read at the proximal
+    version; a batch with a trained token of unknown version is recomputed). Read by the
+    decoupled and recompute corrections only: the others need no proximal logprobs and never
+    run the pass."""
     publish_every: int = 1
     """Publish an HF weight checkpoint every N steps."""
     checkpoint_every: int = 10

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from rlorch.config.schema import Colocate
+from rlorch.config.schema import Colocate, Proximal
 from rlorch.lifecycle import orchestrator_pid, watch_parents
 from rlorch.model import resolve_model_path
 from rlorch.rundir.layout import PUBLISHED, RunDir, load_config, write_json_atomic
@@ -32,7 +32,7 @@ from rlorch.trainer.broadcast import plan
 from rlorch.trainer import head, loading, offload
 from rlorch.trainer.batch import BatchError, MicroBatch, minibatch_slices, rank_share, read_batch
 from rlorch.trainer.checkpoint import CheckpointError
-from rlorch.trainer.loss import LossStats, MismatchStats, aggregate, policy_loss, reference_kl
+from rlorch.trainer.loss import LossStats, MismatchStats, aggregate, loglinear_proximal, policy_loss, reference_kl
 from rlorch.trainer.optimizer import make_optimizer
 from rlorch.trainer.handoff import publish_asked, publish_on_request, publish_version, wait_handed_off, write_weights
 from rlorch.trainer.publish import HFWriter, TokenizerFiles, clear_staging, discard_newer
@@ -245,7 +245,9 @@ def train_step(worker: Worker, step: int) -> dict:
     The proximal logprobs are those of the weights before the batch's first update. The first
     minibatch's training forward runs on exactly those weights, so its own detached logprobs are
     its proximal ones and it measures the training-inference mismatch and the entropy as it
-    goes; only later minibatches need a forward pass without gradients, before the first update.
+    goes. Later minibatches get theirs from a forward pass without gradients before the first
+    update, or, under trainer.proximal=loglinear, estimated in their own training forward
+    (:func:`_recomputes_proximal` says which).
     """
 
     started = time.perf_counter()
@@ -261,12 +263,16 @@ def train_step(worker: Worker, step: int) -> dict:
                      Counts(tokens, len(chunk))))
     model.train()
     probe = ProximalProbe(mismatch=MismatchStats(), version=step - 1)
-    later = _proximal_pass(worker, [micro for micros, _ in plan[1:] for micro in micros], probe)
+    later_micros = [micro for micros, _ in plan[1:] for micro in micros]
+    recompute = _recomputes_proximal(trainer, later_micros)
+    later = _proximal_pass(worker, later_micros, probe) if recompute else []
     loss_sum, stats, norms, skipped = 0.0, LossStats(), [], 0
     for index, (micros, counts) in enumerate(plan):
         worker.optimizer.zero_grad(set_to_none=True)
-        proximal = [None] * len(micros) if index == 0 else [later.pop(0) for _ in micros]
-        part_loss, part_stats = _accumulate(worker, micros, counts, proximal, probe)
+        proximal = [later.pop(0) for _ in micros] if index and recompute else [None] * len(micros)
+        # The weights of update ``index`` are that many minibatches past the proximal version.
+        estimate_at = probe.version + index / len(plan) if index and not recompute else None
+        part_loss, part_stats = _accumulate(worker, micros, counts, proximal, probe, estimate_at)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
@@ -288,7 +294,8 @@ def train_step(worker: Worker, step: int) -> dict:
     # ref_kl only with a reference: its absence says no reference was kept.
     reference = {"ref_kl": merged.ref_kl_sum / max(merged.tokens, 1.0)} if worker.reference is not None else {}
     return {"step": step, "loss": summed[width], "grad_norm": sum(norms) / len(norms), **merged.summary(),
-            **reference, **probe.summary(summed[width + 2:], maxima[1]), "minibatches": len(plan), "skipped_updates": skipped, "lr": lr,
+            **reference, **probe.summary(summed[width + 2:], maxima[1]), "minibatches": len(plan), "proximal_pass": recompute,
+            "skipped_updates": skipped, "lr": lr,
             "tokens": int(sum(c.tokens for _, c in plan)), "sequences": len(sequences),
             "positions": int(summed[width + 1]),
             "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
@@ -308,8 +315,10 @@ def set_lr(worker: Worker) -> float:
 
 @dataclass
 class ProximalProbe:
-    """What the weights before the batch's first update measured over every micro-batch:
-    the training-inference mismatch on tokens of ``version`` (those weights) and the entropy."""
+    """What the weights before the batch's first update measured over the micro-batches they
+    scored: the training-inference mismatch on tokens of ``version`` (those weights); and the
+    entropy over every micro-batch, of whichever weights scored it (a later minibatch whose
+    proximal pass is skipped is scored by its own)."""
 
     mismatch: MismatchStats
     version: int
@@ -323,6 +332,11 @@ class ProximalProbe:
         mask = micro.mask.to(worker.device)
         age0 = (mask > 0) & (micro.versions.to(worker.device) == self.version)
         self.mismatch.add(logp, micro.behaviour.to(worker.device), age0)
+        self.add_entropy(worker, micro, entropy)
+
+    def add_entropy(self, worker: Worker, micro, entropy: torch.Tensor) -> None:
+        """Record one micro-batch's entropies (of whichever weights scored it)."""
+        mask = micro.mask.to(worker.device)
         self.entropy_sum += float((entropy * mask).sum())
         self.tokens += float(mask.sum())
 
@@ -333,6 +347,17 @@ class ProximalProbe:
         age0, kl_sum, entropy_sum, tokens = sums
         merged = MismatchStats(tokens=age0, kl_sum=kl_sum, max_abs=mismatch_max)
         return {**merged.summary(), "entropy": entropy_sum / tokens if tokens else None}
+
+
+def _recomputes_proximal(trainer, later_micros: list) -> bool:
+    """Whether the minibatches after the first get their proximal logprobs from a forward pass
+    (:func:`_proximal_pass`): only where the loss reads them, and under trainer.proximal=
+    loglinear only where a trained token's version is unknown (nothing to interpolate from)."""
+    if not later_micros or not trainer.correction.reads_proximal:
+        return False
+    if trainer.proximal is Proximal.recompute:
+        return True
+    return not all(bool(((micro.versions >= 0) | (micro.mask == 0)).all()) for micro in later_micros)
 
 
 def _proximal_pass(worker: Worker, micros: list, probe: ProximalProbe) -> list:
@@ -401,12 +426,16 @@ class Counts:
     sequences: int
 
 
-def _accumulate(worker: Worker, micros: list, counts: Counts, proximal: list, probe: ProximalProbe):
+def _accumulate(worker: Worker, micros: list, counts: Counts, proximal: list, probe: ProximalProbe,
+                estimate_at: Optional[float] = None):
     """Forward/backward every micro-batch; gradients accumulate to the minibatch's aggregate
     (``trainer.loss_agg``).
 
     A micro-batch without proximal logprobs runs on the proximal weights themselves (the first
-    minibatch): its detached logprobs are the proximal ones, recorded in ``probe``."""
+    minibatch): its detached logprobs are the proximal ones, recorded in ``probe``. With
+    ``estimate_at`` (the version of the weights of a later minibatch, fractional) they are
+    estimated from its own logprobs instead (:func:`loglinear_proximal`), and ``probe`` records
+    only its entropy."""
     trainer, device = worker.config.trainer, worker.device
     loss_sum, stats = 0.0, LossStats()
     for micro, prox in zip(micros, proximal):
@@ -414,9 +443,14 @@ def _accumulate(worker: Worker, micros: list, counts: Counts, proximal: list, pr
         counted = dict(agg=trainer.loss_agg, tokens=max(counts.tokens, 1), sequences=max(counts.sequences, 1),
                        segments=segments)
         logp, entropy = _scores(worker, worker.model, micro, entropy=prox is None or bool(trainer.entropy_coef))
-        if prox is None:
+        if prox is None and estimate_at is None:
             prox = logp.detach()
             probe.add(worker, micro, prox, entropy.detach())
+        elif prox is None:
+            probe.add_entropy(worker, micro, entropy.detach())
+            if trainer.correction.reads_proximal:
+                prox = loglinear_proximal(logp, micro.behaviour.to(device), micro.versions.to(device),
+                                          proximal_version=probe.version, current_version=estimate_at)
         loss, micro_stats = policy_loss(
             logp, micro.behaviour.to(device), mask, micro.advantages.to(device),
             correction=trainer.correction, clip_eps=trainer.clip_eps, is_cap=trainer.is_cap,

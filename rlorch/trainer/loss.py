@@ -306,6 +306,23 @@ def policy_loss(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
     return loss, _stats(logp.detach(), behaviour, mask, clipped, capped)
 
 
+def loglinear_proximal(logp: torch.Tensor, behaviour: torch.Tensor, versions: torch.Tensor, *,
+                       proximal_version: int, current_version: float) -> torch.Tensor:
+    """An estimate of the proximal policy's logprobs without a forward pass over it (AReaL's
+    log-linear approximation): each token's logprob is taken to move linearly in the policy
+    version, from ``behaviour`` at the version that sampled it (``versions``) to ``logp`` (the
+    weights being trained, ``current_version``, fractional between published versions), and is
+    read at ``proximal_version``. A token sampled by the proximal weights keeps its behaviour
+    logprob (exact up to the training-inference mismatch); one sampled ``a`` versions earlier
+    gets ``a / (a + current_version - proximal_version)`` of the way to ``logp``. No gradient
+    flows through the estimate."""
+    version = versions.to(logp.dtype)
+    span = current_version - version
+    alpha = torch.where(span > 0, (proximal_version - version) / span.clamp(min=1e-6), torch.zeros_like(span))
+    behaviour = behaviour.to(logp.dtype)
+    return behaviour + alpha.clamp(0.0, 1.0) * (logp.detach() - behaviour)
+
+
 @dataclass
 class MismatchStats:
     """Training-inference mismatch over tokens the trainer's own weights generated (age 0):
