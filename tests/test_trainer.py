@@ -709,6 +709,8 @@ def test_a_single_rank_checkpoint_written_beside_training_holds_the_state_of_its
     train_a_step()   # the next step, before the write
     assert checkpoint.is_complete(write())
     assert (run.checkpoint(1) / "weights" / "model.safetensors").read_bytes() == b"weights"
+    assert sorted(p.name for p in (run.checkpoint(1) / "trainer").iterdir()) == [
+        "COMPLETE", checkpoint.FLAT_STATE_FILE, checkpoint.STATE_FILE]
 
     fresh = torch.nn.Linear(4, 3)
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.1)
@@ -719,6 +721,30 @@ def test_a_single_rank_checkpoint_written_beside_training_holds_the_state_of_its
         assert torch.equal(parameter, at_step_1[name]), name
     assert torch.equal(fresh_optimizer.state[fresh.weight]["exp_avg"], moments)
     assert not torch.equal(model.weight, at_step_1["weight"])
+
+
+def test_a_single_ranks_checkpoint_is_written_without_importing_dcp(tmp_path):
+    """Importing torch.distributed.checkpoint costs about a second of CPU, taken from the first
+    steps of a run on a small machine: a single rank's trainer writes its checkpoints without it."""
+    script = f"""
+import sys, torch
+from pathlib import Path
+from rlorch.rundir.layout import PUBLISHED, RunDir, mark
+from rlorch.trainer import checkpoint, fsdp
+model = torch.nn.Linear(4, 3)
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+model(torch.randn(2, 4)).sum().backward()
+optimizer.step()
+run = RunDir(Path({str(tmp_path / "run")!r})).make()
+run.weights_for(1).mkdir(parents=True)
+mark(run.weights_for(1), PUBLISHED)
+checkpoint.begin_single_rank_save(run, 1, model, optimizer)()
+assert checkpoint.is_complete(run.checkpoint(1))
+print("torch.distributed.checkpoint" in sys.modules)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "False"
 
 
 def test_a_version_is_published_without_fsync_and_made_durable_by_the_checkpoint_that_links_it(tmp_path, monkeypatch):

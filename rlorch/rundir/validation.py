@@ -62,7 +62,8 @@ def _check_trainer(trainer_dir: Path, step: int, config) -> Optional[str]:
     if data.get("step") != step:
         return f"{path}: holds step {data.get('step')!r}, not {step}"
     if config.trainer.backend is TrainerBackend.fsdp:
-        return _check_dcp(trainer_dir / "dcp")
+        flat = trainer_dir / "state.safetensors"   # a single CPU rank's (rlorch.trainer.checkpoint)
+        return _check_safetensors(flat) if flat.is_file() else _check_dcp(trainer_dir / "dcp")
     return None
 
 

@@ -1,10 +1,13 @@
 """Full resumable trainer state under ``checkpoints/step_N/``.
 
-Layout: ``trainer/dcp/`` (model and optimizer, sharded, torch.distributed.checkpoint; with LoRA
-the model part is the adapters alone, the frozen base being the model path's),
-``trainer/trainer_state.json`` (step, RNG states, optimizer steps taken), ``weights/`` (HF copy of version N) and,
-last, ``trainer/COMPLETE``. Invariant: a checkpoint without COMPLETE is never resumed from and
-is overwritten by the next save of the same step.
+Layout: the model's and optimizer's state, either ``trainer/dcp/`` (sharded,
+torch.distributed.checkpoint: what several ranks save together) or ``trainer/state.safetensors``
+(a single CPU rank's, written beside training: :func:`begin_single_rank_save`); with LoRA the
+model part is the adapters alone, the frozen base being the model path's. Then
+``trainer/trainer_state.json`` (step, RNG states, optimizer steps taken), ``weights/`` (HF copy
+of version N) and, last, ``trainer/COMPLETE``. Either state resumes on any number of ranks.
+Invariant: a checkpoint without COMPLETE is never resumed from and is overwritten by the next
+save of the same step.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ import torch.distributed as dist
 from rlorch.rundir.layout import COMPLETE, PUBLISHED, CheckpointDir, RunDir, mark, write_json_atomic
 
 STATE_FILE = "trainer_state.json"
+FLAT_STATE_FILE = "state.safetensors"
+"""A single rank's model and optimizer state as full tensors: ``model/<name>`` and
+``optim/<name>/<key>``, the optimizer's param groups as JSON in the file's metadata."""
 
 
 def import_dcp_in_background() -> threading.Thread:
@@ -144,9 +150,10 @@ def begin_single_rank_save(run: RunDir, step: int, model: torch.nn.Module, optim
     """A single rank's checkpoint of step ``step`` in two halves: this call (on the training
     thread, milliseconds) clears ``step_N``, links the published weights of version ``step``
     (they must be published by now) and copies the model's, optimizer's and RNG's state; the
-    returned function (on any thread, while training goes on) writes that copy with DCP, the
-    state file and, last, COMPLETE. Same layout and invariant as :func:`save`; no collective
-    runs, so the write may overlap the next steps."""
+    returned function (on any thread, while training goes on) writes that copy to
+    :data:`FLAT_STATE_FILE` (DCP where it is not plain tensors), the state file and, last,
+    COMPLETE. Same invariant as :func:`save`; no collective runs, so the write may overlap the
+    next steps."""
     checkpoint = run.checkpoint(step)
     published = run.weights_for(step)
     if not (published / PUBLISHED).exists():
@@ -159,15 +166,55 @@ def begin_single_rank_save(run: RunDir, step: int, model: torch.nn.Module, optim
     trainer_state = _trainer_state(step, 1, optimizer_steps)
 
     def write() -> Path:
-        import torch.distributed.checkpoint as dcp
-
         trainer_dir = CheckpointDir(checkpoint).trainer
-        dcp.save(state, checkpoint_id=str(trainer_dir / "dcp"), no_dist=True)
+        flat = _flat(state["model"], state["optim"])
+        if flat is not None:
+            from safetensors.torch import save_file
+
+            save_file(flat[0], str(trainer_dir / FLAT_STATE_FILE), metadata=flat[1])
+        else:
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(state, checkpoint_id=str(trainer_dir / "dcp"), no_dist=True)
         write_json_atomic(trainer_dir / STATE_FILE, trainer_state)
         _complete(checkpoint)
         return checkpoint
 
     return write
+
+
+def _flat(model_state: dict, optim_state: dict) -> Optional[tuple[dict, dict]]:
+    """``(tensors, metadata)`` of :data:`FLAT_STATE_FILE` for plain state dicts (None where a
+    value is not a plain tensor or the param groups are not JSON: those go to DCP). Torch's DCP
+    would cost a second of CPU to import and a pickled record per tensor to write."""
+    tensors = {f"model/{name}": value for name, value in model_state.items()}
+    for name, values in optim_state["state"].items():
+        tensors.update({f"optim/{name}/{key}": value for key, value in values.items()})
+    if not all(isinstance(value, torch.Tensor) and not hasattr(value, "to_local") for value in tensors.values()):
+        return None
+    try:
+        groups = json.dumps(optim_state["param_groups"])
+    except (TypeError, ValueError):
+        return None
+    return {key: value.contiguous() for key, value in tensors.items()}, {"param_groups": groups}
+
+
+def _read_flat(path: Path) -> tuple[dict, dict]:
+    """The model's and optimizer's full state dicts held by :data:`FLAT_STATE_FILE`."""
+    from safetensors import safe_open
+
+    model_state: dict = {}
+    optim_state: dict = {"state": {}, "param_groups": []}
+    with safe_open(str(path), framework="pt") as handle:
+        optim_state["param_groups"] = json.loads((handle.metadata() or {})["param_groups"])
+        for key in handle.keys():
+            kind, _, rest = key.partition("/")
+            if kind == "model":
+                model_state[rest] = handle.get_tensor(key)
+            else:
+                name, _, field = rest.rpartition("/")
+                optim_state["state"].setdefault(name, {})[field] = handle.get_tensor(key)
+    return model_state, optim_state
 
 
 def _cloned(value: Any) -> Any:
@@ -244,16 +291,21 @@ def load(checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    model_state, optim_state = _state(model, optimizer, trainable_only)
-    loaded = {"model": model_state, "optim": optim_state}
+    flat = trainer_dir / FLAT_STATE_FILE
+    source = flat if flat.is_file() else trainer_dir / "dcp"
     try:
-        dcp.load(loaded, checkpoint_id=str(trainer_dir / "dcp"))
+        if source == flat:   # full tensors, sharded onto this rank's parameters by set_state_dict
+            model_state, optim_state = _read_flat(flat)
+        else:
+            model_state, optim_state = _state(model, optimizer, trainable_only)
+            dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=str(source))
     except Exception as err:
-        raise CheckpointError(f"{trainer_dir / 'dcp'}: unreadable ({type(err).__name__}: "
+        raise CheckpointError(f"{source}: unreadable ({type(err).__name__}: "
                               f"{str(err).splitlines()[0] if str(err) else ''})") from err
-    set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"],
-                   # Frozen weights are not in the checkpoint; dcp.load above read every trainable one.
-                   options=StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only))
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                   # Frozen weights are not in the checkpoint; the state read holds every trainable one.
+                   options=StateDictOptions(full_state_dict=source == flat, ignore_frozen_params=trainable_only,
+                                            strict=not trainable_only))
     try:
         set_rng_state(state["rng"])
     except (KeyError, TypeError, ValueError, RuntimeError) as err:

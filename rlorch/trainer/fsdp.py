@@ -486,8 +486,7 @@ def save_checkpoint(worker: Worker, step: int, *, wait: bool = False) -> None:
         return
     worker.saved.add(step)
     trainable_only = bool(worker.config.model.lora.rank)
-    if (worker.world == 1 and str(worker.device).startswith("cpu")
-            and (worker.run.weights_for(step) / PUBLISHED).exists()):
+    if _checkpoints_beside_training(worker) and (worker.run.weights_for(step) / PUBLISHED).exists():
         write = checkpoint.begin_single_rank_save(worker.run, step, worker.model, worker.optimizer,
                                                   optimizer_steps=worker.optimizer_steps, trainable_only=trainable_only)
         worker.checkpointing = worker.checkpoint_thread.submit(write)
@@ -497,6 +496,12 @@ def save_checkpoint(worker: Worker, step: int, *, wait: bool = False) -> None:
     checkpoint.save(worker.run, step, worker.model, worker.optimizer, rank=worker.rank,
                     write_weights=lambda target: write_weights(worker, target),
                     optimizer_steps=worker.optimizer_steps, trainable_only=trainable_only)
+
+
+def _checkpoints_beside_training(worker: Worker) -> bool:
+    """A single CPU rank: its checkpoints are written on the checkpoint thread, without DCP
+    (:func:`checkpoint.begin_single_rank_save`), so it never imports DCP to train."""
+    return worker.world == 1 and str(worker.device).startswith("cpu")
 
 
 def wait_checkpointed(worker: Worker) -> None:
@@ -540,8 +545,8 @@ def run_loop(worker: Worker) -> None:
             publish_version(worker, step, last=step == last)
             record["publish_s"] = time.perf_counter() - started
         say(worker, " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
-        if step == first:  # after the first step, which does not need it, not on its way
-            checkpoint.import_dcp_in_background()
+        if step == first and not _checkpoints_beside_training(worker):
+            checkpoint.import_dcp_in_background()   # after the first step, which does not need it
         if step % config.trainer.checkpoint_every == 0 or step == last:
             save_checkpoint(worker, step, wait=step == last or swap)
         if swap:
