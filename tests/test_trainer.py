@@ -400,6 +400,17 @@ def test_loglinear_skips_the_proximal_pass_and_is_exact_where_the_proximal_weigh
     fallback, fallback_weights = _one_step_weights(tmp_path / "unknown", *two, "trainer.proximal=loglinear", lines=unknown)
     assert fallback["proximal_pass"]
     assert all(torch.equal(fallback_weights[k], recomputed_weights[k]) for k in recomputed_weights)
+    # On two FSDP ranks the same holds; and one line of unknown version, held by one rank, makes
+    # both run the pass (the model's forward is collective: a rank alone in it would hang).
+    ranks = ("trainer.fsdp.nproc=2",)
+    _, sharded = _one_step_weights(tmp_path / "two-ranks", *two, *ranks, "trainer.proximal=loglinear", lines=own)
+    _, sharded_recomputed = _one_step_weights(tmp_path / "two-ranks-recompute", *two, *ranks,
+                                              "trainer.proximal=recompute", lines=own)
+    assert all(torch.allclose(sharded[k], sharded_recomputed[k], atol=1e-6) for k in sharded)
+    one_unknown = own[:-1] + unknown[-1:]
+    mixed, _ = _one_step_weights(tmp_path / "two-ranks-unknown", *two, *ranks, "trainer.proximal=loglinear",
+                                 lines=one_unknown)
+    assert mixed["proximal_pass"]
 
 
 def test_a_handed_off_state_dict_does_not_follow_the_next_optimizer_step():

@@ -264,7 +264,7 @@ def train_step(worker: Worker, step: int) -> dict:
     model.train()
     probe = ProximalProbe(mismatch=MismatchStats(), version=step - 1)
     later_micros = [micro for micros, _ in plan[1:] for micro in micros]
-    recompute = _recomputes_proximal(trainer, later_micros)
+    recompute = len(plan) > 1 and _recomputes_proximal(worker, later_micros)
     later = _proximal_pass(worker, later_micros, probe) if recompute else []
     loss_sum, stats, norms, skipped = 0.0, LossStats(), [], 0
     for index, (micros, counts) in enumerate(plan):
@@ -349,15 +349,19 @@ class ProximalProbe:
         return {**merged.summary(), "entropy": entropy_sum / tokens if tokens else None}
 
 
-def _recomputes_proximal(trainer, later_micros: list) -> bool:
-    """Whether the minibatches after the first get their proximal logprobs from a forward pass
-    (:func:`_proximal_pass`): only where the loss reads them, and under trainer.proximal=
-    loglinear only where a trained token's version is unknown (nothing to interpolate from)."""
-    if not later_micros or not trainer.correction.reads_proximal:
+def _recomputes_proximal(worker: Worker, later_micros: list) -> bool:
+    """Whether the minibatches after the first (``later_micros``: this rank's share of them) get
+    their proximal logprobs from a forward pass (:func:`_proximal_pass`): only where the loss
+    reads them, and under trainer.proximal=loglinear only where a trained token's version is
+    unknown on any rank (nothing to interpolate from). Every rank answers the same: the pass
+    runs the model, whose FSDP2 forward is collective."""
+    trainer = worker.config.trainer
+    if not trainer.correction.reads_proximal:
         return False
     if trainer.proximal is Proximal.recompute:
         return True
-    return not all(bool(((micro.versions >= 0) | (micro.mask == 0)).all()) for micro in later_micros)
+    unknown = not all(bool(((micro.versions >= 0) | (micro.mask == 0)).all()) for micro in later_micros)
+    return all_reduce([float(unknown)], worker.device, "max")[0] > 0
 
 
 def _proximal_pass(worker: Worker, micros: list, probe: ProximalProbe) -> list:
