@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import uuid
 import weakref
 from array import array
@@ -128,7 +129,8 @@ class SGLangEngine:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_SECONDS)
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_SECONDS,
+                                             socket_factory=bounded_receive_socket)
             self._session = aiohttp.ClientSession(connector=connector)
         return self._session
 
@@ -504,6 +506,26 @@ batch of 64 samples of 4,096 tokens: 7 MB); when a fleet answers together, readi
 once would hold every body in memory before any is parsed into arrays (~9 bytes a token). The
 others wait in their sockets (aiohttp stops reading a connection whose buffer is full); two,
 so that one slow sender does not hold up the rest."""
+
+RECEIVE_BUFFER = 1 << 20
+"""SO_RCVBUF of a /generate connection (the kernel doubles it for its bookkeeping). The answers
+not being read (:data:`BODY_READS`) wait in their sockets; left to itself, Linux grows each
+receive buffer towards ``net.ipv4.tcp_rmem``'s maximum (32 MB on common distributions), and a
+thousand engines' waiting answers pass the kernel's limit on all TCP buffers (``tcp_mem``):
+it then drops segments and each connection waits out a retransmission timeout that doubles.
+At 1,000 simulated engines and 50,000 answers of 4,096 tokens in flight that stalled ingest
+for one to two minutes at a time. 1 MiB a connection still carries a LAN's bandwidth-delay
+product."""
+
+
+def bounded_receive_socket(address: tuple) -> socket.socket:
+    """aiohttp's ``socket_factory``: a socket of ``address``'s family with :data:`RECEIVE_BUFFER`
+    set before it connects (the window it offers is sized then)."""
+    family, kind, proto = address[:3]
+    sock = socket.socket(family=family, type=kind, proto=proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
+    return sock
+
 
 _BODY_GATES: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore]" = weakref.WeakKeyDictionary()
 

@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import random
 import signal
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,8 @@ from typing import Optional
 
 from rlorch.jsonlines import dumps, loads
 
+SEND_BUFFER = 1 << 20
+"""SO_SNDBUF of a connection (the kernel doubles it): see :meth:`_Connection.connection_made`."""
 TOKEN_CAP = 65536
 """The longest completion a fleet answers (its shared answer arrays are this long)."""
 
@@ -227,6 +230,12 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            # The fleet shares the orchestrator's kernel, whose TCP buffers are limited as a whole
+            # (tcp_mem): an answer not yet read waits in this process (the transport's buffer), as
+            # it would on an engine's own machine, not in the kernel's send queue.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
