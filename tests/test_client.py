@@ -10,10 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
+from pathlib import Path
 
 import pytest
 
 from helpers import wait_generated
+from rlorch.inference import client as client_module
 from rlorch.inference.client import EngineError, SGLangEngine, parse_weight_version
 from rlorch.serve.server import CpuServer, ServerThread
 from rlorch.types import Engine, GroupRequest, SamplingParams, VersionStamps
@@ -51,6 +54,36 @@ def test_generate_stamps_every_token(server):
     assert len(gen.output_ids) == len(gen.logprobs) == 6
     assert gen.versions == VersionStamps([[0, 6]]) and gen.finish_reason == "length"
     assert all(lp <= 0 for lp in gen.logprobs)
+
+
+def test_generation_connections_bound_their_receive_buffer(server, monkeypatch):
+    """Answers not yet read wait in their sockets: each /generate connection asks for a fixed
+    receive buffer before it connects (Linux would grow it towards tcp_rmem's maximum, and a
+    fleet's waiting answers past the kernel's TCP memory limit get dropped and retransmitted
+    after timeouts)."""
+    granted, bounded = [], client_module.bounded_receive_socket
+
+    def recorded(address):
+        sock = bounded(address)
+        granted.append(sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF))
+        return sock
+
+    monkeypatch.setattr(client_module, "bounded_receive_socket", recorded)
+
+    async def scenario():
+        engine = SGLangEngine(server.address)
+        try:
+            await engine.generate(PROMPT, SamplingParams(max_new_tokens=2), "bounded")
+        finally:
+            await engine.close()
+
+    run(scenario())
+    limit = Path("/proc/sys/net/core/rmem_max")
+    if not limit.exists():
+        pytest.skip("reads Linux's net.core.rmem_max")
+    with open(limit) as handle:   # the kernel doubles what it grants
+        expected = 2 * min(client_module.RECEIVE_BUFFER, int(handle.read()))
+    assert granted == [expected]
 
 
 def test_generate_group_is_batched_on_the_server(server):

@@ -34,7 +34,7 @@ from typing import Optional
 
 from rlorch.jsonlines import dumps, loads
 
-SEND_BUFFER = 1 << 20
+SEND_BUFFER = 1 << 18
 """SO_SNDBUF of a connection (the kernel doubles it): see :meth:`_Connection.connection_made`."""
 TOKEN_CAP = 65536
 """The longest completion a fleet answers (its shared answer arrays are this long)."""
