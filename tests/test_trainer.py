@@ -638,9 +638,9 @@ def test_activation_checkpointing_under_fsdp_gives_the_same_step(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 1])
 def test_lora_trains_adapters_publishes_merged_weights_and_resumes_exactly(tmp_path, nproc):
-    """Two ranks shard decoder layers holding frozen base weights and trainable adapters (one
-    rank writes its checkpoints beside training, without DCP). The checkpoint holds the adapters
-    (and the trained norms) alone; every published version is full weights under the base
+    """Two ranks shard decoder layers holding frozen base weights and trainable adapters, or one
+    rank holds them all and writes its checkpoints beside training, without DCP. The checkpoint
+    holds the adapters (and the trained norms) alone; every published version is full weights under the base
     model's names that an engine loads as it is; a run resumed from step 2 re-trains step 3 to
     the very weights of the uninterrupted run."""
     import torch
@@ -749,7 +749,7 @@ def test_a_single_ranks_checkpoint_is_written_without_importing_dcp(tmp_path):
 import sys, torch
 from pathlib import Path
 from rlorch.rundir.layout import PUBLISHED, RunDir, mark
-from rlorch.trainer import checkpoint, fsdp
+from rlorch.trainer import checkpoint, fsdp  # the trainer's module too, as its process imports it
 model = torch.nn.Linear(4, 3)
 optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
 model(torch.randn(2, 4)).sum().backward()
