@@ -515,7 +515,7 @@ on common distributions), and a thousand engines' waiting answers pass the kerne
 all TCP buffers (``tcp_mem``, about 1.5 GB on a 24 GB machine): it then drops segments and each
 connection waits out a retransmission timeout that doubles. At 1,000 simulated engines and
 20,000 answers of 4,096 tokens in flight that stalled ingest for minutes (6 min 8 s against
-52 s bounded). 512 KiB a connection, a thousand of them half a gigabyte, still carries several
+53 s bounded). 512 KiB a connection, a thousand of them half a gigabyte, still carries several
 times the bandwidth-delay product the ingest needs (it reads about 80 MB/s)."""
 
 
