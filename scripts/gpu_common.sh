@@ -4,7 +4,7 @@
 # device run names .gpu-wheels in `carry`. check_wheels proves them complete and small enough to
 # travel; install_rlorch installs them and rlorch (or puts both on PYTHONPATH).
 wheels=.gpu-wheels
-packages=(hydra-core omegaconf antlr4-python3-runtime orjson)
+packages=(hydra-core omegaconf antlr4-python3-runtime orjson pysimdjson)
 limit_mib=64
 
 check_wheels() {

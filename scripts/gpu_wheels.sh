@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Wheels of what the trainer path imports (rlorch.trainer.fsdp, rlorch.config.compose) beyond what
 # the lent GPU machine has (torch, transformers, safetensors, numpy, PyYAML, packaging are there):
-# hydra-core, omegaconf, antlr4-python3-runtime (hydra's and omegaconf's parser) and orjson
-# (rlorch.jsonlines), at the versions installed here, for that machine's CPython 3.12 on x86-64.
+# hydra-core, omegaconf, antlr4-python3-runtime (hydra's and omegaconf's parser), orjson
+# (rlorch.jsonlines) and pysimdjson (rlorch.inference.scan, which the colocated check's orchestrator
+# reads answers with), at the versions installed here, for that machine's CPython 3.12 on x86-64.
 # They go into .gpu-wheels/ (git-ignored), which a device run names in `carry`;
 # scripts/check_gpu_scale.sh installs them there.
 # antlr4-python3-runtime 4.9.3 (omegaconf 2.3 pins 4.9.*) is published as a source archive
@@ -16,7 +17,7 @@ rm -f "$dir"/*.whl
 
 version() { python3 -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
 pins=()
-for name in hydra-core omegaconf orjson; do pins+=("$name==$(version "$name")"); done
+for name in hydra-core omegaconf orjson pysimdjson; do pins+=("$name==$(version "$name")"); done
 
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

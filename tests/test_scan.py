@@ -1,4 +1,4 @@
-"""The numpy reading of /generate answers gives bit for bit what parsing them as JSON gives, on
+"""The simdjson reading of /generate answers gives bit for bit what parsing them as JSON gives, on
 every shape SGLang sends, and refuses (or hands to the full parse) what it cannot vouch for."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy
 import pytest
 
 from rlorch.inference.answers import Segment, parse_generate, segment
-from rlorch.inference.scan import Irregular, read_entries
+from rlorch.inference.scan import Brackets, Irregular, read_entries
 from rlorch.types import LOGPROBS, TOKEN_IDS
 
 
@@ -72,7 +72,7 @@ def midpoint_decimals(count: int, seed: int) -> list[str]:
 
 TRICKY = ["-1.5e-05", "-1e-07", "-1E+2", "-2.5E-3", "-0.0", "0.0", "0", "-0", "-1", "-12", "-3.0517578125e-05",
           "-1e-300", "-1e300", "-4.9e-324", "-1.17549435e-38", "-1.1754942e-38", "-3.4028235e+38", "-3.4028236e38",
-          "-0.000012345", "-0.12345678901234567890123", "-123456789012345678901234", "-9007199254740993",
+          "-0.000012345", "-0.12345678901234567890123", "-1234567890123456789", "-9007199254740993",
           "-1.00000000000000011102230246251565404236316680908203125", "-1e0", "-1e-0005", "-7.006492321624085e-46",
           "-1.401298464324817e-45", "-16777217", "-0.1", "-0.30000000000000004", "-99.99999999999999"]
 
@@ -102,15 +102,26 @@ def test_token_ids_from_zero_to_int32s_largest():
     assert read_entries(body, [(0, len(body))])[0][0].tolist() == ids
 
 
+def test_what_json_reads_as_a_number_is_read_so():
+    """Whitespace inside an entry and an id written as a float are JSON: read as JSON reads them
+    (and as :func:`segment` takes an id, by its integer value)."""
+    for written, logprob, token in [("[[-1 ,5,null]]", -1.0, 5), ("[[ -1,\t5,null]]", -1.0, 5),
+                                    ("[[-0.5,5.0,null]]", -0.5, 5), ("[[-2,7e1,null]]", -2.0, 70)]:
+        body = written.encode()
+        ids, values = read_entries(body, [(0, len(body))])[0]
+        assert (ids.tolist(), values.tolist()) == ([token], [logprob]), written
+
+
 @pytest.mark.parametrize("bad", [
     "[[-0.5, 5, null]]", "[[-0.5,5,null] ]", '[[-0.5,5,"a"]]', "[[-0.5,5]]", "[[-0.5,5,null,null]]",
-    "[[-0.5,5,nul]]", "[[-0.5,5,llun]]", "[[-0.5,05,null]]", "[[-0.5,-5,null]]", "[[-0.5,5.0,null]]",
-    "[[-0.5,2147483648,null]]", "[[-0.5,,null]]", "[[,5,null]]", "[[-05,5,null]]", "[[-.5,5,null]]",
+    "[[-0.5,5,nul]]", "[[-0.5,5,llun]]", "[[-0.5,05,null]]", "[[-0.5,-5,null]]", "[[-0.5,5.5,null]]",
+    "[[-0.5,2147483648,null]]", "[[-0.5,5,6,null]]", "[[-0.5,null],[1,2,3,null]]", "[[9e99,5,null]]",
+    "[[-0.5,true,null]]", "[[-123456789012345678901234,5,null]]", "[[-0.5,5,null],[-0.5,5,null,null]]", "[[-0.5,,null]]", "[[,5,null]]", "[[-05,5,null]]", "[[-.5,5,null]]",
     "[[-5.,5,null]]", "[[+5,5,null]]", "[[--5,5,null]]", "[[-5e,5,null]]", "[[-5e+,5,null]]", "[[-5-,5,null]]",
     "[[-5.5.5,5,null]]", "[[-5e5e5,5,null]]", "[[-inf,5,null]]", "[[NaN,5,null]]", "[[null,5,null]]",
     "[[-0.5,5,null][-0.5,5,null]]", "[[-0.5,5,null],[-0.5,5,null],]", "[[-0.5,5,null]]5", "[[-0.5,5,null]5]",
     "[[-0.5,5,null],[-0.5,null,5]]", "[[-0.5,5,null],-0.5,[5,null]]", "[[-0.5,5,null]],[[-0.5,5,null]]",
-    "[[-0.5,5,null],[[-0.5,5,null]]]", "[[-1 ,5,null]]", "[[-1\t,5,null]]", "[[-0x1,5,null]]", "[[-1_0,5,null]]",
+    "[[-0.5,5,null],[[-0.5,5,null]]]", "[[-0x1,5,null]]", "[[-1_0,5,null]]", "[[-1e400,5,null]]",
 ])
 def test_anything_off_the_compact_shape_is_refused(bad):
     body = bad.encode()
@@ -137,6 +148,7 @@ def corpus() -> list[bytes]:
     bodies.append(answer(entries(["-0.5"] * 1400, [5] * 1399 + [2147483648])))
     bodies.append(answer(entries(["-0.5"] * 1400, [5] * 1399 + ["5.0"])))
     bodies.append(answer(entries(["-0.5"] * 1400, [5] * 1399 + ["-5"])))
+    bodies.append(answer(entries(["-0.5"] * 1399 + ["-123456789012345678901234"])))
     return [b.encode() for b in bodies]
 
 
@@ -150,3 +162,38 @@ def test_the_fast_path_takes_what_sglang_sends():
     body = corpus()[1]
     tree = parse_generate(body)
     assert all(isinstance(a["meta_info"]["output_token_logprobs"], Segment) for a in tree)
+
+
+def test_a_refused_span_leaves_the_parser_reusable_and_threads_read_apart():
+    """Each thread's simdjson parser is kept across calls: a refusal (an error raised by the
+    parser) must not leave a document holding it, and threads must not share one."""
+    good = entries([repr(x) for x in float32_logprobs(3000, seed=4)]).encode()
+    expected = [a.tobytes() for a in read_entries(good, [(0, len(good))])[0]]
+    for bad in (b"[[-0.5,true,null]]", b"[[NaN,5,null]]", b"[[-0.5,5,null],[-0.5,5,null,null]]"):
+        with pytest.raises(Irregular):
+            read_entries(bad, [(0, len(bad))])
+        assert [a.tobytes() for a in read_entries(good, [(0, len(good))])[0]] == expected
+    import threading
+    seen = []
+
+    def read():
+        for _ in range(20):
+            seen.append([a.tobytes() for a in read_entries(good, [(0, len(good))])[0]] == expected)
+
+    threads = [threading.Thread(target=read) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert seen == [True] * 80
+
+
+def test_brackets_find_where_each_array_ends():
+    body = b'{"output_ids":[4,5],"text":"a]]b","e":[[-1,4,null],[-2,5,null]],"f":[],"g":[[1,2,null]'
+    brackets = Brackets(body)
+    assert body[:brackets.list_end(body.index(b"[4") + 1)].endswith(b"[4,5]")
+    opened = body.index(b"[[-1") + 1
+    assert body[opened - 1:brackets.entries_end(opened)] == b"[[-1,4,null],[-2,5,null]]"
+    assert brackets.entries_end(body.index(b"[]") + 1) == body.index(b"[]") + 2
+    assert brackets.entries_end(body.index(b"[[1,2") + 1) == -1  # unterminated
+    assert brackets.list_end(len(body)) == -1

@@ -3,12 +3,12 @@
 An answer's ``meta_info.output_token_logprobs`` is ``[[logprob, token_id, null], ...]``, about
 25 bytes a token; a general JSON parser makes four Python objects of every entry. Here the
 entries (and ``output_ids``, which repeats their ids) are cut out of the body before it is
-parsed: each entries span is read as bytes by numpy (:mod:`rlorch.inference.scan`) into an
-int32 id array and a float32 logprob array; the rest of the body, small, is parsed as JSON, and the entries' place holds a
-:class:`Segment`. An answer this fast path does not read exactly as written (whitespace inside
-the entries, a token's text in them, a non-finite or missing logprob, an id that is not an
-integer) is parsed in full instead, and :func:`segment` reads its entries one by one (and names
-the fault).
+parsed: the entries spans are read together by simdjson (:mod:`rlorch.inference.scan`) into an
+int32 id array and a float32 logprob array each; the rest of the body, small, is parsed as
+JSON, and the entries' place holds a :class:`Segment`. An answer this fast path cannot read
+exactly (a token's text in the entries, a non-finite or missing logprob, an id that is not an
+integer in int32's range) is parsed in full instead, and :func:`segment` reads its entries one
+by one (and names the fault).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from rlorch.inference.scan import Irregular, read_entries
+from rlorch.inference.scan import Brackets, Irregular, read_entries
 from rlorch.jsonlines import loads
 from rlorch.types import LOGPROBS, LONG, TOKEN_IDS
 
@@ -61,19 +61,25 @@ def parse_generate(body: bytes) -> Any:
 
 def _parse_compact(body: bytes) -> Any:
     """Each key is looked for from where the last cut ended, so the spans are skipped, not
-    scanned (a search for the other key runs over the ids list at most)."""
+    scanned (a search for the other key runs over the ids list at most); where each array ends
+    comes from the body's brackets, found in one pass."""
     pieces, segments, at = [], [], 0
     entries_at, ids_at = body.find(ENTRIES), body.find(IDS)
+    if entries_at < 0:
+        return loads(body, exact=False)
+    brackets = Brackets(body)
     while entries_at >= 0 or ids_at >= 0:
         if entries_at >= 0 and (ids_at < 0 or entries_at < ids_at):
             opened = entries_at + len(ENTRIES)
-            end = _entries_end(body, opened)
+            end = brackets.entries_end(opened)
+            if end < 0:
+                raise NotCompact("unterminated entries")
             segments.append((opened - 1, end))
             pieces += [body[at:opened - 1], b"%d" % (len(segments) - 1)]
         else:
             opened = ids_at + len(IDS)
-            end = body.find(b"]", opened) + 1
-            if not end:
+            end = brackets.list_end(opened)
+            if end < 0:
                 raise NotCompact("unterminated output_ids")
             pieces += [body[at:opened - 1], b"null"]
         at = end
@@ -82,11 +88,9 @@ def _parse_compact(body: bytes) -> Any:
         if ids_at < at:
             ids_at = body.find(IDS, at)
     if not segments:
-        if pieces:
-            raise NotCompact("output_ids without entries")
-        return loads(body, exact=False)
+        raise NotCompact("output_ids without entries")
     pieces.append(body[at:])
-    segments = _entries(body, segments)
+    segments = _entries(body, segments, brackets)
     tree = loads(b"".join(pieces), exact=False)
     placed = 0
     for answer in tree if isinstance(tree, list) else [tree]:
@@ -102,30 +106,17 @@ def _parse_compact(body: bytes) -> Any:
     return tree
 
 
-def _entries_end(body: bytes, opened: int) -> int:
-    """The end of the entries array whose ``[`` is at ``opened - 1``: ``[]`` or the first ``]]``
-    (entries hold numbers and null only, which :func:`_entries` checks)."""
-    if body[opened:opened + 1] == b"]":
-        return opened + 1
-    end = body.find(b"null]]", opened)  # a longer needle is skipped to faster than ]]
-    if end < 0:
-        end = body.find(b"]]", opened) - 4
-        if end < 0:
-            raise NotCompact("unterminated entries")
-    return end + 6
-
-
-def _entries(body: bytes, spans: list[tuple[int, int]]) -> list[Segment]:
+def _entries(body: bytes, spans: list[tuple[int, int]], brackets: Brackets) -> list[Segment]:
     """Each ``[[lp, id, null], ...]`` at ``body[start:end]`` as arrays: a short one parsed as
     JSON, the others read together by :func:`rlorch.inference.scan.read_entries` (bit for bit
-    what parsing them as JSON gives); anything else in a span (a string, whitespace, a third
-    value) is refused."""
+    what parsing them as JSON gives); anything else in a span (a string, a third value, a
+    ``null`` not written ``,null]``) is refused."""
     segments: list[Any] = [None] * len(spans)
     long = []
     for number, (start, end) in enumerate(spans):
         if end - start == 2:
             segments[number] = Segment(array(TOKEN_IDS), array(LOGPROBS))
-        elif end - start < SHORT_ENTRIES:  # numpy's fixed costs outweigh a few entries
+        elif end - start < SHORT_ENTRIES:  # a few entries: orjson's objects cost less than the fixed costs
             try:
                 segments[number] = Segment(*segment(orjson.loads(body[start:end])))
             except (orjson.JSONDecodeError, ValueError, TypeError, IndexError) as err:
@@ -134,7 +125,7 @@ def _entries(body: bytes, spans: list[tuple[int, int]]) -> list[Segment]:
             long.append(number)
     if long:
         try:
-            read = read_entries(body, [spans[number] for number in long])
+            read = read_entries(body, [spans[number] for number in long], brackets)
         except Irregular as err:
             raise NotCompact(str(err)) from None
         for number, (ids, logprobs) in zip(long, read):
