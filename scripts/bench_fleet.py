@@ -12,12 +12,16 @@ Runs against ``rlorch fleet`` (simulated engines behind SGLang's HTTP API, see
   ``--in-flight`` rollouts of ``--completion-tokens`` tokens in flight (batch = in-flight / 2,
   staleness 1; the sim trainer's step time keeps the buffers full). Its CPU and RSS are read from
   /proc: CPU per rollout and per 1k tokens ingested, RSS per in-flight rollout and token (RSS at
-  the fullest point above the RSS before the first rollout), the trainer's idle share.
+  the fullest point above the RSS before the first rollout), the trainer's idle share. With
+  ``--parse-workers N`` (``inference.parse_workers``) the workers' CPU counts as the
+  orchestrator's (``ingest_tokens_per_core_s``); ``loop_tokens_per_core_s`` is the event loop's
+  process alone.
 
 The last line is always one JSON object to compare run to run, a failed run's too (with
 ``"error"``, and the exit status 1). A size that would not fit the memory given, at the bytes per
 in-flight token measured so far (orchestrator and fleet together; 60 assumed before the first
-run), is run at the largest in-flight count that fits, halving, and the JSON says so (``"degraded"``).
+run, or ``--bytes-per-token``), is run at the largest in-flight count that fits, halving, and the JSON
+says so (``"degraded"``).
 
     python scripts/bench_fleet.py --engines 1000 --in-flight 10000 --completion-tokens 4096
 """
@@ -174,7 +178,24 @@ def group_rss(group: int) -> int:
     return total
 
 
-def ingest(engines: int, in_flight: int, tokens: int, processes: int, workdir: Path, steps: int) -> dict:
+def children_cpu(parent: int) -> dict[int, float]:
+    """CPU seconds of each child of process ``parent`` (its answer-parsing workers)."""
+    cpu = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == parent:
+            cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / CLK
+    return cpu
+
+
+def ingest(engines: int, in_flight: int, tokens: int, processes: int, workdir: Path, steps: int,
+           parse_workers: int = 0) -> dict:
     fleet, addresses = start_fleet(engines, 0, processes, workdir, "--length-median", str(tokens),
                                    "--length-sigma", "0", "--vocab", "151936")
     run_dir = workdir / f"run-{engines}-{in_flight}"
@@ -185,11 +206,12 @@ def ingest(engines: int, in_flight: int, tokens: int, processes: int, workdir: P
                  f"rollout.batch_size={batch}", f"rollout.max_concurrent={in_flight}", "rollout.max_staleness=1",
                  f"rollout.queue_size={max(1024, batch)}", f"rollout.max_buffered={in_flight}",
                  f"rollout.max_new_tokens={tokens}", "rollout.pack_samples=64", "eval.every=0",
-                 "run.report=false", "inference.health_interval=30", "rollout.request_timeout=600"]
+                 "run.report=false", "inference.health_interval=30", "rollout.request_timeout=600",
+                 f"inference.parse_workers={parse_workers}"]
     errors = open(workdir / f"train-{engines}-{in_flight}.err", "w+b")  # a file: a pipe would fill and stall it
     process = subprocess.Popen([sys.executable, "-m", "rlorch.cli", "train", *overrides],
                                stdout=subprocess.DEVNULL, stderr=errors, cwd=workdir, env=ENV)
-    baseline, peak, cpu_start, samples, fleet_peak, tick = None, 0, None, [], 0, 0
+    baseline, peak, cpu_start, samples, fleet_peak, tick, workers = None, 0, None, [], 0, 0, {}
     try:
         while process.poll() is None:
             try:
@@ -205,6 +227,8 @@ def ingest(engines: int, in_flight: int, tokens: int, processes: int, workdir: P
             tick += 1
             if tick % 10 == 0:
                 fleet_peak = max(fleet_peak, group_rss(fleet.pid))
+                if parse_workers:
+                    workers.update(children_cpu(process.pid))
             time.sleep(0.1)
         process.wait()
     finally:
@@ -219,9 +243,13 @@ def ingest(engines: int, in_flight: int, tokens: int, processes: int, workdir: P
     cpu_end = samples[-1][0] if samples else 0.0
     rollouts = summary["admitted"]
     ingested = rollouts * tokens
-    cpu = cpu_end - (cpu_start or 0.0)
+    loop_cpu = cpu_end - (cpu_start or 0.0)
+    worker_cpu = sum(workers.values())  # from their start: they start with the first long answer
+    cpu = loop_cpu + worker_cpu
     shutil.rmtree(run_dir / "rollouts", ignore_errors=True)
-    return {"orchestrator_cpu_s": round(cpu, 2), "rollouts": rollouts, "lost": summary["lost"],
+    return {"orchestrator_cpu_s": round(cpu, 2), "parse_workers_cpu_s": round(worker_cpu, 2),
+            "loop_tokens_per_core_s": round(ingested / max(loop_cpu, 1e-9)),
+            "rollouts": rollouts, "lost": summary["lost"],
             "cpu_ms_per_rollout": round(1e3 * cpu / max(1, rollouts), 3),
             "cpu_ms_per_1k_tokens": round(1e6 * cpu / max(1, ingested), 4),
             "ingest_tokens_per_core_s": round(ingested / max(cpu, 1e-9)),
@@ -241,7 +269,8 @@ def fitting(in_flight: int, tokens: int, bytes_per_token: float, memory: float) 
 
 
 SUMMARY = ("engines", "in_flight", "completion_tokens", "bytes_per_inflight_token", "ingest_tokens_per_core_s",
-           "fanout_p50_s", "fanout_p99_s", "admission_cost_ratio", "lost", "rss_peak_mb", "fleet_peak_mb")
+           "loop_tokens_per_core_s", "parse_workers_cpu_s",
+           "fanout_p50_s", "fanout_p99_s", "admission_cost_ratio", "lost", "rss_peak_mb", "fleet_peak_mb", "trainer_idle")
 
 
 def main() -> int:
@@ -254,6 +283,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=4, help="Training steps per ingest run.")
     parser.add_argument("--memory-gb", type=float, default=None,
                         help="Memory the orchestrator and the fleet may use (default: 70%% of this machine's).")
+    parser.add_argument("--parse-workers", type=int, default=0,
+                        help="inference.parse_workers of the ingest runs: their CPU counts as the orchestrator's.")
+    parser.add_argument("--bytes-per-token", type=float, default=PRIOR_BYTES_PER_TOKEN,
+                        help="Memory per in-flight token (orchestrator and fleet) assumed until a run measures it "
+                             "(default %(default)s; a figure an earlier run printed fits more in flight).")
     args = parser.parse_args()
     # A SIGTERM (timeout, a job scheduler) unwinds through the finally blocks that stop the fleets.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -299,7 +333,7 @@ def run(args, memory: float, workdir: Path, results: list, notes: list, partial:
               flush=True)
     print(f"\n{'engines':>8} {'in flight':>10} {'tokens':>7} {'cpu ms/rollout':>15} {'cpu ms/1k tok':>14} "
           f"{'tok/core-s':>11} {'B/rollout':>10} {'B/token':>8} {'peak MB':>8} {'fleet MB':>9} {'trainer idle':>13}")
-    bytes_per_token = PRIOR_BYTES_PER_TOKEN
+    bytes_per_token = args.bytes_per_token
     for engines in args.engines:
         for asked in args.in_flight:
             in_flight = fitting(asked, args.completion_tokens, bytes_per_token, memory)
@@ -311,7 +345,8 @@ def run(args, memory: float, workdir: Path, results: list, notes: list, partial:
                 print(f"{engines:>8} {asked:>10} {note}", flush=True)
                 if not in_flight:
                     continue
-            got = ingest(engines, in_flight, args.completion_tokens, args.processes, workdir, args.steps)
+            got = ingest(engines, in_flight, args.completion_tokens, args.processes, workdir, args.steps,
+                         args.parse_workers)
             measured = got["bytes_per_inflight_token"] + got["fleet_peak_mb"] * 2**20 / (in_flight * args.completion_tokens)
             bytes_per_token = max(measured, 1.0) if not results else max(bytes_per_token, measured)
             print(f"{engines:>8} {in_flight:>10} {args.completion_tokens:>7} {got['cpu_ms_per_rollout']:>15} "

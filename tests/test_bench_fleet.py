@@ -26,7 +26,7 @@ def stub(module, monkeypatch, ingest):
     monkeypatch.setattr(module, "ingest", ingest)
 
 
-def measured(engines, in_flight, tokens, processes, workdir, steps):
+def measured(engines, in_flight, tokens, processes, workdir, steps, parse_workers=0):
     return {"orchestrator_cpu_s": 1.0, "rollouts": in_flight, "lost": 0, "cpu_ms_per_rollout": 1.0,
             "cpu_ms_per_1k_tokens": 0.4, "ingest_tokens_per_core_s": 2_500_000, "rss_baseline_mb": 100,
             "rss_peak_mb": 200, "bytes_per_inflight_rollout": 1000, "bytes_per_inflight_token": 16.0,
@@ -63,3 +63,14 @@ def test_a_size_over_the_memory_given_runs_at_the_largest_that_fits_and_says_so(
     assert line["degraded"] and "ran 781 in flight" in line["degraded"][0]
     assert module.fitting(100_000, 4096, 16.0, 7 * 2**30) == 100_000
     assert module.fitting(100_000, 4096, 60.0, 7 * 2**30) == 25_000
+
+
+def test_the_assumed_bytes_per_token_can_be_given(monkeypatch, capsys):
+    module = bench()
+    stub(module, monkeypatch, measured)
+    # 15 B/token assumed instead of 60: 0.2 GiB holds 14.3M tokens, so 100,000 x 4,096 halves to 3,125
+    monkeypatch.setattr(sys, "argv", ["bench_fleet.py", "--engines", "1000", "--in-flight", "100000",
+                                      "--memory-gb", "0.2", "--bytes-per-token", "15"])
+    assert module.main() == 0
+    line = last_json(capsys)
+    assert line["in_flight"] == 3125 and "at 15 B/token" in line["degraded"][0]

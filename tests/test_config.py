@@ -68,6 +68,7 @@ def test_the_fsdp_trainer_refuses_simulated_tokens():
     ("trainer.correction=none", "trainer.correction", "trainer.allow_uncorrected=true"),
     ("trainer.correction=recompute", "trainer.correction", "'recompute' trains off-policy data"),
     ("conf=sync trainer.minibatches=2", "trainer.correction", "trainer.minibatches=1"),
+    ("inference.parse_workers=-1", "inference.parse_workers", ">= 0"),
 ])
 def test_invalid_setting_names_its_key(override, key, fragment):
     code, output = validate(*override.split())

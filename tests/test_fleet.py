@@ -168,7 +168,8 @@ def test_rlorch_trains_against_a_fleet_served_by_rlorch_fleet(tmp_path):
         run_dir = tmp_path / "run"
         done = subprocess.run([sys.executable, "-m", "rlorch.cli", "train", "inference=sglang",
                                f"inference.addresses=[{','.join(addresses)}]", "trainer=sim", f"run.dir={run_dir}",
-                               "train.steps=6", "rollout.max_new_tokens=16", "run.report=false"],
+                               "train.steps=6", "rollout.max_new_tokens=16", "run.report=false",
+                               "inference.parse_workers=1"],
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         summary = json.loads((run_dir / "summary.json").read_text())

@@ -3,6 +3,7 @@ every shape SGLang sends, and refuses (or hands to the full parse) what it canno
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from array import array
@@ -197,3 +198,71 @@ def test_brackets_find_where_each_array_ends():
     assert brackets.entries_end(body.index(b"[]") + 1) == body.index(b"[]") + 2
     assert brackets.entries_end(body.index(b"[[1,2") + 1) == -1  # unterminated
     assert brackets.list_end(len(body)) == -1
+
+
+def handing_off_everything(workers: int = 1):
+    from rlorch.inference.answers import AnswerParsers
+
+    parsers = AnswerParsers(workers)
+    parsers.HANDED_OFF = 0  # the corpus's bodies are far under a megabyte
+    return parsers
+
+
+def test_parse_workers_read_every_body_of_the_corpus_as_the_loop_does():
+    parsers = handing_off_everything()
+
+    async def parse_all():
+        return [await parsers.parse(body) for body in corpus()]
+
+    try:
+        trees = asyncio.run(parse_all())
+    finally:
+        parsers.close()
+    assert not parsers.broken and parsers.handed == len(trees)
+    for body, tree in zip(corpus(), trees):
+        assert outcome(lambda _: parsed_tree(tree), body) == outcome(parsed, body), body[:200]
+
+
+def parsed_tree(tree):
+    return [None if (a.get("meta_info") or {}).get("output_token_logprobs") is None
+            else segment(a["meta_info"]["output_token_logprobs"]) for a in (tree if isinstance(tree, list) else [tree])]
+
+
+def test_a_dead_parse_worker_leaves_the_loop_parsing_and_loses_no_answer(caplog):
+    import multiprocessing
+    import os
+    import signal
+
+    parsers = handing_off_everything()
+    body = corpus()[1]
+
+    async def scenario():
+        first = await parsers.parse(body)
+        for child in multiprocessing.active_children():
+            os.kill(child.pid, signal.SIGKILL)
+        return first, await parsers.parse(body), await parsers.parse(body)
+
+    try:
+        with caplog.at_level("WARNING", logger="rlorch.inference.answers"):
+            trees = asyncio.run(scenario())
+    finally:
+        parsers.close()
+    assert parsers.broken and parsers.handed == 2  # the third went straight to the loop
+    assert [outcome(lambda _: parsed_tree(tree), body) for tree in trees] == [outcome(parsed, body)] * 3
+    assert sum("answer-parsing worker died" in r.message for r in caplog.records) == 1
+
+
+def test_bodies_past_what_the_workers_hold_are_parsed_in_the_loop():
+    parsers = handing_off_everything(workers=1)
+    bodies = corpus()[:6]
+
+    async def all_at_once():
+        return await asyncio.gather(*(parsers.parse(body) for body in bodies))
+
+    try:
+        trees = asyncio.run(all_at_once())
+    finally:
+        parsers.close()
+    assert parsers.handed == parsers.QUEUED == 2 and parsers.out == 0
+    for body, tree in zip(bodies, trees):
+        assert outcome(lambda _: parsed_tree(tree), body) == outcome(parsed, body)

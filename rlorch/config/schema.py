@@ -431,6 +431,11 @@ class InferenceConfig:
     control_concurrency: int = 256
     """Control calls (pause, continue, weight updates, health probes) on the wire at once across
     all servers: a fleet's fan-out is concurrent but bounded, over one shared connection pool."""
+    parse_workers: int = 0
+    """Processes that parse long /generate answers beside the event loop (0: the loop parses
+    them). Each such body goes to one over a pipe and its arrays come back: more CPU in all, less
+    on the loop's core. For a fleet one core cannot keep up with (scripts/bench_fleet.py: the
+    trainer idle while the orchestrator's core is busy)."""
     addresses: list[str] = field(default_factory=list)
     """Running servers to connect to instead of launching, host:port (with `router`: the workers
     behind it)."""
@@ -505,6 +510,7 @@ class InferenceConfig:
         _require(self.health_failures >= 1, "inference.health_failures", "must be >= 1")
         _require(self.max_restarts >= 0, "inference.max_restarts", "must be >= 0")
         _require(self.control_concurrency >= 1, "inference.control_concurrency", "must be >= 1")
+        _require(self.parse_workers >= 0, "inference.parse_workers", "must be >= 0")
         _require(self.memory_fraction is None or 0 < self.memory_fraction < 1, "inference.memory_fraction",
                  "must be in (0, 1) (or null: sized by the run)")
 

@@ -8,13 +8,19 @@ int32 id array and a float32 logprob array each; the rest of the body, small, is
 JSON, and the entries' place holds a :class:`Segment`. An answer this fast path cannot read
 exactly (a token's text in the entries, a non-finite or missing logprob, an id that is not an
 integer in int32's range) is parsed in full instead, and :func:`segment` reads its entries one
-by one (and names the fault).
+by one (and names the fault). :class:`AnswerParsers` runs the parse in worker processes
+(``inference.parse_workers``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
+import multiprocessing
 from array import array
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, NamedTuple
 
 import orjson
@@ -22,6 +28,8 @@ import orjson
 from rlorch.inference.scan import Brackets, Irregular, read_entries
 from rlorch.jsonlines import loads
 from rlorch.types import LOGPROBS, LONG, TOKEN_IDS
+
+log = logging.getLogger(__name__)
 
 ENTRIES, IDS = b'"output_token_logprobs":[', b'"output_ids":['
 """Where an answer's entries and ids start. Inside a JSON string the key's quotes are escaped, so
@@ -57,6 +65,50 @@ def parse_generate(body: bytes) -> Any:
         return _parse_compact(body)
     except NotCompact:
         return loads(body, exact=False)
+
+
+class AnswerParsers:
+    """Worker processes that parse long /generate bodies (:func:`parse_generate`) beside the event
+    loop, for a loop one core cannot keep up with: such a body goes to one over a pipe (pickled,
+    some 35 bytes a token) and its tree, the arrays in it, comes back (some 8). At most
+    ``QUEUED`` bodies per worker are out at once; past that, and under ``HANDED_OFF`` bytes, the
+    loop parses the body itself (no body waits in a queue, held twice). If a worker dies
+    (killed, out of memory), the rest of the run parses in the loop, with a warning: no answer
+    is lost with it."""
+
+    HANDED_OFF = 1 << 20
+    """Bytes (some 30,000 tokens) from which a body goes to a worker: a hand-off's fixed costs (a
+    pickle each way, the pipe, the loop woken) are not repaid by a short parse."""
+    QUEUED = 2
+    """Bodies per worker out at once."""
+
+    def __init__(self, workers: int):
+        # spawn: a forked child would inherit the event loop's threads and sockets
+        self._executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        self.workers = workers
+        self.out = 0
+        """Bodies with the workers now."""
+        self.handed = 0
+        """Bodies handed to the workers in all."""
+        self.broken = False
+
+    async def parse(self, body: bytes | bytearray) -> Any:
+        if len(body) < self.HANDED_OFF or self.broken or self.out >= self.QUEUED * self.workers:
+            return parse_generate(body)
+        self.out += 1
+        self.handed += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, parse_generate, body)
+        except BrokenProcessPool as err:
+            if not self.broken:
+                log.warning("an answer-parsing worker died (%s): answers are parsed in the event loop from now on", err)
+                self.broken = True
+            return parse_generate(body)
+        finally:
+            self.out -= 1
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 def _parse_compact(body: bytes) -> Any:

@@ -29,7 +29,7 @@ import socket
 import uuid
 import weakref
 from array import array
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Awaitable, Callable, Optional, Sequence
 
 import aiohttp
 
@@ -94,13 +94,16 @@ class SGLangEngine:
     def __init__(self, address: str, *, request_timeout: float = 300.0, control_timeout: float = 600.0,
                  reload_timeout: Optional[float] = None, extra_params: Optional[dict] = None,
                  name: Optional[str] = None, api_key: Optional[str] = None,
-                 control_http: Optional[ControlHTTP] = None):
+                 control_http: Optional[ControlHTTP] = None,
+                 parse: Optional[Callable[[bytes | bytearray], Awaitable[Any]]] = None):
         """``request_timeout`` bounds each /generate call; ``control_timeout`` bounds pause, continue,
         abort and the other control calls; ``reload_timeout`` (default ``control_timeout``) bounds a
         weight update, from disk or over the group. ``extra_params`` are added to every request's sampling_params
         (e.g. ``{"ignore_eos": True}``). ``api_key`` goes out as ``Authorization: Bearer`` (SGLang's
         ``--api-key``). ``control_http`` carries the control calls (one shared by a pool's
-        clients; by default one of the client's own); an ``https`` server gets them over aiohttp."""
+        clients; by default one of the client's own); an ``https`` server gets them over aiohttp.
+        ``parse`` reads a /generate answer's body (:meth:`AnswerParsers.parse`, a pool's workers);
+        by default :func:`parse_generate`, in the event loop."""
         self.url = normalize_address(address)
         plain = self.url.startswith("http://") and "/" not in self.url[len("http://"):]
         host, _, port = self.url[len("http://"):].rpartition(":")
@@ -112,6 +115,7 @@ class SGLangEngine:
         self.control_timeout = control_timeout
         self.reload_timeout = control_timeout if reload_timeout is None else reload_timeout
         self.extra_params = dict(extra_params or {})
+        self._parse = parse
         self._session: Optional[aiohttp.ClientSession] = None
         self._cancelled: set[str] = set()
         self._on_wire: dict[str, str] = {}
@@ -158,7 +162,7 @@ class SGLangEngine:
             return status, None
         try:  # answers hold no integer past 64 bits: orjson reads them as written
             if path == "/generate" and status == 200:
-                return status, parse_generate(body)
+                return status, parse_generate(body) if self._parse is None else await self._parse(body)
             return status, loads(body, exact=False)
         except ValueError:
             return status, body.decode(errors="replace")

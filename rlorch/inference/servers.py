@@ -29,6 +29,7 @@ from typing import Callable, Optional
 
 from rlorch.backends import inference_backend
 from rlorch.config.schema import Config, InferenceBackend
+from rlorch.inference.answers import AnswerParsers
 from rlorch.inference.client import SGLangEngine
 from rlorch.inference.control import ControlHTTP
 from rlorch.inference.pool import EnginePool
@@ -72,11 +73,14 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
         api_key = secrets.token_urlsafe(24)
         servers = await off_loop(lambda: [launch(i) for i in range(inference.num_servers)])
     control_http = ControlHTTP(concurrency=inference.control_concurrency)
-    engines = [_client(config, s.address, api_key, control_http) for s in servers]
+    parsers = AnswerParsers(inference.parse_workers) if inference.parse_workers else None
+    engines = [_client(config, s.address, api_key, control_http, parsers) for s in servers]
     monitor: list[asyncio.Task] = []
 
     async def shutdown() -> None:
         await cancel_and_wait(*monitor)
+        if parsers is not None:
+            parsers.close()
         await launcher.stop(servers, timeout=inference.shutdown_timeout)
 
     async def ready(index: int) -> None:
@@ -93,7 +97,7 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
                         servers[index].name, servers[index].address)
             await engines[index].close()
             servers[index] = await off_loop(lambda: launch(index))
-            engines[index] = _client(config, servers[index].address, api_key, control_http)
+            engines[index] = _client(config, servers[index].address, api_key, control_http, parsers)
 
     try:
         await asyncio.gather(*(ready(index) for index in range(len(servers))))
@@ -106,7 +110,7 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
     if inference.router:
         from rlorch.inference.routed import RoutedServer
 
-        engines = [RoutedServer(_client(config, inference.router, api_key, control_http), engines)]
+        engines = [RoutedServer(_client(config, inference.router, api_key, control_http, parsers), engines)]
         by_name = {}
     pool = EnginePool(engines, request_timeout=config.rollout.request_timeout,
                       max_retries=config.rollout.max_retries, name=f"{inference.backend.value}-pool", on_close=shutdown,
@@ -126,7 +130,7 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
         index = len(servers)
         fresh = await off_loop(lambda: launch(index))
         servers.append(fresh)
-        engine = _client(config, fresh.address, api_key, control_http)
+        engine = _client(config, fresh.address, api_key, control_http, parsers)
         try:
             await _wait_ready(launcher, fresh, engine, inference.ready_timeout)
         except BaseException:
@@ -157,11 +161,12 @@ async def start_engines(config, *, log_dir: Path, servers_file: Path, model_path
     return pool
 
 
-def _client(config, address: str, api_key: Optional[str], control_http: ControlHTTP) -> SGLangEngine:
+def _client(config, address: str, api_key: Optional[str], control_http: ControlHTTP,
+            parsers: Optional[AnswerParsers]) -> SGLangEngine:
     inference = config.inference
     return SGLangEngine(address, request_timeout=config.rollout.request_timeout, api_key=api_key,
                         control_timeout=inference.control_timeout, reload_timeout=inference.reload_timeout,
-                        control_http=control_http)
+                        control_http=control_http, parse=None if parsers is None else parsers.parse)
 
 
 async def supervise(launcher: Launcher, servers: dict[str, Launched], pool: EnginePool, *,
