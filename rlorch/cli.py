@@ -293,6 +293,9 @@ def fleet(
     reload_s: float = typer.Option(0.0, "--reload-s", help="Seconds a weight update takes."),
     vocab: int = typer.Option(32, "--vocab", help="Token ids are drawn below this."),
     seed: int = typer.Option(0, "--seed", help="Seed of speeds, lengths and tokens."),
+    full_logprobs: bool = typer.Option(False, "--full-logprobs",
+                                       help="Logprobs written as SGLang writes them (a float32's value in full, "
+                                            "some 20 characters), not to 4 decimals."),
 ) -> None:
     """Serve many simulated engines behind SGLang's native HTTP API (for scale benchmarks)."""
     from pathlib import Path
@@ -301,7 +304,7 @@ def fleet(
 
     profile = FleetProfile(tokens_per_s=tokens_per_s, speed_spread=speed_spread, stragglers=stragglers, ttft=ttft,
                            length_median=length_median, length_sigma=length_sigma, slots=slots, reload_s=reload_s,
-                           vocab=vocab, seed=seed)
+                           vocab=vocab, seed=seed, full_logprobs=full_logprobs)
     serve_fleet(engines, port_base, processes=processes, profile=profile, host=host,
                 fleet_file=Path(fleet_file) if fleet_file else None)
 

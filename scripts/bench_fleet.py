@@ -195,9 +195,10 @@ def children_cpu(parent: int) -> dict[int, float]:
 
 
 def ingest(engines: int, in_flight: int, tokens: int, processes: int, workdir: Path, steps: int,
-           parse_workers: int = 0) -> dict:
+           parse_workers: int = 0, full_logprobs: bool = False) -> dict:
     fleet, addresses = start_fleet(engines, 0, processes, workdir, "--length-median", str(tokens),
-                                   "--length-sigma", "0", "--vocab", "151936")
+                                   "--length-sigma", "0", "--vocab", "151936",
+                                   *(["--full-logprobs"] if full_logprobs else []))
     run_dir = workdir / f"run-{engines}-{in_flight}"
     batch = max(1, in_flight // 2)
     overrides = ["inference=sglang", f"inference.addresses=[{','.join(addresses)}]", "trainer=sim",
@@ -285,6 +286,8 @@ def main() -> int:
                         help="Memory the orchestrator and the fleet may use (default: 70%% of this machine's).")
     parser.add_argument("--parse-workers", type=int, default=0,
                         help="inference.parse_workers of the ingest runs: their CPU counts as the orchestrator's.")
+    parser.add_argument("--full-logprobs", action="store_true",
+                        help="The fleet writes logprobs in full, as SGLang does (some 33 bytes an entry, not 21).")
     parser.add_argument("--bytes-per-token", type=float, default=PRIOR_BYTES_PER_TOKEN,
                         help="Memory per in-flight token (orchestrator and fleet) assumed until a run measures it "
                              "(default %(default)s; a figure an earlier run printed fits more in flight).")
@@ -346,7 +349,7 @@ def run(args, memory: float, workdir: Path, results: list, notes: list, partial:
                 if not in_flight:
                     continue
             got = ingest(engines, in_flight, args.completion_tokens, args.processes, workdir, args.steps,
-                         args.parse_workers)
+                         args.parse_workers, args.full_logprobs)
             measured = got["bytes_per_inflight_token"] + got["fleet_peak_mb"] * 2**20 / (in_flight * args.completion_tokens)
             bytes_per_token = max(measured, 1.0) if not results else max(bytes_per_token, measured)
             print(f"{engines:>8} {in_flight:>10} {args.completion_tokens:>7} {got['cpu_ms_per_rollout']:>15} "

@@ -26,7 +26,7 @@ def stub(module, monkeypatch, ingest):
     monkeypatch.setattr(module, "ingest", ingest)
 
 
-def measured(engines, in_flight, tokens, processes, workdir, steps, parse_workers=0):
+def measured(engines, in_flight, tokens, processes, workdir, steps, parse_workers=0, full_logprobs=False):
     return {"orchestrator_cpu_s": 1.0, "rollouts": in_flight, "lost": 0, "cpu_ms_per_rollout": 1.0,
             "cpu_ms_per_1k_tokens": 0.4, "ingest_tokens_per_core_s": 2_500_000, "rss_baseline_mb": 100,
             "rss_peak_mb": 200, "bytes_per_inflight_rollout": 1000, "bytes_per_inflight_token": 16.0,

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy
 import pytest
 
 from helpers import hang, wait_until_async
@@ -199,3 +200,11 @@ def test_a_weight_update_waits_for_the_last_servers_of_a_large_fleet_but_not_for
     cancelled, hung = run(scenario())
     assert not any(cancelled), "every server finished within 4x the time half of them took"
     assert hung
+
+
+def test_full_logprobs_are_written_as_sglang_writes_a_float32():
+    rounded = Fleet([0], 0, FleetProfile())._entries[:200]
+    full = Fleet([0], 0, FleetProfile(full_logprobs=True))._entries[:200]
+    assert all(round(lp, 4) == lp for lp, _, _ in rounded)
+    assert all(float(numpy.float32(lp)) == lp for lp, _, _ in full)
+    assert sum(len(repr(lp)) for lp, _, _ in full) > 2 * sum(len(repr(lp)) for lp, _, _ in rounded)

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import numpy
+
 from rlorch.jsonlines import dumps, loads
 
 SEND_BUFFER = 1 << 18
@@ -64,6 +66,9 @@ class FleetProfile:
     vocab: int = 32
     """Token ids are drawn below this (the tiny default model's vocabulary)."""
     seed: int = 0
+    full_logprobs: bool = False
+    """Logprobs as SGLang writes them, a float32's value in full (``-0.12345679104328156``: some
+    33 bytes an entry); else to 4 decimals (some 21)."""
 
 
 class FleetEngine:
@@ -122,7 +127,9 @@ class Fleet:
         """Each engine's host:port once listening (port_base 0: ports the system chose)."""
         rng = random.Random(profile.seed)
         self._ids = [rng.randrange(3, max(4, profile.vocab)) for _ in range(TOKEN_CAP)]
-        self._entries = [[round(-rng.expovariate(2.0), 4), token, None] for token in self._ids]
+        draw = ((lambda: float(numpy.float32(-rng.expovariate(2.0)))) if profile.full_logprobs
+                else (lambda: round(-rng.expovariate(2.0), 4)))
+        self._entries = [[draw(), token, None] for token in self._ids]
         self._servers: list[asyncio.AbstractServer] = []
 
     async def start(self) -> None:
