@@ -125,7 +125,9 @@ def _entry_closes(body: bytes | bytearray, words: numpy.ndarray, closes: numpy.n
                   end: int) -> numpy.ndarray:
     """Where the entries of ``body[start:end]`` end (``closes``: its ``]``, absolute), the shape
     checked (see the module doc)."""
-    if (len(closes) < 2 or body[start:start + 2] != b"[[" or closes[-1] != end - 1 or closes[-2] != end - 2):
+    # the first entry ends 8 bytes in at the least ([[a,null]), so no read below reaches back before the span
+    if (len(closes) < 2 or body[start:start + 2] != b"[[" or closes[0] < start + 8 or closes[-1] != end - 1
+            or closes[-2] != end - 2):
         raise Irregular("entries other than [logprob, id, null]")
     closes = closes[:-1]
     if not ((words[closes[:-1] - 5] == NEXT_ENTRY).all() and words[closes[-1] - 6] >> numpy.uint64(8) == LAST_ENTRY):
