@@ -267,3 +267,40 @@ def test_bodies_past_what_the_workers_hold_are_parsed_in_the_loop():
     assert parsers.handed == parsers.QUEUED == 2 and parsers.out == 0
     for body, tree in zip(bodies, trees):
         assert outcome(lambda _: parsed_tree(tree), body) == outcome(parsed, body)
+
+
+ORCHESTRATOR = """
+import asyncio, multiprocessing, sys, time
+sys.path.insert(0, {tests!r})
+from test_scan import corpus, handing_off_everything
+parsers = handing_off_everything(workers=2)
+asyncio.run(parsers.parse(corpus()[0]))
+print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
+time.sleep(600)
+"""
+
+
+def test_parse_workers_exit_when_the_orchestrator_is_killed():
+    """A killed orchestrator closes nothing: each worker, holding its own end of the queue it
+    waits on, would wait for ever. They watch for it instead."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from rlorch.lifecycle import process_running
+
+    orchestrator = subprocess.Popen([sys.executable, "-c", ORCHESTRATOR.format(tests=str(Path(__file__).parent))],
+                                    stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(pid) for pid in orchestrator.stdout.readline().split()]
+        assert workers and all(process_running(pid) for pid in workers)
+    finally:
+        os.kill(orchestrator.pid, signal.SIGKILL)
+        orchestrator.wait()
+    deadline = time.monotonic() + 15
+    while any(process_running(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(process_running(pid) for pid in workers)

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import math
 import multiprocessing
+import os
 from array import array
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -27,6 +28,7 @@ import orjson
 
 from rlorch.inference.scan import Brackets, Irregular, read_entries
 from rlorch.jsonlines import loads
+from rlorch.lifecycle import watch_parents
 from rlorch.types import LOGPROBS, LONG, TOKEN_IDS
 
 log = logging.getLogger(__name__)
@@ -74,7 +76,7 @@ class AnswerParsers:
     ``QUEUED`` bodies per worker are out at once; past that, and under ``HANDED_OFF`` bytes, the
     loop parses the body itself (no body waits in a queue, held twice). If a worker dies
     (killed, out of memory), the rest of the run parses in the loop, with a warning: no answer
-    is lost with it."""
+    is lost with it. The workers exit when the orchestrator does, killed or not."""
 
     HANDED_OFF = 1 << 20
     """Bytes (some 30,000 tokens) from which a body goes to a worker: a hand-off's fixed costs (a
@@ -84,7 +86,8 @@ class AnswerParsers:
 
     def __init__(self, workers: int):
         # spawn: a forked child would inherit the event loop's threads and sockets
-        self._executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        self._executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_die_with, initargs=(os.getpid(),))
         self.workers = workers
         self.out = 0
         """Bodies with the workers now."""
@@ -109,6 +112,12 @@ class AnswerParsers:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _die_with(orchestrator: int) -> None:
+    """A worker's first act: exit once the orchestrator is gone (a killed one closes nothing, and
+    each worker holds its own end of the queue it waits on)."""
+    watch_parents(orchestrator=orchestrator, parent=orchestrator, on_gone=lambda reason: os._exit(1))
 
 
 def _parse_compact(body: bytes) -> Any:
