@@ -152,46 +152,53 @@ def admission(in_flight: int) -> dict:
 
 # ---- ingest and memory --------------------------------------------------------------------
 
+def stat(pid: int | str) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command (state first: ppid is [1], pgrp [2],
+    utime and stime [11] and [12])."""
+    with open(f"/proc/{pid}/stat") as handle:
+        return handle.read().rsplit(")", 1)[1].split()
+
+
+def cpu_seconds(fields: list[str]) -> float:
+    return (int(fields[11]) + int(fields[12])) / CLK
+
+
 def proc_sample(pid: int) -> tuple[float, int]:
     """(CPU seconds, RSS bytes) of a process."""
-    with open(f"/proc/{pid}/stat") as handle:
-        fields = handle.read().rsplit(")", 1)[1].split()
+    fields = stat(pid)
     with open(f"/proc/{pid}/statm") as handle:
         rss = int(handle.read().split()[1]) * PAGE
-    return (int(fields[11]) + int(fields[12])) / CLK, rss
+    return cpu_seconds(fields), rss
+
+
+def processes() -> list[tuple[int, list[str]]]:
+    """(pid, stat fields) of every process there is."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                found.append((int(entry), stat(entry)))
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+    return found
 
 
 def group_rss(group: int) -> int:
     """RSS bytes of every process in process group ``group`` (the fleet and its workers)."""
     total = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                if int(handle.read().rsplit(")", 1)[1].split()[2]) != group:
-                    continue
-            with open(f"/proc/{entry}/statm") as handle:
-                total += int(handle.read().split()[1]) * PAGE
-        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
-            continue
+    for pid, fields in processes():
+        if int(fields[2]) == group:
+            try:
+                with open(f"/proc/{pid}/statm") as handle:
+                    total += int(handle.read().split()[1]) * PAGE
+            except (FileNotFoundError, ProcessLookupError):
+                continue
     return total
 
 
 def children_cpu(parent: int) -> dict[int, float]:
     """CPU seconds of each child of process ``parent`` (its answer-parsing workers)."""
-    cpu = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if int(fields[1]) == parent:
-            cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / CLK
-    return cpu
+    return {pid: cpu_seconds(fields) for pid, fields in processes() if int(fields[1]) == parent}
 
 
 def ingest(engines: int, in_flight: int, tokens: int, processes: int, workdir: Path, steps: int,
@@ -226,10 +233,10 @@ def ingest(engines: int, in_flight: int, tokens: int, processes: int, workdir: P
             peak = max(peak, rss)
             samples.append((cpu, rss))
             tick += 1
+            if parse_workers:  # every sample: a worker's CPU is read for the last time before it exits
+                workers.update(children_cpu(process.pid))
             if tick % 10 == 0:
                 fleet_peak = max(fleet_peak, group_rss(fleet.pid))
-                if parse_workers:
-                    workers.update(children_cpu(process.pid))
             time.sleep(0.1)
         process.wait()
     finally:

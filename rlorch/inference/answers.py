@@ -116,9 +116,9 @@ class AnswerParsers:
 
 
 def _die_with(orchestrator: int) -> None:
-    """A worker's first act: exit once the orchestrator is gone (a killed one closes nothing, and
-    each worker holds its own end of the queue it waits on)."""
-    watch_parents(orchestrator=orchestrator, parent=orchestrator, on_gone=lambda reason: os._exit(1))
+    """A worker's first act: exit once the orchestrator, its parent, is gone (a killed one closes
+    nothing, and each worker holds its own end of the queue it waits on)."""
+    watch_parents(orchestrator=None, parent=orchestrator, on_gone=lambda reason: os._exit(1))
 
 
 def _parse_compact(body: bytes) -> Any:

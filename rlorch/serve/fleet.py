@@ -127,9 +127,9 @@ class Fleet:
         """Each engine's host:port once listening (port_base 0: ports the system chose)."""
         rng = random.Random(profile.seed)
         self._ids = [rng.randrange(3, max(4, profile.vocab)) for _ in range(TOKEN_CAP)]
-        draw = ((lambda: float(numpy.float32(-rng.expovariate(2.0)))) if profile.full_logprobs
-                else (lambda: round(-rng.expovariate(2.0), 4)))
-        self._entries = [[draw(), token, None] for token in self._ids]
+        drawn = [-rng.expovariate(2.0) for _ in self._ids]
+        logprobs = numpy.float32(drawn).tolist() if profile.full_logprobs else [round(lp, 4) for lp in drawn]
+        self._entries = [[lp, token, None] for lp, token in zip(logprobs, self._ids)]
         self._servers: list[asyncio.AbstractServer] = []
 
     async def start(self) -> None:
