@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence, runtime_checkable
 
 import numpy
-import orjson
+
+from rlorch.rundir import batchfile
 
 TOKEN_IDS, LOGPROBS, MASK = "i", "f", "b"
 """``array`` type codes of the per-token fields from the HTTP answer to the batch file: token ids
@@ -207,7 +208,7 @@ class Rollout:
 
     def to_json(self) -> dict:
         """Plain JSON values (lists for the arrays), for state files."""
-        line = self._fields()
+        line = self.fields()
         line["tokens"], line["loss_mask"], line["logprobs"] = (
             list_of(self.tokens), list_of(self.loss_mask), list_of(self.logprobs))
         return line
@@ -219,20 +220,12 @@ class Rollout:
         fields["origin"] = Origin(fields.get("origin", "live"))
         return cls(**fields)
 
-    def to_line(self) -> dict:
-        """:meth:`to_json` with the arrays as numpy views (no copy), for orjson's
-        ``OPT_SERIALIZE_NUMPY``: the batch file is written straight from them."""
-        line = self._fields()
-        line["tokens"], line["loss_mask"], line["logprobs"] = (
-            numpy_view(self.tokens), numpy_view(self.loss_mask), numpy_view(self.logprobs))
-        return line
-
-    def _fields(self) -> dict:
+    def fields(self) -> dict:
+        """Every field but the three arrays, as JSON values (the batch file's record)."""
         return {"group_id": self.group_id, "episode_id": self.episode_id, "env": self.env,
-                "tokens": None, "loss_mask": None, "logprobs": None, "versions": self.versions.runs,
-                "reward": self.reward, "origin": self.origin, "finish_reason": self.finish_reason,
-                "is_eval": self.is_eval, "prompt_len": self.prompt_len, "completion": self.completion,
-                "correct": self.correct, "attempt": self.attempt,
+                "versions": self.versions.runs, "reward": self.reward, "origin": self.origin.value,
+                "finish_reason": self.finish_reason, "is_eval": self.is_eval, "prompt_len": self.prompt_len,
+                "completion": self.completion, "correct": self.correct, "attempt": self.attempt,
                 **({"segments": self.segments} if self.segments else {})}
 
 
@@ -274,22 +267,19 @@ class Batch:
         """Whether any rollout carries a learning signal (a nonzero advantage)."""
         return any(abs(a) > 1e-8 for a in self.advantages)
 
-    def lines(self) -> Iterator[bytes]:
-        """The batch file line by line: each ``Rollout.to_json()`` plus ``"advantage"`` (and
-        ``"unlikelihood": true`` on a marked rollout), written by orjson straight from the
-        rollout's arrays."""
-        dumps, options = orjson.dumps, orjson.OPT_APPEND_NEWLINE | orjson.OPT_SERIALIZE_NUMPY
+    def file(self, fmt: str = "safetensors") -> Iterator[Any]:
+        """The batch file's bytes in pieces (:mod:`rlorch.rundir.batchfile`, format ``fmt``): each
+        rollout's fields plus ``"advantage"`` (and ``"unlikelihood": true`` on a marked one),
+        its arrays written as they are held."""
         marks = self.unlikelihood or [False] * len(self.rollouts)
+        rows = []
         for rollout, advantage, marked in zip(self.rollouts, self.advantages, marks):
-            line = rollout.to_line()
-            line["advantage"] = advantage
+            fields = rollout.fields()
+            fields["advantage"] = advantage
             if marked:
-                line["unlikelihood"] = True
-            yield dumps(line, option=options)
-
-    def to_jsonl(self) -> bytes:
-        """The whole batch file (:meth:`lines` joined)."""
-        return b"".join(self.lines())
+                fields["unlikelihood"] = True
+            rows.append(batchfile.Row(fields, rollout.tokens, rollout.loss_mask, rollout.logprobs))
+        return batchfile.encode(rows, fmt)
 
     @property
     def size(self) -> int:
@@ -315,12 +305,10 @@ class FiledBatch:
 
     def load(self) -> list[Rollout]:
         rollouts = []
-        with open(self.path, "rb") as handle:
-            for line in handle:
-                fields = orjson.loads(line)
-                del fields["advantage"]
-                fields.pop("unlikelihood", None)
-                rollouts.append(Rollout.from_json(fields))
+        for fields in batchfile.read_records(self.path):
+            del fields["advantage"]
+            fields.pop("unlikelihood", None)
+            rollouts.append(Rollout.from_json(fields))
         return rollouts
 
 

@@ -15,7 +15,7 @@ Runs against ``rlorch fleet`` (simulated engines behind SGLang's HTTP API, see
   the fullest point above the RSS before the first rollout), the trainer's idle share. With
   ``--parse-workers N`` (``inference.parse_workers``) the workers' CPU counts as the
   orchestrator's (``ingest_tokens_per_core_s``); ``loop_tokens_per_core_s`` is the event loop's
-  process alone.
+  process alone. ``--batch-format jsonl`` writes the batch files as JSON lines (``run.batch_format``).
 
 The last line is always one JSON object to compare run to run, a failed run's too (with
 ``"error"``, and the exit status 1). A size that would not fit the memory given, at the bytes per
@@ -202,7 +202,7 @@ def children_cpu(parent: int) -> dict[int, float]:
 
 
 def ingest(engines: int, in_flight: int, tokens: int, processes: int, workdir: Path, steps: int,
-           parse_workers: int = 0, full_logprobs: bool = False) -> dict:
+           parse_workers: int = 0, full_logprobs: bool = False, batch_format: str = "safetensors") -> dict:
     fleet, addresses = start_fleet(engines, 0, processes, workdir, "--length-median", str(tokens),
                                    "--length-sigma", "0", "--vocab", "151936",
                                    *(["--full-logprobs"] if full_logprobs else []))
@@ -215,7 +215,7 @@ def ingest(engines: int, in_flight: int, tokens: int, processes: int, workdir: P
                  f"rollout.queue_size={max(1024, batch)}", f"rollout.max_buffered={in_flight}",
                  f"rollout.max_new_tokens={tokens}", "rollout.pack_samples=64", "eval.every=0",
                  "run.report=false", "inference.health_interval=30", "rollout.request_timeout=600",
-                 f"inference.parse_workers={parse_workers}"]
+                 f"inference.parse_workers={parse_workers}", f"run.batch_format={batch_format}"]
     errors = open(workdir / f"train-{engines}-{in_flight}.err", "w+b")  # a file: a pipe would fill and stall it
     process = subprocess.Popen([sys.executable, "-m", "rlorch.cli", "train", *overrides],
                                stdout=subprocess.DEVNULL, stderr=errors, cwd=workdir, env=ENV)
@@ -295,6 +295,8 @@ def main() -> int:
                         help="inference.parse_workers of the ingest runs: their CPU counts as the orchestrator's.")
     parser.add_argument("--full-logprobs", action="store_true",
                         help="The fleet writes logprobs in full, as SGLang does (some 33 bytes an entry, not 21).")
+    parser.add_argument("--batch-format", choices=("safetensors", "jsonl"), default="safetensors",
+                        help="run.batch_format of the ingest runs (jsonl: the batch files as JSON lines, by orjson).")
     parser.add_argument("--bytes-per-token", type=float, default=PRIOR_BYTES_PER_TOKEN,
                         help="Memory per in-flight token (orchestrator and fleet) assumed until a run measures it "
                              "(default %(default)s; a figure an earlier run printed fits more in flight).")
@@ -315,6 +317,7 @@ def main() -> int:
         shutil.rmtree(workdir, ignore_errors=True)
         last = results[-1] if results else partial  # a failed run: what it measured before
         line = {key: last.get(key) for key in SUMMARY}
+        line["batch_format"] = args.batch_format
         if notes:
             line["degraded"] = notes
         if error:
@@ -356,7 +359,7 @@ def run(args, memory: float, workdir: Path, results: list, notes: list, partial:
                 if not in_flight:
                     continue
             got = ingest(engines, in_flight, args.completion_tokens, args.processes, workdir, args.steps,
-                         args.parse_workers, args.full_logprobs)
+                         args.parse_workers, args.full_logprobs, args.batch_format)
             measured = got["bytes_per_inflight_token"] + got["fleet_peak_mb"] * 2**20 / (in_flight * args.completion_tokens)
             bytes_per_token = max(measured, 1.0) if not results else max(bytes_per_token, measured)
             print(f"{engines:>8} {in_flight:>10} {args.completion_tokens:>7} {got['cpu_ms_per_rollout']:>15} "

@@ -310,7 +310,13 @@ def measure(spec: dict) -> int:
     completions = completion_lengths(spec["sequences"], spec["completion_tokens"], spec.get("uneven", False))
     lines = batch_lines(completions, SEED, spec.get("shared_prompt", False))
     for step in range(1, steps + 1):
-        write_atomic(run.batch(step), "".join(json.dumps(line) + "\n" for line in lines).encode())
+        try:
+            from rlorch.rundir import batchfile
+        except ImportError:    # a --baseline revision from before safetensors batch files
+            write_atomic(run.batch(step), "".join(json.dumps(line) + "\n" for line in lines).encode())
+        else:
+            write_atomic(run.batch(step, config.run.batch_format),
+                         batchfile.encode(list(batchfile.iter_rows(lines)), config.run.batch_format))
     device = _setup_distributed(spec["device"])
     worker = build_worker(config, run, device, None)
     prefill_optimizer(worker)

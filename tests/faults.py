@@ -26,6 +26,7 @@ from typing import Callable, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from helpers import free_port, wait_until as wait_for  # noqa: E402
+from rlorch.rundir.batchfile import read_records  # noqa: E402
 
 TAG = "RLORCH_FAULT_TAG"
 LEFTOVER_BOUND_S = 10.0
@@ -167,11 +168,11 @@ def summary(run_dir: Path) -> dict:
 
 
 def duplicate_groups(run_dir: Path) -> int:
-    """Group ids that appear in more than one trained batch (``rollouts/step_*.jsonl``)."""
+    """Group ids that appear in more than one trained batch (``rollouts/step_*``)."""
     seen: dict[int, str] = {}
     duplicates = 0
-    for path in sorted((run_dir / "rollouts").glob("step_*.jsonl")):
-        groups = {json.loads(line)["group_id"] for line in path.read_text().splitlines() if line.strip()}
+    for path in sorted((run_dir / "rollouts").glob("step_*.*")):
+        groups = {record["group_id"] for record in read_records(path)}
         for group in groups:
             duplicates += group in seen
             seen[group] = path.name
@@ -192,7 +193,7 @@ def tree_digest(root: Path, skip: tuple[str, ...] = ()) -> dict[str, str]:
 
 def step_files(run_dir: Path, upto: int) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted((run_dir / "rollouts").glob("step_*.jsonl")) if int(p.stem[5:]) <= upto}
+            for p in sorted((run_dir / "rollouts").glob("step_*.*")) if int(p.stem[5:]) <= upto}
 
 
 def checkpoint_state(run_dir: Path, step: int) -> Path:

@@ -71,6 +71,15 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def trained(run_dir: Path, step: int) -> list[dict]:
+    """Batch ``step``'s rollouts as the run wrote them (either format), one dict each."""
+    from rlorch.rundir.batchfile import read_records
+    from rlorch.rundir.layout import RunDir
+
+    (path,) = RunDir(run_dir).rollouts.glob(f"step_{step:06d}.*")
+    return read_records(path)
+
+
 def of_kind(records: list[dict], kind: str) -> list[dict]:
     """The records of one kind (``step``, ``periodic``, ``eval``, ...)."""
     return [r for r in records if r.get("kind") == kind]

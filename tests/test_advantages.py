@@ -197,8 +197,7 @@ def test_flat_advantage_unlikelihood_gives_flat_wrong_groups_minus_one_and_marks
 
 
 def test_the_train_sink_marks_a_kept_flat_wrong_group_for_the_trainer_and_its_file_says_so(tmp_path):
-    import orjson
-
+    from rlorch.rundir import batchfile
     from rlorch.orchestrator.sinks import TrainSink
     from test_components import rollout
 
@@ -211,12 +210,14 @@ def test_the_train_sink_marks_a_kept_flat_wrong_group_for_the_trainer_and_its_fi
     batch = emitted(flat_advantage="unlikelihood")
     assert batch.advantages[2:] == [-1.0, -1.0, 0.0, 0.0]
     assert batch.unlikelihood == [False, False, True, True, False, False]
-    lines = [orjson.loads(line) for line in batch.lines()]
-    assert [line.get("unlikelihood", False) for line in lines] == batch.unlikelihood
-    path = tmp_path / "batch.jsonl"
-    path.write_bytes(batch.to_jsonl())
-    assert [r.reward for r in batch.filed(path).load()] == [1.0, 0.0, 0.5, 0.5, 1.0, 1.0]
-    assert b"unlikelihood" not in emitted(flat_advantage="bounded").to_jsonl()
+    for fmt in batchfile.FORMATS:
+        path = tmp_path / f"batch{batchfile.SUFFIXES[fmt]}"
+        path.write_bytes(b"".join(batch.file(fmt)))
+        records = batchfile.read_records(path)
+        assert [record.get("unlikelihood", False) for record in records] == batch.unlikelihood
+        assert [r.reward for r in batch.filed(path).load()] == [1.0, 0.0, 0.5, 0.5, 1.0, 1.0]
+        path.write_bytes(b"".join(emitted(flat_advantage="bounded").file(fmt)))
+        assert not any("unlikelihood" in record for record in batchfile.read_records(path))
 
 
 def test_config_refuses_a_flat_advantage_whose_flat_groups_are_filtered_away():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import of_kind, read_metrics
+from helpers import of_kind, read_metrics, trained
 
 pytest.importorskip("openai")
 
@@ -50,7 +50,7 @@ def test_the_calculator_agent_trains_through_the_gateway(tmp_path):
     assert summary["truncated_share"] == 0 and "truncated" not in done.stderr
     # Every trained rollout is one episode: a prompt, then model turns (mask 1) with the tool's
     # answer between them (mask 0).
-    rollout = json.loads((run_dir / "rollouts" / "step_000001.jsonl").read_text().splitlines()[0])
+    rollout = trained(run_dir, 1)[0]
     assert rollout["loss_mask"][0] == 0 and 1 in rollout["loss_mask"]
     assert sum(count for _, count in rollout["versions"]) == sum(rollout["loss_mask"])
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from rlorch.agents.trajectory import CallKind, ForkReason, Trajectory, message_key
 from rlorch.model import build_tokenizer
 from rlorch.tasks.prompts import encode_prompt, encode_text
@@ -131,9 +133,9 @@ def test_message_keys_ignore_what_does_not_render():
     assert message_key({"role": "user", "content": "hi"}) != message_key({"role": "user", "content": "ho"})
 
 
-def test_a_forked_episode_trains_as_one_sequence_per_segment_under_its_advantage(tmp_path):
-    import pytest
-
+@pytest.mark.parametrize("fmt", ["safetensors", "jsonl"])
+def test_a_forked_episode_trains_as_one_sequence_per_segment_under_its_advantage(tmp_path, fmt):
+    from rlorch.rundir import batchfile
     from rlorch.trainer.batch import BatchError, read_batch
     from rlorch.types import Batch, Rollout
 
@@ -145,15 +147,15 @@ def test_a_forked_episode_trains_as_one_sequence_per_segment_under_its_advantage
     tokens, mask, logprobs, versions, segments = trajectory.sequence()
     rollout = Rollout(0, "g0-0-0", "calculator", tokens, mask, logprobs, versions, 1.0, segments=segments)
     assert Rollout.from_json(rollout.to_json()).segments == segments
-    path = tmp_path / "batch.jsonl"
-    path.write_bytes(Batch(1, [rollout], [0.5]).to_jsonl())
+    path = tmp_path / f"batch{batchfile.SUFFIXES[fmt]}"
+    path.write_bytes(b"".join(Batch(1, [rollout], [0.5]).file(fmt)))
     sequences = read_batch(path, len(tokenizer))
     assert [len(s.tokens) for s in sequences] == segments
     assert [s.tokens for s in sequences] == [seg.tokens.tolist() for seg in trajectory.segments]
     assert all(s.advantage == 0.5 for s in sequences)
     assert [sorted({v for v, m in zip(s.versions, s.loss_mask) if m}) for s in sequences] == [[3], [4]]
-    line = json.loads(path.read_text())
-    line["segments"] = [segments[0] - 1, segments[1] + 1]  # the second would start with a trained token
-    path.write_text(json.dumps(line))
+    (record,) = batchfile.read_records(path)
+    record["segments"] = [segments[0] - 1, segments[1] + 1]  # the second would start with a trained token
+    path.write_bytes(b"".join(batchfile.encode(list(batchfile.iter_rows([record])), fmt)))
     with pytest.raises(BatchError, match="starts with a trained token"):
         read_batch(path, len(tokenizer))

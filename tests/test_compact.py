@@ -8,7 +8,9 @@ from array import array
 
 import numpy
 import orjson
+import pytest
 
+from rlorch.rundir.batchfile import SUFFIXES
 from rlorch.config.compose import compose
 from rlorch.inference.answers import Segment, parse_generate
 from rlorch.inference.client import SGLangEngine, empty_generation
@@ -30,7 +32,8 @@ class AnsweredEngine:
         return [[self.generation] * request.n for request in requests]
 
 
-def test_an_http_answer_stays_arrays_into_rollouts_and_its_batch_file_round_trips(tmp_path):
+@pytest.mark.parametrize("fmt", ["safetensors", "jsonl"])
+def test_an_http_answer_stays_arrays_into_rollouts_and_its_batch_file_round_trips(tmp_path, fmt):
     entries = [[-0.5, 5, None], [-0.12345679104328156, 151935, None], [-3.0517578125e-05, 7, None]] * 300
     body = orjson.dumps([{"text": "7", "output_ids": [e[1] for e in entries],
                           "meta_info": {"id": "a", "finish_reason": {"type": "stop"}, "completion_tokens": 3,
@@ -53,8 +56,8 @@ def test_an_http_answer_stays_arrays_into_rollouts_and_its_batch_file_round_trip
         assert rollout.loss_mask.tolist() == [0, 0] + [1] * 900
         assert Rollout.from_json(orjson.loads(orjson.dumps(rollout.to_json()))) == rollout
 
-    path = tmp_path / "batch.jsonl"
-    path.write_bytes(Batch(1, rollouts, [0.5, -0.5]).to_jsonl())
+    path = tmp_path / f"batch{SUFFIXES[fmt]}"
+    path.write_bytes(b"".join(Batch(1, rollouts, [0.5, -0.5]).file(fmt)))
     for rollout, sequence in zip(rollouts, read_batch(path, vocab_size=151936)):
         assert sequence.tokens == rollout.tokens.tolist() and sequence.loss_mask == rollout.loss_mask.tolist()
         assert numpy.array_equal(numpy.float32(sequence.logprobs), numpy.frombuffer(rollout.logprobs, "f"))

@@ -302,11 +302,11 @@ def test_a_chat_task_from_data_with_the_math_reward_trains_on_the_tiny_model(tmp
     assert summary["status"] == "completed" and summary["steps"] == 3 and summary["lost"] == 0
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["prompts"] for r in lines if r["kind"] == "eval"][0] == 20
+    from helpers import trained
     from rlorch.model import build_tokenizer
 
     tokenizer = build_tokenizer()
-    trained = [json.loads(line) for line in (run_dir / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
-    for rollout in trained:
+    for rollout in trained(run_dir, 1):
         text = tokenizer.decode(rollout["tokens"])
         assert text.startswith("<bos>user:") and "<eos>assistant:" in text
         first = rollout["loss_mask"].index(1)  # the model's turn starts after the generation prompt

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from helpers import step_count, wait_until
+from helpers import step_count, trained, wait_until
 
 
 def start_train(run_dir: Path, *overrides: str) -> subprocess.Popen:
@@ -33,7 +33,7 @@ def test_train_with_real_generation_end_to_end(tmp_path):
     summary, steps = finish(start_train(run_dir, "train.steps=6", "inference.num_servers=1",
                                         "rollout.enforce=strict"), run_dir)
     assert summary["lost"] == 0 and summary["trained"] == 6 * 16
-    first = json.loads((run_dir / "rollouts" / "step_000001.jsonl").read_text().splitlines()[0])
+    first = trained(run_dir, 1)[0]
     assert first["prompt_len"] > 0 and sum(first["loss_mask"]) == len(first["tokens"]) - first["prompt_len"]
     assert len(first["logprobs"]) == len(first["tokens"]) and all(lp <= 0 for lp in first["logprobs"])
     assert sum(count for _, count in first["versions"]) == sum(first["loss_mask"])

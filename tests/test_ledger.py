@@ -113,8 +113,8 @@ def test_a_run_whose_ledger_does_not_balance_fails_naming_it(tmp_path, monkeypat
 
 def test_a_filed_batch_holds_no_rollout_and_a_checkpoint_reads_its_groups_back_from_its_file(tmp_path):
     shipped = batch(2, 0, 1)
-    path = tmp_path / "step_2.jsonl"
-    path.write_bytes(shipped.to_jsonl())
+    path = tmp_path / "step_2.safetensors"
+    path.write_bytes(b"".join(shipped.file()))
     ledger = ledger_of(2)
     ledger.ship(shipped.filed(path))
     (held,) = ledger.shipped

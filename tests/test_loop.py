@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import helpers
-from helpers import read_run, step_count, wait_until
+from helpers import read_run, step_count, trained, wait_until
 from rlorch.config.compose import compose
 from rlorch.runner import resume_training, run_training
 
@@ -291,7 +291,7 @@ def test_metrics_carry_the_step_keys_and_periodic_gauges_and_eval_records(tmp_pa
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 5, 10] and all(r["prompts"] == 4 for r in evals)
     assert summary["eval_step_first"] == 0 and summary["eval_step_last"] == 10
-    assert len((tmp_path / "metrics" / "rollouts" / "step_000003.jsonl").read_text().splitlines()) == 8
+    assert len(trained(tmp_path / "metrics", 3)) == 8
     assert (tmp_path / "metrics" / "report" / "report.md").exists()      # run.report defaults to true
 
 
@@ -316,14 +316,13 @@ def test_resume_from_a_checkpoint_the_watcher_skipped_past_trains_every_step(tmp
     assert resume_training(str(run_dir / "checkpoints" / "step_000010"), ["train.steps=25"]) == 0
     summary, steps = read_run(run_dir)
     assert summary["lost"] == 0 and summary["trained"] == 25 * 8
-    trained_groups = sorted(json.loads(line)["group_id"] for step in range(1, 26)
-                            for line in (run_dir / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines())
+    trained_groups = sorted(record["group_id"] for step in range(1, 26) for record in trained(run_dir, step))
     assert trained_groups == list(range(len(trained_groups)))
     assert (run_dir / "checkpoints" / "step_000010" / "orchestrator.json").read_text() == older
     assert list((run_dir / "checkpoints").glob("superseded-*/step_000020"))
     # README: the first life's batches past step 10 and the config the override replaced are kept.
     (superseded,) = (run_dir / "rollouts").glob("superseded-*")
-    assert sorted(p.name for p in superseded.glob("step_*.jsonl")) == [f"step_{s:06d}.jsonl" for s in range(11, 21)]
+    assert sorted(p.name for p in superseded.glob("step_*")) == [f"step_{s:06d}.safetensors" for s in range(11, 21)]
     (before,) = run_dir.glob("config.before-resume-*.yaml")
     assert "steps: 20" in before.read_text() and "steps: 25" in (run_dir / "config.yaml").read_text()
 
@@ -384,7 +383,7 @@ def test_multi_turn_episodes_keep_replies_unmasked_and_stamp_every_model_turn(tm
     code, summary, _ = train(tmp_path, "turns", "task=reverse_retry", "task.params.max_turns=3", "train.steps=3",
                              "inference.sim.tokens=3")
     assert code == 0 and summary["lost"] == 0
-    rollout = json.loads((tmp_path / "turns" / "rollouts" / "step_000001.jsonl").read_text().splitlines()[0])
+    rollout = trained(tmp_path / "turns", 1)[0]
     mask, prompt_len = rollout["loss_mask"], rollout["prompt_len"]
     reply = len("no=")
     assert mask == [0] * prompt_len + ([1] * 3 + [0] * reply) * 2 + [1] * 3

@@ -4,7 +4,6 @@ the gate, the output queue, the in-flight list and the failed list account for e
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ from rlorch.config.compose import compose
 from rlorch.config.schema import ConfigError
 from rlorch.orchestrator.dispatcher import Dispatcher, GenerationFailed
 from rlorch.orchestrator.gate import CapacityGate
-from rlorch.rundir.layout import RunDir
 from rlorch.types import Origin, PolicyVersion, Prompt, Rollout, VersionStamps
 
 GROUP = 2
@@ -191,7 +189,7 @@ def trained_rollouts(tmp_path: Path, name: str, *overrides: str) -> tuple[dict, 
                                      *overrides)
     assert code == 0
     summary["engine_calls"] = max(record.get("engines_calls", 0) for record in helpers.read_metrics(run_dir))
-    lines = [json.loads(line) for step in range(1, 7) for line in RunDir(run_dir).batch(step).read_text().splitlines()]
+    lines = [record for step in range(1, 7) for record in helpers.trained(run_dir, step)]
     return summary, lines
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from faults import tree_digest
-from helpers import free_port, of_kind, read_metrics, step_count, wait_answering, wait_until
+from helpers import free_port, of_kind, read_metrics, step_count, trained, wait_answering, wait_until
 
 # Admission-side gating bounds what is admitted; observed age may overshoot S when completion
 # times vary. Tests that assert the age bound on real runs use strict mode, which never trains
@@ -52,7 +52,7 @@ def test_train_then_resume_continues_from_the_checkpoint(env, tmp_path):
     assert summary["lost"] == 0 and summary["steps"] == 4
     step_lines = of_kind(lines, "step")
     assert all(r["loss"] is not None and r["grad_norm"] is not None for r in step_lines)
-    assert (run_dir / "config.yaml").exists() and (run_dir / "rollouts" / "step_000004.jsonl").exists()
+    assert (run_dir / "config.yaml").exists() and (run_dir / "rollouts" / "step_000004.safetensors").exists()
 
     from transformers import AutoModelForCausalLM
 
@@ -198,8 +198,7 @@ def test_a_tool_using_environment_runs_its_episodes_end_to_end(env, tmp_path):
     tokenizer = build_tokenizer()
     bar = tokenizer.convert_tokens_to_ids("|")
     for number in (1, 3):
-        for line in (run_dir / "rollouts" / f"step_00000{number}.jsonl").read_text().splitlines():
-            rollout = json.loads(line)
+        for rollout in trained(run_dir, number):
             tokens, mask, prompt_len = rollout["tokens"], rollout["loss_mask"], rollout["prompt_len"]
             runs = [(m, len(list(g))) for m, g in itertools.groupby(mask[prompt_len:])]
             assert [m for m, _ in runs] == [1, 0, 1], runs  # call, tool result, answer

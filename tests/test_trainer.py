@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from rlorch.config.compose import compose
+from rlorch.rundir import batchfile
+from rlorch.rundir.batchfile import read_records
 from rlorch.rundir.layout import COMPLETE, PUBLISHED, RunDir, save_config, write_atomic
 
 
@@ -39,11 +41,11 @@ def _rollout(prompt: str, completion: str, advantage: float, logprob: float = -2
             "prompt_len": len(prompt_ids), "completion": completion, "advantage": advantage}
 
 
-def _write_batch(run: RunDir, step: int, lines: list[dict] | None = None) -> None:
+def _write_batch(run: RunDir, step: int, lines: list[dict] | None = None, fmt: str = "safetensors") -> None:
     lines = lines or [_rollout("123=", "321", 1.0), _rollout("123=", "999", -1.0),
                       _rollout("4567=", "7654", 0.5), _rollout("4567=", "76", -0.5),
                       _rollout("89=", "98", 0.0)]
-    write_atomic(run.batch(step), "".join(json.dumps(line) + "\n" for line in lines).encode())
+    write_atomic(run.batch(step, fmt), batchfile.encode(list(batchfile.iter_rows(lines)), fmt))
 
 
 class _Trainer:
@@ -235,12 +237,12 @@ def test_asked_while_waiting_the_trainer_writes_its_current_weights_to_disk(tmp_
 
 
 def test_malformed_batch_names_file_and_line(tmp_path):
-    run, config = _make_run(tmp_path / "run", "train.steps=1")
+    run, config = _make_run(tmp_path / "run", "train.steps=1", "run.batch_format=jsonl")
     good = json.dumps(_rollout("12=", "21", 1.0))
-    write_atomic(run.batch(1), f"{good}\n{{\"tokens\": [1, 2]}}\n".encode())
+    write_atomic(run.batch(1, "jsonl"), f"{good}\n{{\"tokens\": [1, 2]}}\n".encode())
     code, output = _finish(_launch(config, run))
     assert code != 0
-    assert f"{run.batch(1)}:2: missing key(s)" in output
+    assert f"{run.batch(1, 'jsonl')}:2: missing key(s)" in output
 
 
 @pytest.mark.parametrize("change, message", [
@@ -556,7 +558,7 @@ def test_token_budgets_on_two_ranks_give_one_ranks_padded_step(tmp_path, agg):
         assert other["loss"] == pytest.approx(padded["loss"], rel=1e-5)
         assert other["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-5)
         assert other["entropy"] == pytest.approx(padded["entropy"], rel=1e-5)
-    lines = list(map(json.loads, RunDir(tmp_path / "one").batch(1).read_text().splitlines()))
+    lines = read_records(RunDir(tmp_path / "one").batch(1))
     real = sum(len(line["tokens"]) for line in lines)
     assert one["positions"] == real < padded["positions"]
     assert two["positions"] <= real + 2  # at most one 2-token filler pass

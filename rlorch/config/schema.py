@@ -195,6 +195,10 @@ class RunConfig:
     """Steps between plain progress lines when stderr is not a terminal."""
     report: bool = True
     """Write the run's report (PNGs and report.md in RUN_DIR/report/) when it ends."""
+    batch_format: str = "safetensors"
+    """The batch files' format (rollouts/step_N.*): ``safetensors`` (the arrays as tensors, about
+    9 bytes a token, written as they are held) or ``jsonl`` (one JSON object per rollout, about
+    20 bytes a token, for reading with a text tool). The trainer reads either."""
     gpus: Optional[int] = None
     """GPUs on this node to place processes on; empty: count the visible ones (set it to plan a
     GPU run with --dry-run on a machine without them)."""
@@ -229,6 +233,8 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _require(self.launcher in ("local", "ray"), "run.launcher", f"must be local or ray (got {self.launcher!r})")
+        _require(self.batch_format in ("safetensors", "jsonl"), "run.batch_format",
+                 f"must be safetensors or jsonl (got {self.batch_format!r})")
         _require(self.placement_timeout > 0, "run.placement_timeout", "must be > 0 seconds")
         _require(self.ray_cpus is None or self.ray_cpus >= 1, "run.ray_cpus", "must be >= 1")
         _require(self.ray_cpus is None or self.ray_address is None, "run.ray_cpus",

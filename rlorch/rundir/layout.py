@@ -4,12 +4,13 @@ Layout (steps are 1-based; training step N reads batch N and publishes weights v
 
     config.yaml                     resolved config (written by the runner)
     metrics.jsonl, summary.json     orchestrator metrics and the end-of-run summary
-    rollouts/step_000001.jsonl      batch N: the rollouts trained at step N, one JSON object per
-                                    line (Rollout.to_json() plus "advantage", and "unlikelihood":
-                                    true on a flat wrong group under trainer.flat_advantage=
-                                    unlikelihood); written atomically
-                                    before it is shipped, so it is both the persisted record and
-                                    the trainer's input
+    rollouts/step_000001.safetensors  batch N: the rollouts trained at step N (rlorch.rundir.batchfile:
+                                    their arrays as tensors and one JSON record each, Rollout's
+                                    fields plus "advantage", and "unlikelihood": true on a flat
+                                    wrong group under trainer.flat_advantage=unlikelihood; .jsonl
+                                    under run.batch_format=jsonl); written atomically before it is
+                                    shipped, so it is both the persisted record and the trainer's
+                                    input
     weights/step_000001/            HF safetensors checkpoint of version N; complete only once
                                     the PUBLISHED marker exists inside it
     checkpoints/step_000010/        full resumable state: trainer/ (complete when its COMPLETE
@@ -39,6 +40,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
+
+from rlorch.rundir.batchfile import SUFFIXES
 
 PUBLISHED = "PUBLISHED"
 COMPLETE = "COMPLETE"
@@ -184,8 +187,9 @@ class RunDir:
     def config_before_resume(self, stamp: str) -> Path:
         return self.root / f"config.before-resume-{stamp}.yaml"
 
-    def batch(self, step: int) -> Path:
-        return self.rollouts / f"{step_name(step)}.jsonl"
+    def batch(self, step: int, fmt: str = "safetensors") -> Path:
+        """Batch ``step``'s file in format ``fmt`` (``run.batch_format``)."""
+        return self.rollouts / f"{step_name(step)}{SUFFIXES[fmt]}"
 
     def weights_for(self, step: int) -> Path:
         return self.weights / step_name(step)

@@ -69,7 +69,7 @@ def prepare(run_dir: RunDir, step: int, config: Config, overrides: list[str]) ->
 def supersede(run_dir: RunDir, step: int, stamp: str) -> None:
     """Batches shipped after the checkpoint were not trained there (their rollouts are in its
     untrained set) and later checkpoints belong to the abandoned trajectory: both move aside."""
-    for parent, pattern in ((run_dir.rollouts, "step_*.jsonl"), (run_dir.checkpoints, "step_*")):
+    for parent, pattern in ((run_dir.rollouts, "step_*.*"), (run_dir.checkpoints, "step_*")):
         aside = run_dir.superseded(parent, stamp)
         for path in sorted(parent.glob(pattern)):
             later = parse_step(path.name.split(".")[0])

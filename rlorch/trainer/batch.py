@@ -1,4 +1,5 @@
-"""Reading a shipped batch file and cutting it into micro-batches.
+"""Reading a shipped batch file (:mod:`rlorch.rundir.batchfile`, either format) and cutting it into
+micro-batches.
 
 Every rank reads the whole file (it is small next to the model) so all ranks agree on the
 global token count, and on every rank's share, without a collective. A minibatch is cut either
@@ -14,10 +15,12 @@ import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
+import numpy
 import torch
 
+from rlorch.rundir import batchfile
 from rlorch.jsonlines import parse_record
 from rlorch.trainer.prefix import SharedLayout, layout
 
@@ -73,19 +76,62 @@ def _parse_line(path: Path, number: int, line: str) -> tuple[Sequence, object]:
     if mask[0]:
         raise BatchError(f"{where}: loss_mask[0] is set, but the first token has no context to be trained on")
     try:
-        sequence = Sequence([int(t) for t in tokens], [int(bool(m)) for m in mask],
-                            [float(p) for p in logprobs], float(item["advantage"]),
-                            float(item.get("reward", 0.0)))
+        arrays = [int(t) for t in tokens], [int(bool(m)) for m in mask], [float(p) for p in logprobs]
     except (TypeError, ValueError) as err:
         raise BatchError(f"{where}: non-numeric value ({err})") from err
-    if not math.isfinite(sequence.advantage) or not all(map(math.isfinite, sequence.logprobs)):
+    if not all(map(math.isfinite, arrays[2])):
+        raise BatchError(f"{where}: advantage and logprobs must be finite")
+    return _sequence(item, *arrays, where), item.get("segments")
+
+
+def _sequence(item: dict, tokens: list[int], mask: list[int], logprobs: list[float], where: str) -> Sequence:
+    """A record's :class:`Sequence` from its checked arrays: its advantage, reward, version
+    stamps and unlikelihood mark checked here."""
+    try:
+        sequence = Sequence(tokens, mask, logprobs, float(item["advantage"]), float(item.get("reward", 0.0)))
+    except (TypeError, ValueError) as err:
+        raise BatchError(f"{where}: non-numeric value ({err})") from err
+    if not math.isfinite(sequence.advantage):
         raise BatchError(f"{where}: advantage and logprobs must be finite")
     sequence.versions = token_versions(sequence.loss_mask, item.get("versions"), where)
     marked = item.get("unlikelihood", False)
     if not isinstance(marked, bool):
         raise BatchError(f"{where}: unlikelihood must be true or false, not {marked!r}")
     sequence.unlikelihood = marked
-    return sequence, item.get("segments")
+    return sequence
+
+
+def _read_columns(path: Path, vocab_size: int) -> Iterator[tuple[Sequence, object, str]]:
+    """The sequences of a safetensors batch file, its arrays checked whole (numpy) and each
+    rollout named ``FILE: rollout I`` in an error."""
+    try:
+        columns = batchfile.read_columns(path)
+    except batchfile.BatchFileError as err:
+        raise BatchError(str(err)) from err
+    bounds = numpy.concatenate(([0], numpy.cumsum(columns.lengths)))
+    starts, ends = bounds[:-1], bounds[1:]
+
+    def first(bad: numpy.ndarray) -> str:
+        return f"{path}: rollout {int(numpy.searchsorted(ends, int(numpy.argmax(bad)), side='right'))}"
+
+    if (columns.lengths == 0).any():
+        raise BatchError(f"{path}: rollout {int(numpy.argmax(columns.lengths == 0))}: no tokens")
+    if (columns.loss_mask[starts] != 0).any():
+        index = int(numpy.argmax(columns.loss_mask[starts] != 0))
+        raise BatchError(f"{path}: rollout {index}: loss_mask[0] is set, but the first token has no context to be "
+                         f"trained on")
+    if not numpy.isfinite(columns.logprobs).all():
+        raise BatchError(f"{first(~numpy.isfinite(columns.logprobs))}: advantage and logprobs must be finite")
+    outside = (columns.tokens < 0) | (columns.tokens >= vocab_size)
+    if outside.any():
+        raise BatchError(f"{first(outside)}: token id outside the vocabulary (size {vocab_size})")
+    for index, record in enumerate(columns.records):
+        where = f"{path}: rollout {index}"
+        if "advantage" not in record:
+            raise BatchError(f"{where}: missing key(s) 'advantage'")
+        start, end = int(starts[index]), int(ends[index])
+        yield (_sequence(record, columns.tokens[start:end].tolist(), (columns.loss_mask[start:end] != 0).view(numpy.int8).tolist(),
+                         columns.logprobs[start:end].tolist(), where), record.get("segments"), where)
 
 
 def split_segments(sequence: Sequence, lengths: object, where: str) -> list[Sequence]:
@@ -109,12 +155,21 @@ def split_segments(sequence: Sequence, lengths: object, where: str) -> list[Sequ
 
 
 def read_batch(path: Path, vocab_size: int) -> list[Sequence]:
-    """All sequences of a batch file; raises :class:`BatchError` naming the first bad line."""
+    """All sequences of a batch file, safetensors or JSON lines (:mod:`rlorch.rundir.batchfile`);
+    raises :class:`BatchError` naming the file and the first bad rollout (or line)."""
+    try:
+        binary = batchfile.is_safetensors(path)
+    except batchfile.BatchFileError as err:
+        raise BatchError(str(err)) from err
+    sequences = []
+    if binary:
+        for sequence, segments, where in _read_columns(path, vocab_size):
+            sequences.extend(split_segments(sequence, segments, where))
+        return sequences
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise BatchError(f"{path}: unreadable ({err})") from err
-    sequences = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue

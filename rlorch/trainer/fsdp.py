@@ -1,7 +1,7 @@
 """The FSDP2 trainer worker: ``torchrun ... -m rlorch.trainer.fsdp --run-dir RUN_DIR [--resume CKPT]``.
 
 It talks to the orchestrator only through the run directory (see :mod:`rlorch.rundir.layout`): it reads
-batch N from ``rollouts/step_N.jsonl``, takes one optimizer step, appends a line to
+batch N from ``rollouts/step_N.safetensors`` (or ``.jsonl``), takes one optimizer step, appends a line to
 ``trainer/metrics.jsonl``, publishes version N into ``weights/`` and writes full checkpoints.
 
 Invariant: version N is the weights after exactly the batches 1..N, each trained once.
@@ -213,7 +213,7 @@ def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
     return worker
 
 
-def wait_for_batch(run, step: int, device, asked: Callable[[], bool] = lambda: False,
+def wait_for_batch(run, step: int, fmt: str, device, asked: Callable[[], bool] = lambda: False,
                    answer: Callable[[], None] = lambda: None) -> bool:
     """Block until batch ``step`` exists (True) or STOP appears first (False); meanwhile, each
     time ``asked()`` holds on any rank, every rank calls ``answer()`` (a collective).
@@ -221,7 +221,7 @@ def wait_for_batch(run, step: int, device, asked: Callable[[], bool] = lambda: F
     A batch already on disk is trained before STOP is honoured: the orchestrator persisted it as
     trained data when it shipped it.
     """
-    batch = run.batch(step)
+    batch = run.batch(step, fmt)
     pause = POLL_SECONDS_ALONE if dist.get_world_size() == 1 else POLL_SECONDS
     while True:
         # Every rank must take the same branch: any rank seeing a file decides for all.
@@ -252,7 +252,7 @@ def train_step(worker: Worker, step: int) -> dict:
 
     started = time.perf_counter()
     trainer, model = worker.config.trainer, worker.model
-    sequences = read_batch(worker.run.batch(step), model.config.vocab_size)
+    sequences = read_batch(worker.run.batch(step, worker.config.run.batch_format), model.config.vocab_size)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     plan = []
     for part in minibatch_slices(len(sequences), trainer.minibatches):
@@ -528,7 +528,7 @@ def run_loop(worker: Worker) -> None:
     first, last = worker.step + 1, config.train.steps
     swap = config.run.colocate is Colocate.swap
     for step in range(first, last + 1):
-        if not wait_for_batch(run, step, worker.device, asked=lambda: publish_asked(worker),
+        if not wait_for_batch(run, step, worker.config.run.batch_format, worker.device, asked=lambda: publish_asked(worker),
                               answer=lambda: publish_on_request(worker)):
             if worker.step > 0:  # step 0 is the base model: nothing to save
                 if swap:
