@@ -164,10 +164,22 @@ def read_columns(path: Path) -> Columns:
     if not len(tokens) == len(tensors["logprobs"]) == len(tensors["loss_mask"]):
         raise BatchFileError(f"{path}: tokens ({len(tokens)}), loss_mask ({len(tensors['loss_mask'])}) and "
                              f"logprobs ({len(tensors['logprobs'])}) must be of equal length")
-    lines = tensors["records"].tobytes().splitlines()
-    if len(lines) != len(lengths):
-        raise BatchFileError(f"{path}: {len(lines)} records for {len(lengths)} rollouts")
-    records = []
+    records = _records(path, tensors["records"].tobytes(), len(lengths))
+    return Columns(records, lengths, tokens, tensors["loss_mask"], tensors["logprobs"])
+
+
+def _records(path: Path, text: bytes, count: int) -> list[dict]:
+    """The ``records`` lines as dicts: parsed as one JSON array (a line never holds a raw newline:
+    JSON escapes it), or line by line to name the one at fault."""
+    lines = text.splitlines()
+    if len(lines) != count:
+        raise BatchFileError(f"{path}: {len(lines)} records for {count} rollouts")
+    try:
+        records = orjson.loads(b"[" + b",".join(lines) + b"]")
+    except orjson.JSONDecodeError:
+        records = None
+    if records is not None and len(records) == count and all(isinstance(record, dict) for record in records):
+        return records
     for index, line in enumerate(lines):
         try:
             record = orjson.loads(line)
@@ -175,8 +187,7 @@ def read_columns(path: Path) -> Columns:
             raise BatchFileError(f"{path}: rollout {index}: record is not valid JSON ({err})") from err
         if not isinstance(record, dict):
             raise BatchFileError(f"{path}: rollout {index}: record must be a JSON object")
-        records.append(record)
-    return Columns(records, lengths, tokens, tensors["loss_mask"], tensors["logprobs"])
+    raise BatchFileError(f"{path}: records do not hold one JSON object per line")
 
 
 def read_records(path: Path) -> list[dict]:

@@ -51,15 +51,23 @@ class Sequence:
 
 
 def token_versions(mask: list[int], runs: object, where: str) -> list[int] | None:
-    """Expand ``[[version, count], ...]`` over the masked tokens, in order."""
+    """Expand ``[[version, count], ...]`` over the masked tokens (``mask``: 0s and 1s), in order."""
     if runs is None:
         return None
+    expanded: list[int] = []
     try:
-        expanded = [int(version) for version, count in runs for _ in range(int(count))]
+        for version, count in runs:
+            expanded += [int(version)] * int(count)
     except (TypeError, ValueError) as err:
         raise BatchError(f"{where}: versions must be [[version, count], ...] ({err})") from err
-    if len(expanded) != sum(mask):
-        raise BatchError(f"{where}: versions cover {len(expanded)} tokens but loss_mask marks {sum(mask)}")
+    masked = len(mask) - mask.count(0)
+    if len(expanded) != masked:
+        raise BatchError(f"{where}: versions cover {len(expanded)} tokens but loss_mask marks {masked}")
+    if not masked:
+        return [NO_VERSION] * len(mask)
+    first = mask.index(1)
+    if masked == len(mask) - first:    # one block (a prompt, then trained tokens only): no merge
+        return [NO_VERSION] * first + expanded
     stamps = iter(expanded)
     return [next(stamps) if m else NO_VERSION for m in mask]
 
@@ -125,13 +133,16 @@ def _read_columns(path: Path, vocab_size: int) -> Iterator[tuple[Sequence, objec
     outside = (columns.tokens < 0) | (columns.tokens >= vocab_size)
     if outside.any():
         raise BatchError(f"{first(outside)}: token id outside the vocabulary (size {vocab_size})")
+    # Lists once, sliced per rollout: a numpy slice per rollout costs more than its tokens do.
+    tokens, logprobs = columns.tokens.tolist(), columns.logprobs.tolist()
+    mask, bounds = (columns.loss_mask != 0).view(numpy.int8).tolist(), bounds.tolist()
     for index, record in enumerate(columns.records):
         where = f"{path}: rollout {index}"
         if "advantage" not in record:
             raise BatchError(f"{where}: missing key(s) 'advantage'")
-        start, end = int(starts[index]), int(ends[index])
-        yield (_sequence(record, columns.tokens[start:end].tolist(), (columns.loss_mask[start:end] != 0).view(numpy.int8).tolist(),
-                         columns.logprobs[start:end].tolist(), where), record.get("segments"), where)
+        start, end = bounds[index], bounds[index + 1]
+        yield (_sequence(record, tokens[start:end], mask[start:end], logprobs[start:end], where),
+               record.get("segments"), where)
 
 
 def split_segments(sequence: Sequence, lengths: object, where: str) -> list[Sequence]:
