@@ -171,6 +171,24 @@ def proc_sample(pid: int) -> tuple[float, int]:
     return cpu_seconds(fields), rss
 
 
+TCP_TROUBLE = ("TCPMemoryPressures", "TCPRcvQDrop", "TCPTimeouts")
+"""Kernel counters (/proc/net/netstat, TcpExt) that say the machine's TCP buffers overflowed:
+answers dropped and resent after a timeout that doubles (the stall the docs describe)."""
+
+
+def tcp_trouble() -> dict[str, int]:
+    """:data:`TCP_TROUBLE`'s counters now, machine-wide (empty where the file is not there)."""
+    try:
+        lines = Path("/proc/net/netstat").read_text().splitlines()
+    except OSError:
+        return {}
+    for names, values in zip(lines[::2], lines[1::2]):
+        if names.startswith("TcpExt:"):
+            counters = dict(zip(names.split()[1:], map(int, values.split()[1:])))
+            return {name: counters.get(name, 0) for name in TCP_TROUBLE}
+    return {}
+
+
 def processes() -> list[tuple[int, list[str]]]:
     """(pid, stat fields) of every process there is."""
     found = []
@@ -216,6 +234,7 @@ def ingest(engines: int, in_flight: int, tokens: int, processes: int, workdir: P
                  f"rollout.max_new_tokens={tokens}", "rollout.pack_samples=64", "eval.every=0",
                  "run.report=false", "inference.health_interval=30", "rollout.request_timeout=600",
                  f"inference.parse_workers={parse_workers}", f"run.batch_format={batch_format}"]
+    trouble_before = tcp_trouble()
     errors = open(workdir / f"train-{engines}-{in_flight}.err", "w+b")  # a file: a pipe would fill and stall it
     process = subprocess.Popen([sys.executable, "-m", "rlorch.cli", "train", *overrides],
                                stdout=subprocess.DEVNULL, stderr=errors, cwd=workdir, env=ENV)
@@ -265,7 +284,8 @@ def ingest(engines: int, in_flight: int, tokens: int, processes: int, workdir: P
             "bytes_per_inflight_rollout": round((peak - (baseline or 0)) / in_flight),
             "bytes_per_inflight_token": round((peak - (baseline or 0)) / (in_flight * tokens), 1),
             "fleet_peak_mb": round(fleet_peak / 2**20),
-            "trainer_idle": summary.get("trainer_idle")}
+            "trainer_idle": summary.get("trainer_idle"),
+            "tcp_trouble": {name: count - trouble_before.get(name, 0) for name, count in tcp_trouble().items()}}
 
 
 def fitting(in_flight: int, tokens: int, bytes_per_token: float, memory: float) -> int:
@@ -278,7 +298,8 @@ def fitting(in_flight: int, tokens: int, bytes_per_token: float, memory: float) 
 
 SUMMARY = ("engines", "in_flight", "completion_tokens", "bytes_per_inflight_token", "ingest_tokens_per_core_s",
            "loop_tokens_per_core_s", "parse_workers_cpu_s",
-           "fanout_p50_s", "fanout_p99_s", "admission_cost_ratio", "lost", "rss_peak_mb", "fleet_peak_mb", "trainer_idle")
+           "fanout_p50_s", "fanout_p99_s", "admission_cost_ratio", "lost", "rss_peak_mb", "fleet_peak_mb", "trainer_idle",
+           "tcp_trouble")
 
 
 def main() -> int:

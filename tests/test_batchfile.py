@@ -119,15 +119,28 @@ def test_a_damaged_or_foreign_file_is_refused_naming_it(tmp_path):
         assert str(caught.value).startswith(str(tmp_path / name)) and message in str(caught.value), caught.value
 
 
-def test_a_run_writes_the_format_it_is_told_and_validate_config_names_a_bad_one(tmp_path):
-    from helpers import train
+def test_a_run_writes_the_format_it_is_told_a_resume_may_change_it_and_a_bad_one_is_named(tmp_path):
+    from helpers import read_run, train, trained
     from rlorch.config.compose import compose
     from rlorch.config.schema import ConfigError
+    from rlorch.runner import resume_training
 
     for fmt in batchfile.FORMATS:
-        code, summary, _ = train(tmp_path / fmt, "train.steps=2", f"run.batch_format={fmt}", "run.report=false")
+        code, summary, _ = train(tmp_path / fmt, "train.steps=4", f"run.batch_format={fmt}", "run.report=false",
+                                 "trainer.checkpoint_every=2")
         assert code == 0 and summary["lost"] == 0, summary
         files = sorted(p.name for p in (tmp_path / fmt / "rollouts").iterdir())
-        assert files == [f"step_00000{s}{batchfile.SUFFIXES[fmt]}" for s in (1, 2)]
+        assert files == [f"step_00000{s}{batchfile.SUFFIXES[fmt]}" for s in (1, 2, 3, 4)]
+    # Resumed at step 2 as JSON lines: steps 3 and 4 of the first life move aside, whatever their format.
+    run_dir = tmp_path / "safetensors"
+    assert resume_training(str(run_dir / "checkpoints" / "step_000002"), ["run.batch_format=jsonl"]) == 0
+    summary, _ = read_run(run_dir)
+    assert summary["lost"] == 0 and summary["trained"] == 4 * 8, summary
+    assert sorted(p.name for p in (run_dir / "rollouts").glob("step_*")) == [
+        "step_000001.safetensors", "step_000002.safetensors", "step_000003.jsonl", "step_000004.jsonl"]
+    (aside,) = (run_dir / "rollouts").glob("superseded-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["step_000003.safetensors", "step_000004.safetensors"]
+    groups = [record["group_id"] for step in (1, 2, 3, 4) for record in trained(run_dir, step)]
+    assert len(groups) == len(set(groups)) == 4 * 8
     with pytest.raises(ConfigError, match="run.batch_format"):
         compose(["run.batch_format=npz"])

@@ -26,7 +26,8 @@ def stub(module, monkeypatch, ingest):
     monkeypatch.setattr(module, "ingest", ingest)
 
 
-def measured(engines, in_flight, tokens, processes, workdir, steps, parse_workers=0, full_logprobs=False):
+def measured(engines, in_flight, tokens, processes, workdir, steps, parse_workers=0, full_logprobs=False,
+             batch_format="safetensors"):
     return {"orchestrator_cpu_s": 1.0, "rollouts": in_flight, "lost": 0, "cpu_ms_per_rollout": 1.0,
             "cpu_ms_per_1k_tokens": 0.4, "ingest_tokens_per_core_s": 2_500_000, "rss_baseline_mb": 100,
             "rss_peak_mb": 200, "bytes_per_inflight_rollout": 1000, "bytes_per_inflight_token": 16.0,
@@ -74,3 +75,18 @@ def test_the_assumed_bytes_per_token_can_be_given(monkeypatch, capsys):
     assert module.main() == 0
     line = last_json(capsys)
     assert line["in_flight"] == 3125 and "at 15 B/token" in line["degraded"][0]
+
+
+def test_the_batch_format_reaches_the_run_and_the_json_line(monkeypatch, capsys):
+    module = bench()
+    asked = []
+    stub(module, monkeypatch, lambda *args, **kwargs: asked.append(args[-1]) or measured(*args))
+    monkeypatch.setattr(sys, "argv", ["bench_fleet.py", "--engines", "10", "--in-flight", "100",
+                                      "--batch-format", "jsonl"])
+    assert module.main() == 0
+    assert asked == ["jsonl"] and last_json(capsys)["batch_format"] == "jsonl"
+
+
+def test_the_kernels_tcp_counters_are_read_when_linux_has_them():
+    counters = bench().tcp_trouble()
+    assert counters == {} or (set(counters) == set(bench().TCP_TROUBLE) and all(v >= 0 for v in counters.values()))
