@@ -28,7 +28,8 @@ def test_both_formats_give_back_every_field_and_the_same_sequences(tmp_path, fmt
     path = tmp_path / f"step{batchfile.SUFFIXES[fmt]}"
     path.write_bytes(b"".join(batch.file(fmt)))
     assert batchfile.is_safetensors(path) == (fmt == "safetensors")
-    expected = [{**rollout.to_json(), "advantage": advantage} for rollout, advantage in zip(batch.rollouts, batch.advantages)]
+    expected = [{**rollout.to_json(), "advantage": advantage}
+                for rollout, advantage in zip(batch.rollouts, batch.advantages)]
     expected[1]["unlikelihood"] = True
     records = batchfile.read_records(path)
     assert [{**r, "logprobs": numpy.float32(r["logprobs"]).tolist()} for r in records] == [

@@ -45,9 +45,9 @@ ARRAYS = ("tokens", "loss_mask", "logprobs")
 # starts at a multiple of its item size when the data section starts 8-aligned.
 _TENSORS = {"lengths": ("I64", "<i8"), "tokens": ("I32", "<i4"), "logprobs": ("F32", "<f4"),
             "loss_mask": ("I8", "i1"), "records": ("U8", "u1")}
-
-
 _LITTLE_ENDIAN = sys.byteorder == "little"
+"""Whether an ``array`` of ids, logprobs or mask holds the bytes the file holds (safetensors is
+little-endian)."""
 
 
 class BatchFileError(ValueError):

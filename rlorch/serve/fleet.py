@@ -38,9 +38,10 @@ from rlorch.jsonlines import dumps, loads
 
 SEND_BUFFER = 1 << 16
 """SO_SNDBUF of a connection (the kernel doubles it): see :meth:`_Connection.connection_made`.
-On one machine the fleet's send queues and the orchestrator's receive buffers (256 KiB, doubled)
-share the kernel's TCP memory: 1,000 connections at 128 + 512 KiB stay under the ~1.1 GB where a
-machine of 23 GiB starts dropping segments (tcp_mem's first threshold), at 512 + 512 they did not."""
+On one machine the fleet's send queues and the orchestrator's receive buffers (512 KiB each as
+the kernel counts them) share the kernel's TCP memory, whose first threshold (tcp_mem) is about
+1.1 GB on a machine of 23 GiB: a thousand connections at 512 + 512 KiB come near it, at 128 + 512
+they stay well under (a full-size bench run stalled once at the former: docs/benchmarks.md)."""
 TOKEN_CAP = 65536
 """The longest completion a fleet answers (its shared answer arrays are this long)."""
 

@@ -20,8 +20,8 @@ from typing import Iterator, Optional
 import numpy
 import torch
 
-from rlorch.rundir import batchfile
 from rlorch.jsonlines import parse_record
+from rlorch.rundir import batchfile
 from rlorch.trainer.prefix import SharedLayout, layout
 
 _REQUIRED = ("tokens", "loss_mask", "logprobs", "advantage")

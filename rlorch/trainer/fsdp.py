@@ -528,8 +528,8 @@ def run_loop(worker: Worker) -> None:
     first, last = worker.step + 1, config.train.steps
     swap = config.run.colocate is Colocate.swap
     for step in range(first, last + 1):
-        if not wait_for_batch(run, step, worker.config.run.batch_format, worker.device, asked=lambda: publish_asked(worker),
-                              answer=lambda: publish_on_request(worker)):
+        if not wait_for_batch(run, step, worker.config.run.batch_format, worker.device,
+                              asked=lambda: publish_asked(worker), answer=lambda: publish_on_request(worker)):
             if worker.step > 0:  # step 0 is the base model: nothing to save
                 if swap:
                     offload.to_device(worker)
