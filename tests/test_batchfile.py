@@ -110,9 +110,11 @@ def test_a_damaged_or_foreign_file_is_refused_naming_it(tmp_path):
     path = _write(tmp_path)
     whole = path.read_bytes()
     (tmp_path / "truncated").write_bytes(whole[:-5])
+    (tmp_path / "header_cut").write_bytes(whole[:20])
     (tmp_path / "text").write_bytes(b"not a batch\n")
     save_file({"tokens": numpy.zeros(3, numpy.int32)}, str(tmp_path / "foreign"))
-    messages = {"truncated": "not a readable safetensors file", "text": ":1: not valid JSON",
+    messages = {"truncated": "not a readable safetensors file", "header_cut": "not a readable safetensors file",
+                "text": ":1: not valid JSON",
                 "foreign": "a safetensors file, but not a batch file"}
     for name, message in messages.items():
         with pytest.raises(BatchError) as caught:

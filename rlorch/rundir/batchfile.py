@@ -125,16 +125,20 @@ def _view(values: Any, dtype: str) -> numpy.ndarray:
     return numpy.asarray(values).astype(dtype, copy=False)
 
 
+_MAX_HEADER = 100_000_000
+"""The longest header safetensors reads. Eight bytes of text read as a length are past 2^56."""
+
+
 def is_safetensors(path: Path) -> bool:
-    """Whether ``path`` starts as a safetensors file does: a little-endian header length that fits
-    the file, then ``{``. A JSON line's first 8 bytes read as a length far past any file."""
+    """Whether ``path`` starts as a safetensors file does: a little-endian header length
+    safetensors would read, then ``{`` (a file cut short after that is a damaged safetensors
+    file, and reading it says so)."""
     try:
         with open(path, "rb") as handle:
             head = handle.read(9)
-            size = handle.seek(0, 2)
     except OSError as err:
         raise BatchFileError(f"{path}: unreadable ({err})") from err
-    return len(head) == 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] + 8 <= size
+    return len(head) == 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] <= _MAX_HEADER
 
 
 def read_columns(path: Path) -> Columns:
