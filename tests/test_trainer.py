@@ -14,7 +14,6 @@ import pytest
 
 from rlorch.config.compose import compose
 from rlorch.rundir import batchfile
-from rlorch.rundir.batchfile import read_records
 from rlorch.rundir.layout import COMPLETE, PUBLISHED, RunDir, save_config, write_atomic
 
 
@@ -41,11 +40,11 @@ def _rollout(prompt: str, completion: str, advantage: float, logprob: float = -2
             "prompt_len": len(prompt_ids), "completion": completion, "advantage": advantage}
 
 
-def _write_batch(run: RunDir, step: int, lines: list[dict] | None = None, fmt: str = "safetensors") -> None:
+def _write_batch(run: RunDir, step: int, lines: list[dict] | None = None) -> None:
     lines = lines or [_rollout("123=", "321", 1.0), _rollout("123=", "999", -1.0),
                       _rollout("4567=", "7654", 0.5), _rollout("4567=", "76", -0.5),
                       _rollout("89=", "98", 0.0)]
-    write_atomic(run.batch(step, fmt), batchfile.encode(list(batchfile.iter_rows(lines)), fmt))
+    write_atomic(run.batch(step), batchfile.encode(list(batchfile.iter_rows(lines)), "safetensors"))
 
 
 class _Trainer:
@@ -558,7 +557,7 @@ def test_token_budgets_on_two_ranks_give_one_ranks_padded_step(tmp_path, agg):
         assert other["loss"] == pytest.approx(padded["loss"], rel=1e-5)
         assert other["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-5)
         assert other["entropy"] == pytest.approx(padded["entropy"], rel=1e-5)
-    lines = read_records(RunDir(tmp_path / "one").batch(1))
+    lines = batchfile.read_records(RunDir(tmp_path / "one").batch(1))
     real = sum(len(line["tokens"]) for line in lines)
     assert one["positions"] == real < padded["positions"]
     assert two["positions"] <= real + 2  # at most one 2-token filler pass
