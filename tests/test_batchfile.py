@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 
 import numpy
 import pytest
@@ -71,7 +72,7 @@ def test_a_rollout_whose_arrays_disagree_is_refused_before_anything_is_written()
         batchfile.encode(rows, "npz")
 
 
-def _rewritten(tmp_path, change) -> str:
+def _rewritten(tmp_path: Path, change) -> Path:
     """The batch written with ``change(record)`` applied to its second rollout; the path."""
     records = batchfile.read_records(_write(tmp_path))
     change(records[1])
@@ -80,7 +81,7 @@ def _rewritten(tmp_path, change) -> str:
     return path
 
 
-def _write(tmp_path):
+def _write(tmp_path: Path) -> Path:
     path = tmp_path / "step.safetensors"
     path.write_bytes(b"".join(_batch().file()))
     return path
