@@ -44,7 +44,7 @@ def _write_batch(run: RunDir, step: int, lines: list[dict] | None = None) -> Non
     lines = lines or [_rollout("123=", "321", 1.0), _rollout("123=", "999", -1.0),
                       _rollout("4567=", "7654", 0.5), _rollout("4567=", "76", -0.5),
                       _rollout("89=", "98", 0.0)]
-    write_atomic(run.batch(step), batchfile.encode(list(batchfile.iter_rows(lines)), "safetensors"))
+    write_atomic(run.batch(step, "safetensors"), batchfile.encode(list(batchfile.iter_rows(lines)), "safetensors"))
 
 
 class _Trainer:
@@ -557,7 +557,7 @@ def test_token_budgets_on_two_ranks_give_one_ranks_padded_step(tmp_path, agg):
         assert other["loss"] == pytest.approx(padded["loss"], rel=1e-5)
         assert other["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-5)
         assert other["entropy"] == pytest.approx(padded["entropy"], rel=1e-5)
-    lines = batchfile.read_records(RunDir(tmp_path / "one").batch(1))
+    lines = batchfile.read_records(RunDir(tmp_path / "one").batch(1, "safetensors"))
     real = sum(len(line["tokens"]) for line in lines)
     assert one["positions"] == real < padded["positions"]
     assert two["positions"] <= real + 2  # at most one 2-token filler pass

@@ -48,13 +48,13 @@ class Orchestrator:
                  startup: StartupClock):
         self.config, self.run_dir, self.policy, self.engines = config, run_dir, policy, engines
         self.trainer, self.work, self.prompts, self.resume = trainer, work, prompts, resume
-        r, fmt = config.rollout, config.run.batch_format
-        self.batch_size = r.batch_size
+        r = config.rollout
+        self.batch_size, self.batch_format = r.batch_size, config.run.batch_format
         self.ship_side = r.enforce is Enforce.ship
         self.shipping = Shipping(policy=policy, max_staleness=r.max_staleness, park=self.ship_side,
                                  poll_interval=config.watcher.poll_interval, on_shipped=self._on_shipped, check=self._check_alarm,
                                  # The batch file, fsynced off the event loop (parked until shipped: checkpoints list it).
-                                 persist=lambda batch: asyncio.to_thread(write_atomic, run_dir.batch(batch.step, fmt), batch.file(fmt)))
+                                 persist=lambda b: asyncio.to_thread(write_atomic, run_dir.batch(b.step, self.batch_format), b.file(self.batch_format)))
         self.idle, self.alarm, self.stop_reason = LoopIdle(), asyncio.Event(), None
         self.stats = RunStats(idle=self.idle, startup=startup)
         self.gate = CapacityGate(max_staleness=r.max_staleness, batch_size=r.batch_size,
@@ -268,7 +268,7 @@ class Orchestrator:
 
     def _on_shipped(self, batch: Batch, parked_s: float) -> None:
         self.idle.trainer.set("waiting", False)
-        self.ledger.ship(batch.filed(self.run_dir.batch(batch.step, self.config.run.batch_format)))
+        self.ledger.ship(batch.filed(self.run_dir.batch(batch.step, self.batch_format)))
         self.steps.shipped(batch, admitted_total=self.dispatcher.admitted, parked_s=parked_s)
         self.dispatcher.notify()
 

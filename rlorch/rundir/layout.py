@@ -187,7 +187,7 @@ class RunDir:
     def config_before_resume(self, stamp: str) -> Path:
         return self.root / f"config.before-resume-{stamp}.yaml"
 
-    def batch(self, step: int, fmt: str = "safetensors") -> Path:
+    def batch(self, step: int, fmt: str) -> Path:
         """Batch ``step``'s file in format ``fmt`` (``run.batch_format``)."""
         return self.rollouts / f"{step_name(step)}{SUFFIXES[fmt]}"
 
