@@ -272,20 +272,33 @@ class Qwen2ForCausalLM(nn.Module):
         return CausalLMOutput(logits=self.lm_head(hidden))
 
 
+DENSE_ROW_POSITIONS = 192
+"""Rows of at most this many positions attend in one call over the whole row under a mask of
+who sees whom, instead of gathered into one padded row per sequence. Small rows are all
+per-row overhead: on one CPU thread, 64 sequences packed into 168 positions took 0.66 ms
+(forward and backward, 4 heads of 16) in one masked call against 1.12 ms gathered, gathers
+included; at 224 positions the masked call took 1.04 ms against 0.80 ms, its cost growing with
+the square of the row."""
+
+
 class Packing:
     """Sequences back to back in one row, found as transformers finds them: ``position_ids``
     restart at 0 where a sequence starts (or laid out by the caller, as the trainer's shared
     prompts are, where a sequence's slots may name positions it shares with others). Attention
-    stays within each sequence: the row's queries, keys and values are laid out one sequence a
-    row, right-padded, for one causal attention call (a real query never sees the padding after
-    it), and the real positions are read back into the row. Only the attention call sees
-    padding; every other layer runs on the row's real tokens alone."""
+    stays within each sequence. A row of more than :data:`DENSE_ROW_POSITIONS` positions has
+    its queries, keys and values laid out one sequence a row, right-padded, for one causal
+    attention call (a real query never sees the padding after it), and the real positions read
+    back into the row; a shorter one attends in place under :meth:`visible`. Only attention
+    sees padding; every other layer runs on the row's real tokens alone."""
 
-    def __init__(self, gather: torch.Tensor, scatter: torch.Tensor) -> None:
+    def __init__(self, gather: torch.Tensor, scatter: torch.Tensor, lengths: torch.Tensor) -> None:
         self.gather = gather
         """``[sequences, longest]``: the row position of each padded slot (padding reads position 0)."""
         self.scatter = scatter
         """``[row length]``: each row position's slot in the flattened padded layout."""
+        self.lengths = lengths
+        """``[sequences]``: the real (leading) slots of each sequence's padded row."""
+        self._visible: Optional[torch.Tensor] = None
 
     @classmethod
     def of(cls, position_ids: torch.Tensor) -> Optional["Packing"]:
@@ -299,18 +312,41 @@ class Packing:
         offsets = torch.arange(longest, device=position_ids.device)
         gather = torch.where(offsets < lengths[:, None], starts[:, None] + offsets, 0)
         sequence = torch.cumsum((position_ids == 0).long(), 0) - 1
-        return cls(gather, sequence * longest + position_ids)
+        return cls(gather, sequence * longest + position_ids, lengths)
+
+    @property
+    def positions(self) -> int:
+        return self.scatter.numel()
+
+    def visible(self) -> torch.Tensor:
+        """``[positions, positions]`` boolean: whether the row position of each query may see that
+        of each key. A position shared by several sequences (a prompt) has the same slot and
+        the same slots before it in each, so every sequence that holds it agrees on its row."""
+        if self._visible is None:
+            slots = torch.arange(self.gather.shape[1], device=self.gather.device)
+            real = slots < self.lengths[:, None]
+            sees = real[:, :, None] & real[:, None, :] & (slots[:, None] >= slots[None, :])
+            visible = torch.zeros(self.positions, self.positions, dtype=torch.bool, device=self.gather.device)
+            visible[self.gather[:, :, None].expand_as(sees)[sees], self.gather[:, None, :].expand_as(sees)[sees]] = True
+            self._visible = visible
+        return self._visible
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
         """Causal attention of ``[1, heads, length, head_dim]`` tensors within each sequence;
         returns ``[1, length, heads * head_dim]``."""
-        def laid_out(tensor: torch.Tensor) -> torch.Tensor:
-            return tensor[0][:, self.gather].transpose(0, 1)  # [sequences, heads, longest, head_dim]
+        heads, head_dim = query.shape[1], query.shape[3]
+        if self.positions <= DENSE_ROW_POSITIONS:
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=self.visible(), scale=scale)
+            return out.transpose(1, 2).reshape(1, self.positions, heads * head_dim)
+        slots = self.gather.flatten()
+
+        def laid_out(tensor: torch.Tensor) -> torch.Tensor:  # [sequences, heads, longest, head_dim]
+            return tensor[0].index_select(1, slots).view(heads, *self.gather.shape, head_dim).transpose(0, 1)
 
         out = F.scaled_dot_product_attention(laid_out(query), laid_out(key), laid_out(value), is_causal=True,
                                              scale=scale)
-        flat = out.transpose(1, 2).reshape(-1, out.shape[1] * out.shape[3])
-        return flat[self.scatter].unsqueeze(0)
+        flat = out.transpose(1, 2).reshape(-1, heads * head_dim)
+        return flat.index_select(0, self.scatter).unsqueeze(0)
 
 
 def _attention_mask(attention_mask: Optional[torch.Tensor], batch: int, past: int, length: int,

@@ -66,6 +66,23 @@ def test_each_prompt_is_laid_out_once_and_each_sequence_stops_before_its_last_tr
     assert torch.equal(packed_layout.hidden_index, shared.hidden_index)
 
 
+def test_each_position_of_a_shared_row_sees_its_own_sequences_earlier_positions_only():
+    prompt = [7, 8]
+    sequences = [Sequence(prompt + [9, 10], [0, 0, 1, 1], [0.0] * 4, 1.0, 0.0),
+                 Sequence(prompt + [11, 12, 13], [0, 0, 1, 1, 1], [0.0] * 5, 1.0, 0.0)]
+    micro = padded(sequences, 0)
+    shared = layout(micro.tokens, micro.mask)
+    # The row: the prompt once (0, 1), the first sequence's span (2), the second's (3, 4).
+    assert shared.input_ids.tolist() == [[7, 8, 9, 11, 12]]
+    assert shared.lengths.tolist() == [3, 4]
+    expected = [[1, 0, 0, 0, 0],
+                [1, 1, 0, 0, 0],
+                [1, 1, 1, 0, 0],
+                [1, 1, 0, 1, 0],
+                [1, 1, 0, 1, 1]]
+    assert shared.packing(torch.device("cpu")).visible().int().tolist() == expected
+
+
 def test_no_layout_where_it_saves_too_little_or_a_token_at_position_0_is_trained():
     distinct = [Sequence([5 + i] + [6] * 11, [0] + [1] * 11, [0.0] * 12, 1.0, 0.0) for i in range(4)]
     micro = padded(distinct, 0)  # nothing shared; only the last token of each row is saved
@@ -90,8 +107,13 @@ def _loss(model, micro, share: bool):
                                                    segments=micro.segments)
 
 
+@pytest.mark.parametrize("attention", ["masked", "gathered"])
 @pytest.mark.parametrize("build", [padded, packed])
-def test_the_shared_layout_gives_the_micro_batchs_logprobs_entropies_and_gradients(build):
+def test_the_shared_layout_gives_the_micro_batchs_logprobs_entropies_and_gradients(build, attention, monkeypatch):
+    from rlorch import qwen2
+
+    # The row is short enough to attend in place; with no row that short, it is gathered.
+    monkeypatch.setattr(qwen2, "DENSE_ROW_POSITIONS", qwen2.DENSE_ROW_POSITIONS if attention == "masked" else 0)
     model = _model()
     assert accepts_packing(model)
     micro = build(_grouped(model.config.vocab_size), 0)

@@ -46,6 +46,8 @@ class SharedLayout:
     scatter: torch.Tensor
     """``[N]``: each row position's slot in the flattened ``gather`` layout (a prefix's slots
     in the virtual row of the first sequence that shares it)."""
+    lengths: torch.Tensor
+    """``[sequences]``: the real slots of each sequence's ``gather`` row (its prefix and span)."""
     hidden_index: torch.Tensor
     """For each trained token of the micro-batch, in ``torch.nonzero(mask)`` order, the row
     position whose hidden state scores it."""
@@ -58,7 +60,7 @@ class SharedLayout:
         """How the row's positions attend, on ``device``, for the model's ``packing=``."""
         from rlorch.qwen2 import Packing
 
-        return Packing(self.gather.to(device), self.scatter.to(device))
+        return Packing(self.gather.to(device), self.scatter.to(device), self.lengths.to(device))
 
 
 def spans(mask: torch.Tensor, lengths: Optional[list[int]]) -> list[tuple[int, int, int]]:
@@ -122,4 +124,5 @@ def layout(tokens: torch.Tensor, mask: torch.Tensor, lengths: Optional[list[int]
     scatter[gather[read]] = torch.arange(len(laid) * longest).view(len(laid), longest)[read]
     return SharedLayout(input_ids=torch.tensor([ids], dtype=torch.long),
                         position_ids=torch.tensor([positions], dtype=torch.long), gather=gather,
-                        scatter=scatter, hidden_index=torch.tensor(hidden_index, dtype=torch.long))
+                        scatter=scatter, lengths=prefix_length + span_length,
+                        hidden_index=torch.tensor(hidden_index, dtype=torch.long))
