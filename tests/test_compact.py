@@ -12,7 +12,7 @@ import pytest
 
 from rlorch.rundir.batchfile import SUFFIXES
 from rlorch.config.compose import compose
-from rlorch.inference.answers import Segment, parse_generate
+from rlorch.inference.answers import COMPACT_ANSWER_BYTES, SMALL_BODY, Segment, parse_generate
 from rlorch.inference.client import SGLangEngine, empty_generation
 from rlorch.tasks.episode import make_work
 from rlorch.tasks.registry import make_environment
@@ -62,6 +62,21 @@ def test_an_http_answer_stays_arrays_into_rollouts_and_its_batch_file_round_trip
         assert sequence.tokens == rollout.tokens.tolist() and sequence.loss_mask == rollout.loss_mask.tolist()
         assert numpy.array_equal(numpy.float32(sequence.logprobs), numpy.frombuffer(rollout.logprobs, "f"))
         assert sequence.versions == [NO_VERSION, NO_VERSION] + [3] * 900
+
+
+def test_a_body_of_many_short_answers_is_parsed_in_full_and_one_of_long_answers_is_cut():
+    def body(answers: int, tokens: int) -> bytes:
+        entries = [[-0.5, 5, None]] * tokens
+        return orjson.dumps([{"text": "x", "output_ids": [5] * tokens,
+                              "meta_info": {"id": str(index), "output_token_logprobs": entries}}
+                             for index in range(answers)])
+
+    short = body(512, 3)  # past SMALL_BODY, some 100 bytes an answer
+    assert len(short) > SMALL_BODY
+    assert all(answer["meta_info"]["output_token_logprobs"] == [[-0.5, 5, None]] * 3 for answer in parse_generate(short))
+    long = body(8, 300)
+    assert len(long) > COMPACT_ANSWER_BYTES * 8
+    assert all(isinstance(answer["meta_info"]["output_token_logprobs"], Segment) for answer in parse_generate(long))
 
 
 def test_an_answer_the_fast_path_cannot_read_exactly_is_parsed_in_full():
