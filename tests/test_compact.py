@@ -73,7 +73,8 @@ def test_a_body_of_many_short_answers_is_parsed_in_full_and_one_of_long_answers_
 
     short = body(512, 3)  # past SMALL_BODY, some 100 bytes an answer
     assert len(short) > SMALL_BODY
-    assert all(answer["meta_info"]["output_token_logprobs"] == [[-0.5, 5, None]] * 3 for answer in parse_generate(short))
+    parsed = parse_generate(short)
+    assert all(answer["meta_info"]["output_token_logprobs"] == [[-0.5, 5, None]] * 3 for answer in parsed)
     long = body(8, 300)
     assert len(long) > COMPACT_ANSWER_BYTES * 8
     assert all(isinstance(answer["meta_info"]["output_token_logprobs"], Segment) for answer in parse_generate(long))
