@@ -12,7 +12,9 @@ steps to 80% times the batch size. ``--variant NAME:OVERRIDES`` races this check
 settings too, and says on how many seeds each reached 80% in fewer samples than the default.
 
 What is measured, per run: seconds from the command's launch to the first evaluation at >= 80%
-held-out accuracy and to the first at 100%, and the step that evaluation was of. Evaluation time
+held-out accuracy and to the first at 100%, and the step that evaluation was of. The seconds to
+80% are split into the start (launch to the evaluation before the first step) and the time a
+step (the rest over the steps to 80%), so a race's ratio reads as steps times step plus start. Evaluation time
 is *counted on both sides*: rlorch evaluates on its engines beside training, TRL inside its
 training loop (its seconds spent evaluating are printed too, so they can be subtracted by
 hand). A run is stopped once it has evaluated at 100% (rlorch by SIGINT, TRL from its callback),
@@ -190,6 +192,12 @@ def summarise(run: dict) -> dict:
         row[f"step_{target:.0%}"] = hit["step"] if hit else None
     row["samples_80%"] = (row["step_80%"] * run["batch_size"]
                           if row["step_80%"] is not None and run.get("batch_size") else None)
+    # The seconds to 80% as start plus steps times the step: the evaluation before the first
+    # step marks where training began, on both sides.
+    first = run["evals"][0] if run["evals"] and run["evals"][0]["step"] == 0 else None
+    row["start_s"] = first["at_s"] if first else None
+    row["step_ms"] = (1000 * (row["s_80%"] - first["at_s"]) / row["step_80%"]
+                      if first and row["step_80%"] else None)
     return row
 
 
@@ -263,14 +271,15 @@ def main() -> None:
     print(f"\nmachine: {platform.machine()} {os.cpu_count()} CPUs, python {platform.python_version()}, "
           f"load average {os.getloadavg()[0]:.2f}; evaluation time counted on both sides")
     print(f"{'system':<26}{'seeds':>6}{'median s to 80%':>17}{'median s to 100%':>18}{'median steps to 80%':>21}"
-          f"{'median samples to 80%':>23}{'seeds at 100%':>15}")
+          f"{'median samples to 80%':>23}{'seeds at 100%':>15}{'median start s':>16}{'median ms a step':>18}")
     medians = {}
     for name, runs in rows.items():
         medians[name] = _median([r["s_80%"] for r in runs])
         print(f"{name:<26}{len(runs):>6}{_fmt(medians[name], 17)}{_fmt(_median([r['s_100%'] for r in runs]), 18)}"
               f"{_fmt(_median([r['step_80%'] for r in runs]), 21, 0)}"
               f"{_fmt(_median([r['samples_80%'] for r in runs]), 23, 0)}"
-              f"{sum(r['s_100%'] is not None for r in runs):>15}")
+              f"{sum(r['s_100%'] is not None for r in runs):>15}"
+              f"{_fmt(_median([r['start_s'] for r in runs]), 16)}{_fmt(_median([r['step_ms'] for r in runs]), 18)}")
     default = rows["rlorch (this checkout)"]
     for name, runs in rows.items():
         if name.startswith("rlorch ") and runs is not default:
