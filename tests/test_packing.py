@@ -217,3 +217,69 @@ def test_admitting_groups_at_once_matches_admitting_them_one_by_one():
         while one_by_one < most and gates[1].try_admit(size):
             one_by_one += 1
         assert together == one_by_one and gates[0].counts() == gates[1].counts()
+
+
+class HeldOut:
+    """Prompts whose eval set is ``count`` held-out prompts."""
+
+    def __init__(self, count: int):
+        self.count = count
+
+    def eval_set(self, wanted) -> list[Prompt]:
+        return [Prompt(group_id=i, input_ids=[1], env="t", is_eval=True) for i in range(self.count)]
+
+
+class EvalWork(Packs):
+    """Single-turn work: packs prompts into one call, and counts the prompts sent alone."""
+
+    batched = True
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.alone = 0
+
+    async def pack(self, prompts: list[Prompt]) -> list[list[Rollout]]:
+        return [[rollout] for rollout, *_ in await Packs.__call__(self, prompts)]
+
+    async def __call__(self, prompt: Prompt) -> list[Rollout]:
+        self.alone += 1
+        return group_of(prompt)[:1]
+
+
+def evaluate(work, prompts: int, pack_samples: int) -> dict:
+    from rlorch.config.schema import EvalConfig
+    from rlorch.orchestrator.evaluation import Evaluations
+    from rlorch.orchestrator.sinks import EvalSink
+
+    records = []
+    evaluations = Evaluations(EvalConfig(), work=work, prompts=HeldOut(prompts), sink=EvalSink(),
+                              write=records.append, request_timeout=5.0, pack_samples=pack_samples)
+    asyncio.run(evaluations.run(0))
+    return records[0]
+
+
+def test_an_evaluation_sends_its_prompts_in_equal_packs_of_at_most_pack_samples():
+    work = EvalWork()
+    record = evaluate(work, prompts=97, pack_samples=64)
+    assert [len(call) for call in work.calls] == [49, 48] and work.alone == 0
+    assert sorted(i for call in work.calls for i in call) == list(range(97))
+    assert record["prompts"] == 97 and record["failed"] == 0
+
+    alone = EvalWork()
+    evaluate(alone, prompts=5, pack_samples=1)
+    assert alone.calls == [] and alone.alone == 5
+
+
+def test_a_failed_evaluation_pack_counts_its_prompts_failed_and_the_others_are_kept():
+    work = EvalWork(fail_first=1)
+    record = evaluate(work, prompts=10, pack_samples=4)
+    assert [len(call) for call in work.calls] == [4, 3, 3]
+    assert record["prompts"] == 10 and record["failed"] == 4
+
+
+def test_multi_turn_work_evaluates_each_prompt_alone():
+    work = EvalWork()
+    work.batched = False
+    record = evaluate(work, prompts=6, pack_samples=64)
+    assert work.calls == [] and work.alone == 6 and record["failed"] == 0
+    assert evaluate(EvalWork(), prompts=0, pack_samples=64)["prompts"] == 0

@@ -469,9 +469,11 @@ def test_a_single_rank_checkpoint_resumes_on_two_ranks(tmp_path):
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_later_versions_are_written_as_save_pretrained_writes_them(tmp_path, tied):
+def test_later_versions_are_written_as_save_pretrained_writes_them(tmp_path, tied, monkeypatch):
     """After the first full save, a version gets the same files byte for byte as a full save of
-    its weights would write, the weights' new values included (tied embeddings or not)."""
+    its weights would write, the weights' new values included (tied embeddings or not), its
+    weights file written raw (header and data) without safetensors' save_file."""
+    import safetensors.torch
     import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -492,8 +494,12 @@ def test_later_versions_are_written_as_save_pretrained_writes_them(tmp_path, tie
         for parameter in model.parameters():
             parameter.add_(torch.randn_like(parameter))
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    saved_by_save_file = []
+    save_file = safetensors.torch.save_file
+    monkeypatch.setattr(safetensors.torch, "save_file", lambda *a, **k: saved_by_save_file.append(1) or save_file(*a, **k))
     writer.write(tmp_path / "v2", state)
-    assert len(full_saves) == 1
+    assert len(full_saves) == 1 and not saved_by_save_file
+    monkeypatch.undo()
     write_hf(tmp_path / "full", model, dict(state), tokenizer)
     written, full = sorted(tmp_path.joinpath("v2").iterdir()), sorted(tmp_path.joinpath("full").iterdir())
     assert [entry.name for entry in written] == [entry.name for entry in full]

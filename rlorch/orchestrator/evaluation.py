@@ -7,6 +7,7 @@ step, every ``eval.every`` steps, at the end) and the tasks that run them.
 from __future__ import annotations
 
 import asyncio
+from itertools import accumulate
 from typing import Any, Callable, Optional
 
 from rlorch.config.schema import EvalConfig
@@ -16,9 +17,14 @@ from rlorch.types import Prompt
 
 class Evaluations:
     def __init__(self, config: EvalConfig, *, work: Callable, prompts: Any, sink: Any,
-                 write: Callable[[dict], None], request_timeout: float):
+                 write: Callable[[dict], None], request_timeout: float, pack_samples: int = 1):
+        """``pack_samples``: the most held-out prompts (one greedy sample each) one engine call
+        carries, where ``work`` packs prompts into one call (``work.pack``, single-turn work);
+        1, or work that does not pack, sends each prompt on its own."""
         self.config = config
         self.work = work
+        self.pack = getattr(work, "pack", None) if getattr(work, "batched", False) else None
+        self.pack_samples = max(1, pack_samples)
         self.prompts = prompts
         self.write = write
         self.request_timeout = request_timeout
@@ -46,10 +52,27 @@ class Evaluations:
         self.done.add(step)
         if self._prompts is None:
             self._prompts = self.prompts.eval_set(self.config.prompts)
-        groups = await asyncio.gather(*(asyncio.wait_for(self.work(p), self.request_timeout) for p in self._prompts),
-                                      return_exceptions=True)
-        rollouts = [r for g in groups if not isinstance(g, BaseException) for r in g]
+        rollouts = [r for g in await self._generate(self._prompts) for r in g]
         self.write(self.sink.add(step, rollouts, asked=len(self._prompts)))
+
+    async def _generate(self, prompts: list[Prompt]) -> list[list]:
+        """The groups of ``prompts`` that came back within the request timeout. Where the work
+        packs, as few packs as hold at most ``pack_samples`` prompts each, their sizes at most one
+        apart, one engine call each; else one call per prompt. A pack that fails loses its
+        prompts to this evaluation (its record counts them ``failed``), as a prompt sent alone does."""
+        if self.pack is None or self.pack_samples == 1 or not prompts:
+            calls = [self._alone(prompt) for prompt in prompts]
+        else:
+            packs = -(-len(prompts) // self.pack_samples)
+            size, larger = divmod(len(prompts), packs)
+            ends = list(accumulate(size + (index < larger) for index in range(packs)))
+            calls = [self.pack(prompts[start:end]) for start, end in zip([0, *ends], ends)]
+        results = await asyncio.gather(*(asyncio.wait_for(call, self.request_timeout) for call in calls),
+                                       return_exceptions=True)
+        return [group for groups in results if not isinstance(groups, BaseException) for group in groups]
+
+    async def _alone(self, prompt: Prompt) -> list[list]:
+        return [await self.work(prompt)]
 
     def summary(self) -> dict:
         first, last = self.sink.first, self.sink.last

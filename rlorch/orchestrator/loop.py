@@ -85,8 +85,8 @@ class Orchestrator:
             "dispatcher": self.dispatcher.gauges, "watcher": self.watcher.gauges, "gate": self.gate.gauges,
             "sink": self.sink.gauges, "loop": lambda: {**self.shipping.gauges(), "admitted_total": self.dispatcher.admitted},
             "engines": lambda: {f"engines_{key}": value for key, value in engines.gauges().items()}})
-        self.evaluations = Evaluations(config.eval, work=work, prompts=prompts, sink=EvalSink(),
-                                       write=self.metrics.write, request_timeout=r.request_timeout)
+        self.evaluations = Evaluations(config.eval, work=work, prompts=prompts, sink=EvalSink(), write=self.metrics.write,
+                                       request_timeout=r.request_timeout, pack_samples=r.pack_samples)
         self.ledger = Ledger(group_size=r.group_size, admissions=lambda: self.gate.submitted,
                              restored=resume.totals if resume else None)
         self.steps = StepRecords(run_dir.trainer_metrics)
