@@ -270,7 +270,8 @@ class RolloutConfig:
     pack_samples: int = 64
     """Most samples one engine call carries: the groups one admission pass lets through share a
     call (SGLang's batch /generate) up to this many samples, never waiting to fill it. A group
-    larger than this goes alone. A pack comes back when its slowest sample does, so with long,
+    larger than this goes alone. An evaluation's held-out prompts (single-turn tasks) go in as
+    few such calls as hold them. A pack comes back when its slowest sample does, so with long,
     varied generations a smaller pack frees engine slots sooner; 1 = one call per group."""
     max_new_tokens: int = 16
     """Generation budget per model turn."""
