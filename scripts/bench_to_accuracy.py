@@ -18,7 +18,8 @@ step (the rest over the steps to 80%), so a race's ratio reads as steps times st
 is *counted on both sides*: rlorch evaluates on its engines beside training, TRL inside its
 training loop (its seconds spent evaluating are printed too, so they can be subtracted by
 hand). A run is stopped once it has evaluated at 100% (rlorch by SIGINT, TRL from its callback),
-or after ``--max-steps``.
+or after ``--max-steps`` (by default the default config's ``train.steps``, the cap a user's run
+has: a run that collapses early needs several hundred steps more to get out).
 
 Contenders run alternately, seed by seed (the order rotates each seed): this checkout's rlorch,
 optionally an earlier revision of it (``--baseline REF``, checked out into a temporary worktree
@@ -225,11 +226,15 @@ def main() -> None:
                         help="also race this checkout with Hydra overrides, space-separated "
                              "(e.g. 'lr2e-3:trainer.lr=2e-3'); repeatable")
     parser.add_argument("--seeds", type=int, default=8)
-    parser.add_argument("--max-steps", type=int, default=500)
+    parser.add_argument("--max-steps", type=int, help="steps a run may take (default: the default config's train.steps)")
     parser.add_argument("--keep", type=Path, help="keep every run's directory and output here")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.max_steps is None:
+        from rlorch.config.compose import compose
+
+        args.max_steps = compose([]).train.steps
     if args.trl_worker:
         trl_worker(args.seed, args.max_steps)
         return
