@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -383,3 +384,21 @@ async def _generate_stand_in(handler):
     finally:
         await engine.close()
         await runner.cleanup()
+
+
+def test_wire_ids_are_fresh_equal_length_never_prefixes_and_a_forked_child_draws_its_own():
+    from rlorch.inference.client import wire_rid
+
+    sent = [wire_rid("g7-0") for _ in range(1000)]
+    assert len(set(sent)) == len(sent) and len({len(rid) for rid in sent}) == 1
+    assert not any(a != b and b.startswith(a) for a in sent[:50] for b in sent)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.write(write, wire_rid("g7-0").encode())
+        os._exit(0)
+    os.waitpid(child, 0)
+    theirs = os.read(read, 100).decode()
+    os.close(read)
+    os.close(write)
+    assert len(theirs) == len(sent[0]) and theirs.rsplit(".", 1)[1][:16] != sent[0].rsplit(".", 1)[1][:16]
