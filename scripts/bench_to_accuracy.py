@@ -226,7 +226,8 @@ def main() -> None:
                         help="also race this checkout with Hydra overrides, space-separated "
                              "(e.g. 'lr2e-3:trainer.lr=2e-3'); repeatable")
     parser.add_argument("--seeds", type=int, default=8)
-    parser.add_argument("--max-steps", type=int, help="steps a run may take (default: the default config's train.steps)")
+    parser.add_argument("--max-steps", type=int,
+                        help="steps a run may take (default: the default config's train.steps)")
     parser.add_argument("--keep", type=Path, help="keep every run's directory and output here")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)

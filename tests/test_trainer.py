@@ -496,7 +496,8 @@ def test_later_versions_are_written_as_save_pretrained_writes_them(tmp_path, tie
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     saved_by_save_file = []
     save_file = safetensors.torch.save_file
-    monkeypatch.setattr(safetensors.torch, "save_file", lambda *a, **k: saved_by_save_file.append(1) or save_file(*a, **k))
+    monkeypatch.setattr(safetensors.torch, "save_file",
+                        lambda *args, **kwargs: saved_by_save_file.append(1) or save_file(*args, **kwargs))
     writer.write(tmp_path / "v2", state)
     assert len(full_saves) == 1 and not saved_by_save_file
     monkeypatch.undo()

@@ -14,8 +14,8 @@ Request ids on the wire: each HTTP /generate carries a fresh id, ``f"{rid}.{suff
 32 hex digits: a random half drawn once per process (again in a forked child) and a counter. SGLang
 aborts every request whose id *starts with* the given one and refuses an id already in flight
 (HTTP 400 "Duplicate request ID"); fresh, equal-length suffixes mean no id in flight is a prefix
-of another and no resubmission or retry reuses one, this process's or an earlier life's. :meth:`SGLangEngine.abort` maps the caller's
-``rid`` to the id in flight.
+of another and no resubmission or retry reuses one, this process's or an earlier life's.
+:meth:`SGLangEngine.abort` maps the caller's ``rid`` to the id in flight.
 
 Idle connections: SGLang's server closes idle keep-alive connections after 5 s
 (``SGLANG_TIMEOUT_KEEP_ALIVE``); the client keeps them ``KEEPALIVE_SECONDS`` and retries a call

@@ -194,9 +194,13 @@ def _learn_layout(target: Path, state_dict: dict) -> Optional[_Layout]:
 
 def _raw_layout(path: Path) -> tuple[Optional[bytes], tuple]:
     """A safetensors file's header bytes and its tensors in data order (see :class:`_Layout`),
-    or (None, ()) where its data is not the tensors back to back in dtypes written raw."""
+    or (None, ()) where its data is not the tensors back to back in dtypes written raw, or where
+    this machine's byte order is not safetensors' (little-endian)."""
     import json
+    import sys
 
+    if sys.byteorder != "little":
+        return None, ()
     raw = path.read_bytes()
     length = int.from_bytes(raw[:8], "little")
     entries = {name: entry for name, entry in json.loads(raw[8:8 + length]).items() if name != "__metadata__"}
