@@ -62,23 +62,12 @@ def _interruptible():
     try:
         yield
     except (Exception, KeyboardInterrupt) as err:
+        from rlorch.lifecycle import interrupted_within
+
         if not interrupted_within(err):
             raise
         typer.echo("interrupted before the run started: no run directory was made", err=True)
         raise typer.Exit(EXIT_INTERRUPTED)
-
-
-def interrupted_within(err: BaseException) -> bool:
-    """Whether a Ctrl-C is what ``err`` came of: OmegaConf re-raises an exception inside a
-    structured config's checks as its own ValidationError, keeping the KeyboardInterrupt only as
-    the context."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, KeyboardInterrupt):
-            return True
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return False
 
 
 OVERRIDES_HELP = ("Hydra overrides, key=value (e.g. rollout.max_staleness=4 inference=sim); "
@@ -95,6 +84,8 @@ def _config_or_exit(overrides: list[str]):
     try:
         return compose(overrides)
     except ConfigError as err:
+        from rlorch.lifecycle import interrupted_within
+
         if interrupted_within(err):
             raise KeyboardInterrupt from err
         Console(stderr=True, soft_wrap=True).print(f"[bold red]invalid config[/] [bold]{escape(err.key)}[/]: "
@@ -315,6 +306,8 @@ def main() -> None:
     try:
         app()
     except SystemExit as done:
+        from rlorch.lifecycle import interrupted_within
+
         if isinstance(done.code, int) and (done.code == EXIT_INTERRUPTED or interrupted_within(done)):
             _status_after_an_interrupt.append(done.code)
         raise

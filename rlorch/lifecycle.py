@@ -14,6 +14,19 @@ from typing import Awaitable, Callable, Optional, TypeVar
 T = TypeVar("T")
 
 
+def interrupted_within(err: Optional[BaseException]) -> bool:
+    """Whether a Ctrl-C is what ``err`` came of: OmegaConf re-raises an exception inside a
+    structured config's checks or a config node's access as its own error, keeping the
+    KeyboardInterrupt only as the context."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, KeyboardInterrupt):
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False
+
+
 async def cancel_and_wait(*tasks: Optional[asyncio.Task], timeout: Optional[float] = None) -> None:
     """Cancel ``tasks`` and wait until they have finished, at most ``timeout`` seconds.
 

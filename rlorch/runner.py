@@ -20,6 +20,7 @@ from rlorch.launch.placement import colocation_note, layout_choice, resolve_layo
 from rlorch.launch.runlock import RunLock, holds_nothing, set_aside_failed_start
 from rlorch.launch.signals import SignalRelay, startup_summary
 from rlorch.launch.startup import StartupClock
+from rlorch.lifecycle import interrupted_within
 from rlorch.reporting.progress import Phases, print_report, progress_logger
 from rlorch.rundir.layout import RunDir, parse_step, save_config, write_json_atomic
 from rlorch.types import PolicyVersion
@@ -91,8 +92,11 @@ def run_training(config: Config, overrides: list[str]) -> int:
             for warning in run_warnings(config):
                 console.print(f"[yellow]warning[/] {warning}", highlight=False)
             return asyncio.run(_run(config, run_dir, checkpoint=None))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Exception) as err:
         # Only before _run's signal handlers are in: from there a Ctrl-C stops the run in order.
+        # A config read it cut short raises OmegaConf's own error, the Ctrl-C as its context.
+        if not interrupted_within(err):
+            raise
         where = (f"{run_dir.root} holds no step, and a new start can use the same run.dir"
                  if run_dir is not None else "no run directory was made")
         console.print(f"interrupted before the run started: {where}", highlight=False)
@@ -102,8 +106,10 @@ def run_training(config: Config, overrides: list[str]) -> int:
 def resume_training(checkpoint: str, overrides: list[str]) -> int:
     try:
         return _resume(checkpoint, overrides)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Exception) as err:
         # Only before _run's signal handlers are in: from there a Ctrl-C stops the run in order.
+        if not interrupted_within(err):
+            raise
         console.print(f"interrupted before the resume started: nothing was trained; `rlorch resume {checkpoint}` "
                       "starts it again", highlight=False)
         return EXIT_INTERRUPTED["SIGINT"]

@@ -429,6 +429,33 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def test_a_ctrl_c_that_omegaconf_reraised_as_its_own_error_after_the_run_dir_is_made_says_interrupted(
+        tmp_path, monkeypatch, capsys):
+    """A Ctrl-C inside a config read between the run directory and the run's own handlers comes
+    out of OmegaConf as its own error, the KeyboardInterrupt as its context: the run says it was
+    interrupted (status 130), as for a bare Ctrl-C; any other error still propagates."""
+    from omegaconf.errors import ConfigKeyError
+
+    import rlorch.runner as runner
+
+    def cut_short(config) -> None:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise ConfigKeyError("full_key: inference.sim")  # as OmegaConf re-raises it
+
+    monkeypatch.setattr(runner, "_warm_up", cut_short)
+    assert run_training(compose([f"run.dir={tmp_path / 'run'}", "inference=sim", "trainer=sim"]), overrides=[]) == 130
+    assert "interrupted before the run started" in capsys.readouterr().err and (tmp_path / "run").is_dir()
+
+    def fails(config) -> None:
+        raise RuntimeError("not an interrupt")
+
+    monkeypatch.setattr(runner, "_warm_up", fails)
+    with pytest.raises(RuntimeError, match="not an interrupt"):
+        run_training(compose([f"run.dir={tmp_path / 'again'}", "inference=sim", "trainer=sim"]), overrides=[])
+
+
 @pytest.mark.parametrize("moment", ["fork_server_started", "run_dir_made"])
 def test_ctrl_c_before_the_run_started_says_so_and_leaves_nothing_running(tmp_path, moment):
     """The default ``rlorch train`` starts its fork server first, then composes the config, makes
