@@ -1,6 +1,6 @@
 """One lifecycle for long-lived components: ``start()`` runs background work until
 ``stop(timeout)``, and a stop is bounded. :func:`cancel_and_wait` is the one way a background
-task is stopped."""
+task is stopped; :func:`interrupted_within` tells a start that a Ctrl-C ended it."""
 
 from __future__ import annotations
 
