@@ -232,8 +232,6 @@ class HeldOut:
 class EvalWork(Packs):
     """Single-turn work: packs prompts into one call, and counts the prompts sent alone."""
 
-    batched = True
-
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.alone = 0
@@ -246,14 +244,14 @@ class EvalWork(Packs):
         return group_of(prompt)[:1]
 
 
-def evaluate(work, prompts: int, pack_samples: int) -> dict:
+def evaluate(work, prompts: int, pack_samples: int, packs: bool = True) -> dict:
     from rlorch.config.schema import EvalConfig
     from rlorch.orchestrator.evaluation import Evaluations
     from rlorch.orchestrator.sinks import EvalSink
 
     records = []
-    evaluations = Evaluations(EvalConfig(), work=work, prompts=HeldOut(prompts), sink=EvalSink(),
-                              write=records.append, request_timeout=5.0, pack_samples=pack_samples)
+    evaluations = Evaluations(EvalConfig(), work=work, prompts=HeldOut(prompts), sink=EvalSink(), write=records.append,
+                              request_timeout=5.0, pack=work.pack if packs else None, pack_samples=pack_samples)
     asyncio.run(evaluations.run(0))
     return records[0]
 
@@ -277,9 +275,10 @@ def test_a_failed_evaluation_pack_counts_its_prompts_failed_and_the_others_are_k
     assert record["prompts"] == 10 and record["failed"] == 4
 
 
-def test_multi_turn_work_evaluates_each_prompt_alone():
+def test_without_a_pack_an_evaluation_sends_each_prompt_alone():
+    """Multi-turn work gets no pack from the loop (its episodes share no engine call)."""
     work = EvalWork()
-    work.batched = False
-    record = evaluate(work, prompts=6, pack_samples=64)
+    record = evaluate(work, prompts=6, pack_samples=64, packs=False)
     assert work.calls == [] and work.alone == 6 and record["failed"] == 0
-    assert evaluate(EvalWork(), prompts=0, pack_samples=64)["prompts"] == 0
+    empty = EvalWork()
+    assert evaluate(empty, prompts=0, pack_samples=64)["prompts"] == 0 and empty.calls == []

@@ -17,13 +17,14 @@ from rlorch.types import Prompt
 
 class Evaluations:
     def __init__(self, config: EvalConfig, *, work: Callable, prompts: Any, sink: Any,
-                 write: Callable[[dict], None], request_timeout: float, pack_samples: int = 1):
-        """``pack_samples``: the most held-out prompts (one greedy sample each) one engine call
-        carries, where ``work`` packs prompts into one call (``work.pack``, single-turn work);
-        1, or work that does not pack, sends each prompt on its own."""
+                 write: Callable[[dict], None], request_timeout: float, pack: Optional[Callable] = None,
+                 pack_samples: int = 1):
+        """``pack`` runs several prompts in one engine call (single-turn work's ``pack``), at most
+        ``pack_samples`` held-out prompts (one greedy sample each) at a time; without it, or at
+        1, each prompt goes on its own (``work``)."""
         self.config = config
         self.work = work
-        self.pack = getattr(work, "pack", None) if getattr(work, "batched", False) else None
+        self.pack = pack
         self.pack_samples = max(1, pack_samples)
         self.prompts = prompts
         self.write = write

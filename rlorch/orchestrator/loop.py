@@ -60,13 +60,13 @@ class Orchestrator:
         self.gate = CapacityGate(max_staleness=r.max_staleness, batch_size=r.batch_size,
                                  max_concurrent=r.max_concurrent,
                                  policy=self.shipping.shipped_handle if self.ship_side else policy)
+        # Multi-turn episodes share no engine call: packed, they would only share one timeout, one
+        # retry and the slowest's latency. Training groups and evaluations pack alike.
+        packs = getattr(work, "pack", None) if getattr(work, "batched", True) else None
         self.dispatcher = Dispatcher(gate=self.gate, work=work, prompts=iter(prompts), group_size=r.group_size,
                                      queue_size=r.queue_size, max_buffered=r.max_buffered,
                                      request_timeout=r.request_timeout, max_retries=r.max_retries,
-                                     on_idle=self.idle.engines.set, pack=getattr(work, "pack", None),
-                                     # Multi-turn episodes share no engine call: packed, they would
-                                     # only share one timeout, one retry and the slowest's latency.
-                                     pack_groups=r.pack_groups if getattr(work, "batched", True) else 1)
+                                     on_idle=self.idle.engines.set, pack=packs, pack_groups=r.pack_groups if packs else 1)
         env = getattr(prompts, "env", None)
         self.sink = TrainSink(batch_size=r.batch_size, max_staleness=r.max_staleness, strict=r.enforce is Enforce.strict,
                               max_reward=max_reward(env) if env else 1.0, filter_budget=r.filter_budget * r.batch_size,
@@ -86,7 +86,7 @@ class Orchestrator:
             "sink": self.sink.gauges, "loop": lambda: {**self.shipping.gauges(), "admitted_total": self.dispatcher.admitted},
             "engines": lambda: {f"engines_{key}": value for key, value in engines.gauges().items()}})
         self.evaluations = Evaluations(config.eval, work=work, prompts=prompts, sink=EvalSink(), write=self.metrics.write,
-                                       request_timeout=r.request_timeout, pack_samples=r.pack_samples)
+                                       request_timeout=r.request_timeout, pack=packs, pack_samples=r.pack_samples)
         self.ledger = Ledger(group_size=r.group_size, admissions=lambda: self.gate.submitted,
                              restored=resume.totals if resume else None)
         self.steps = StepRecords(run_dir.trainer_metrics)
