@@ -579,3 +579,20 @@ def test_filter_budget_ships_short_batches_in_a_run_where_most_groups_are_filter
     assert all(s["rollouts"] < 16 and s["filtered"] <= 16 + 2 * 4 for s in steps), steps
     code, summary, steps = train(tmp_path, "unbounded", *mostly_filtered, "rollout.filter_budget=0")
     assert code == 0 and summary["short_batches"] == 0 and all(s["rollouts"] == 16 for s in steps), summary
+
+
+def test_a_resume_clears_every_later_weight_version_a_killed_one_without_its_marker_too(tmp_path):
+    """A version killed between its rename and its PUBLISHED marker is still in the way of the
+    same step published again: superseding a trajectory removes it with the marked ones."""
+    from rlorch.rundir.layout import PUBLISHED, RunDir
+    from rlorch.rundir.resume import supersede
+
+    run_dir = RunDir(tmp_path / "run")
+    for step, marked in ((5, True), (12, True), (13, False)):
+        version = run_dir.weights / f"step_{step:06d}"
+        version.mkdir(parents=True)
+        (version / "model.safetensors").write_bytes(b"x")
+        if marked:
+            (version / PUBLISHED).touch()
+    supersede(run_dir, 10, "now")
+    assert sorted(path.name for path in run_dir.weights.iterdir()) == ["step_000005"]

@@ -68,7 +68,9 @@ def prepare(run_dir: RunDir, step: int, config: Config, overrides: list[str]) ->
 
 def supersede(run_dir: RunDir, step: int, stamp: str) -> None:
     """Batches shipped after the checkpoint were not trained there (their rollouts are in its
-    untrained set) and later checkpoints belong to the abandoned trajectory: both move aside."""
+    untrained set) and later checkpoints belong to the abandoned trajectory: both move aside.
+    Later weight versions go, a version killed before its PUBLISHED marker too (its step is
+    published again, and its directory would stand in the way)."""
     for parent, pattern in ((run_dir.rollouts, "step_*.*"), (run_dir.checkpoints, "step_*")):
         aside = run_dir.superseded(parent, stamp)
         for path in sorted(parent.glob(pattern)):
@@ -76,8 +78,9 @@ def supersede(run_dir: RunDir, step: int, stamp: str) -> None:
             if later is not None and later > step:
                 aside.mkdir(exist_ok=True)
                 shutil.move(str(path), aside / path.name)
-    for version, path in list(run_dir.published_weights()):
-        if version > step:
+    for path in sorted(run_dir.weights.glob("step_*")):
+        version = parse_step(path.name)
+        if version is not None and version > step:
             shutil.rmtree(path, ignore_errors=True)
 
 
