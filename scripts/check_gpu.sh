@@ -11,8 +11,9 @@
 # lacks travel as wheels (scripts/gpu_wheels.sh writes .gpu-wheels/, which the device run carries).
 #
 # Without a CUDA device (a dry run, e.g. here): says so, checks the wheels, makes the model (2
-# layers), prints both colocated plans and splits as a 141 GiB GPU gets them, and the trainer
-# check's analytic figures; exit 0 when all of that works.
+# layers), prints both colocated plans and splits as a 141 GiB GPU gets them, rehearses the
+# colocated part on the CPU (1 layer, 2 steps a mode, its figures read as on the GPU), and prints
+# the trainer check's analytic figures; exit 0 when all of that works.
 # The 2-GPU check with SGLang and NCCL weight transfer is scripts/check_gpu_sglang.sh.
 # Usage: bash scripts/gpu_wheels.sh && bash scripts/check_gpu.sh
 set -euo pipefail
@@ -25,6 +26,7 @@ if ! python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else
     echo "no CUDA device: dry mode"
     check_wheels
     python3 scripts/check_gpu_colocated.py --dry
+    python3 scripts/check_gpu_colocated.py --rehearse --timeout 240
     bash scripts/check_gpu_scale.sh
     exit 0
 fi
@@ -33,7 +35,7 @@ python3 -c 'import torch; print("cuda:", torch.cuda.get_device_name(0), "| torch
 check_wheels
 install_rlorch
 colocated=0 scale=0
-python3 scripts/check_gpu_colocated.py --steps 20 --timeout 150 || colocated=$?
+python3 scripts/check_gpu_colocated.py --steps 20 --timeout 200 || colocated=$?
 bash scripts/check_gpu_scale.sh || scale=$?
 elapsed=$((SECONDS - started))
 echo "parts: colocated $([[ $colocated == 0 ]] && echo PASS || echo FAIL), trainer scale $([[ $scale == 0 ]] && echo PASS || echo FAIL); $elapsed s in all (limit $budget_s s)"

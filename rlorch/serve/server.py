@@ -608,8 +608,9 @@ async def _serve_until_signal(server: CpuServer, host: str, port: int, parent: O
     if parent is not None:
         loop.create_task(_watch_parent(parent, stop))
     address = await server.start(host, port)
-    log.info("rlorch serve %s listening on http://%s (model %s, weight_version %s)",
-             rlorch_version(), address, server.model_path, server.initial_version)
+    log.info("rlorch serve %s listening on http://%s (model %s, weight_version %s, device %s, dtype %s)",
+             rlorch_version(), address, server.model_path, server.initial_version, server.device,
+             str(server.dtype).removeprefix("torch."))
     await stop.wait()
     log.info("shutting down: aborting in-flight requests")
     server.batcher.abort(all_requests=True, message="Abort: server shutting down.")
