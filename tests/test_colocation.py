@@ -192,3 +192,53 @@ def test_a_colocated_run_on_this_machines_cores_learns_the_default_task(tmp_path
         steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").open() if '"kind": "step"' in line]
         assert all(s["release_s"] is not None for s in steps[1:]) and (run_dir / "trainer" / "offloaded").exists()
         assert summary["version"] == summary["steps"]
+
+
+def test_the_swap_offload_parks_fsdp2_optimizer_state_and_brings_it_back_as_it_was(tmp_path, one_rank):
+    """Under FSDP2 AdamW's moments are DTensors, which a plain host buffer cannot take; they go
+    to the host as their local shards and come back as the same DTensors, and the optimizer
+    steps on them. (On a CPU "device" the swap step moves nothing, so this is its only check
+    here; on a GPU it runs between every two steps of `run.colocate=swap`.)"""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from rlorch.rundir.layout import RunDir, save_config
+    from rlorch.trainer.fsdp import build_worker
+    from rlorch.trainer.offload import Parked, park_optimizer_state, unpark_optimizer_state
+
+    run = RunDir(tmp_path / "run").make()
+    config = compose(["model.dtype=bfloat16", "trainer.fsdp.device=cpu"])
+    save_config(config, run.config)
+    worker = build_worker(config, run, torch.device("cpu"), None)
+
+    def step():
+        for param in worker.model.parameters():
+            param.grad = torch.full_like(param, 0.01)
+        worker.optimizer.step()
+        worker.optimizer.zero_grad(set_to_none=True)
+
+    step()
+    states = list(worker.optimizer.state.values())
+    before = [{key: value.to_local().clone() if isinstance(value, DTensor) else value.clone()
+               for key, value in state.items()} for state in states]
+    specs = [{key: (value.placements, value.shape) for key, value in state.items() if isinstance(value, DTensor)}
+             for state in states]
+    assert any(specs), "FSDP2 gives the moments as DTensors"
+
+    park_optimizer_state(worker.optimizer)
+    for state, kept in zip(states, before):
+        for key, value in state.items():
+            if kept[key].dim() > 0:
+                assert isinstance(value, Parked) and torch.equal(value.host, kept[key])
+            else:
+                assert torch.equal(value, kept[key])    # the step counter stays
+
+    unpark_optimizer_state(worker.optimizer, torch.device("cpu"))
+    for state, kept, spec in zip(states, before, specs):
+        for key, (placements, shape) in spec.items():
+            value = state[key]
+            assert isinstance(value, DTensor) and value.placements == placements and value.shape == shape
+            assert torch.equal(value.to_local(), kept[key])
+    step()   # AdamW steps on the state it got back (mixed DTensor and tensor would raise here)
+    assert all(isinstance(state[key], DTensor) for state, spec in zip(states, specs) for key in spec)
+    worker.optimizer.state_dict()
