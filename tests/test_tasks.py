@@ -290,3 +290,15 @@ def test_a_length_limit_shorter_than_the_tasks_answers_is_refused_naming_it():
         preflight(compose(["task=sort"]))
     assert caught.value.key == "rollout.max_new_tokens" and "5 tokens" in str(caught.value)
     preflight(compose(["task=sort", "rollout.max_new_tokens=5"]))
+
+
+def test_prefix_credit_counts_digits_only_behind_a_right_opening():
+    from rlorch.tasks.digits import prefix_credit
+
+    assert prefix_credit("52", "52") == 1.0
+    assert prefix_credit("57", "52") == digit_credit("57", "52")     # the first digit right: the same credit
+    # A right second digit behind a wrong first one: digit_credit's place credit, not this one's.
+    assert prefix_credit("|2", "52") < prefix_credit("5|", "52")
+    assert prefix_credit("|2", "52") < digit_credit("|2", "52")
+    assert prefix_credit("72", "52") == prefix_credit("79", "52") < prefix_credit("5", "52")
+    assert prefix_credit("", "52") == 0.0 and 0.0 <= prefix_credit("x", "52") <= 1.0

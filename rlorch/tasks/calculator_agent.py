@@ -12,7 +12,7 @@ from __future__ import annotations
 from openai import AsyncOpenAI
 
 from rlorch.tasks.calculator import calculate
-from rlorch.tasks.digits import digit_credit
+from rlorch.tasks.digits import prefix_credit
 
 CALCULATE = {
     "type": "function",
@@ -29,8 +29,9 @@ async def solve(sample: dict, *, base_url: str, api_key: str, http_client=None) 
     turn is one token (the call, or a guess); the answer turn, as long as what the tool
     returned, is asked with ``tool_choice="none"``: a second call there is text, and wrong.
     Reward 1 for the right answer; short of it, after a call 0.1 plus up to 0.6 for the
-    answer's digits in place (``digit_credit``), without one at most 0.1. ``http_client``: the
-    one rlorch hands over (cheap to build; a client of one's own works too, slower)."""
+    answer's right opening (``prefix_credit``: a digit counts only behind right ones), without
+    one at most 0.1. ``http_client``: the one rlorch hands over (cheap to build; a client of
+    one's own works too, slower)."""
     question = sample["prompt"]
     async with AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client) as client:
         messages = [{"role": "user", "content": question}]
@@ -48,5 +49,5 @@ async def solve(sample: dict, *, base_url: str, api_key: str, http_client=None) 
     if answer == expected:
         return 1.0
     if not message.tool_calls:
-        return 0.1 * digit_credit(answer, expected)
-    return 0.1 + 0.6 * digit_credit(answer, expected)
+        return 0.1 * prefix_credit(answer, expected)
+    return 0.1 + 0.6 * prefix_credit(answer, expected)

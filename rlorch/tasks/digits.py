@@ -52,6 +52,23 @@ def digit_credit(completion: str, answer: str, format_weight: float = FORMAT_WEI
     return (1.0 - format_weight) * matches / length + format_weight * well_formed
 
 
+def prefix_credit(completion: str, answer: str, format_weight: float = FORMAT_WEIGHT) -> float:
+    """Like :func:`digit_credit`, but a position counts only while every one before it matched:
+    the credit of the answer's right opening. A model writes its answer left to right, and
+    credit for a later digit behind a wrong first one rewards an answer that cannot become right
+    without giving that credit up; this one grows only as the answer is right further along."""
+    got = clean_completion(completion)
+    if got == answer:
+        return 1.0
+    if not answer or not got:
+        return 0.0
+    length = max(len(got), len(answer))
+    opening = next((i for i, (a, b) in enumerate(zip(got, answer)) if a != b), min(len(got), len(answer)))
+    digits = sum(c.isdigit() for c in got) / len(got)
+    well_formed = digits * min(len(got), len(answer)) / length
+    return (1.0 - format_weight) * opening / length + format_weight * well_formed
+
+
 @dataclass
 class DigitParams:
     """``task.params`` of the digit tasks."""
