@@ -34,11 +34,13 @@ def clean_completion(text: str) -> str:
     return text.split("<eos>", 1)[0].strip()
 
 
-def digit_credit(completion: str, answer: str, format_weight: float = FORMAT_WEIGHT) -> float:
+def digit_credit(completion: str, answer: str, format_weight: float = FORMAT_WEIGHT, *,
+                 opening_only: bool = False) -> float:
     """Reward in [0, 1]; 1 exactly when the completion equals the answer.
 
     The format part is smooth (share of digit characters times length closeness) so that even
-    a model emitting random characters sees which samples were better.
+    a model emitting random characters sees which samples were better. The rest is the share of
+    positions that match, or with ``opening_only`` of those before the first that does not.
     """
     got = clean_completion(completion)
     if got == answer:
@@ -46,27 +48,22 @@ def digit_credit(completion: str, answer: str, format_weight: float = FORMAT_WEI
     if not answer or not got:
         return 0.0
     length = max(len(got), len(answer))
-    matches = sum(a == b for a, b in zip(got, answer))
+    same = [a == b for a, b in zip(got, answer)]
+    if opening_only:
+        matches = same.index(False) if False in same else len(same)
+    else:
+        matches = sum(same)
     digits = sum(c.isdigit() for c in got) / len(got)
     well_formed = digits * min(len(got), len(answer)) / length
     return (1.0 - format_weight) * matches / length + format_weight * well_formed
 
 
 def prefix_credit(completion: str, answer: str, format_weight: float = FORMAT_WEIGHT) -> float:
-    """Like :func:`digit_credit`, but a position counts only while every one before it matched:
-    the credit of the answer's right opening. A model writes its answer left to right, and
-    credit for a later digit behind a wrong first one rewards an answer that cannot become right
-    without giving that credit up; this one grows only as the answer is right further along."""
-    got = clean_completion(completion)
-    if got == answer:
-        return 1.0
-    if not answer or not got:
-        return 0.0
-    length = max(len(got), len(answer))
-    opening = next((i for i, (a, b) in enumerate(zip(got, answer)) if a != b), min(len(got), len(answer)))
-    digits = sum(c.isdigit() for c in got) / len(got)
-    well_formed = digits * min(len(got), len(answer)) / length
-    return (1.0 - format_weight) * opening / length + format_weight * well_formed
+    """:func:`digit_credit` of the answer's right opening: a position counts only while every one
+    before it matched. A model writes its answer left to right, and credit for a later digit
+    behind a wrong first one rewards an answer that cannot become right without giving that
+    credit up; this one grows only as the answer is right further along."""
+    return digit_credit(completion, answer, format_weight, opening_only=True)
 
 
 @dataclass
