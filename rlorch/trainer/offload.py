@@ -6,9 +6,9 @@ reference's, and every optimizer state tensor with a dimension (AdamW's moments,
 FSDP2, travel as their local shards; its 0-d ``step`` counters stay where the optimizer keeps
 them). Gradients are already gone: each step ends with ``zero_grad(set_to_none=True)``. After a
 move to the host the allocator's cached blocks go back to the device, or the engines' resume
-would find them taken. On a CPU "device" the
-model stays where it is, but the optimizer state is parked in its host buffers and brought back
-all the same, so every CPU swap run goes through the moves' bookkeeping as a GPU run does.
+would find them taken. On a CPU "device" the model stays where it is, but the optimizer state is
+parked in its host buffers and brought back all the same, so every CPU swap run goes through the
+moves' bookkeeping as a GPU run does.
 
 The marker ``trainer/offloaded`` (``{"step": N}``) is written by rank 0 once every rank has
 moved: the orchestrator gives the engines their memory back only for versions up to N.
