@@ -35,9 +35,11 @@ def test_the_colocated_check_rehearsed_on_the_cpu_passes_both_modes_with_their_f
 @pytest.mark.slow
 def test_a_mode_past_its_time_limit_is_interrupted_and_still_reports_its_steps(tmp_path):
     run_dir = tmp_path / "run"
-    # Long enough to be past start-up on a loaded machine, far short of 5000 steps.
+    # 20 s: past start-up on a loaded machine, far short of 5000 steps, and a solved task does not
+    # end the run (the empty-batch guard waits for a million empty batches).
     code, tail = check_gpu_colocated.train_within([f"run.dir={run_dir}", "train.steps=5000", "run.progress=false",
-                                                   "train.stop_on_converged=false"], timeout=20)
+                                                   "train.max_empty_batches=1000000", "train.stop_on_converged=false"],
+                                                  timeout=20)
     assert code == 124 and "interrupted" in tail
     figures = check_gpu_colocated.figures(run_dir)
     assert figures["status"] == "interrupted" and figures["steps"] > 0 and figures["lost"] == 0
