@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import check_gpu_colocated  # noqa: E402
 
+
 @pytest.mark.slow
 def test_the_colocated_check_rehearsed_on_the_cpu_passes_both_modes_with_their_figures(tmp_path, capsys):
     code = check_gpu_colocated.main(["--rehearse", "--timeout", "240", "--root", str(tmp_path)])
