@@ -8,7 +8,7 @@ import contextlib
 import os
 import signal
 import sys
-from typing import List, Optional
+from typing import List, NoReturn, Optional
 
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
@@ -88,24 +88,31 @@ def _config_or_exit(overrides: list[str]):
 
         if interrupted_within(err):
             raise KeyboardInterrupt from err
-        Console(stderr=True, soft_wrap=True).print(f"[bold red]invalid config[/] [bold]{escape(err.key)}[/]: "
-                                   f"{escape(str(err).split(': ', 1)[-1])}", highlight=False)
-        raise typer.Exit(2)
+        _refuse(err)
 
 
-def _preflight_or_exit(config) -> None:
+def _refuse(err) -> NoReturn:
+    """Name the key at fault on stderr and exit 2: no traceback for a config a check refused."""
     from rich.console import Console
     from rich.markup import escape
 
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]invalid config[/] [bold]{escape(err.key)}[/]: "
+                                               f"{escape(str(err).split(': ', 1)[-1])}", highlight=False)
+    raise typer.Exit(2)
+
+
+def _checked_layout_or_exit(config):
+    """The config past the checks that need more than its keys, with its processes placed (GPUs,
+    colocation); a refusal names its key and exits 2."""
     from rlorch.config.schema import ConfigError
     from rlorch.config.preflight import preflight
+    from rlorch.launch.placement import resolve_layout
 
     try:
         preflight(config)
+        return resolve_layout(config)
     except ConfigError as err:
-        Console(stderr=True, soft_wrap=True).print(f"[bold red]invalid config[/] [bold]{escape(err.key)}[/]: "
-                                   f"{escape(str(err).split(': ', 1)[-1])}", highlight=False)
-        raise typer.Exit(2)
+        _refuse(err)
 
 
 @app.command()
@@ -128,8 +135,7 @@ def train(overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_H
         try:
             print_plan(config)
         except ConfigError as err:
-            typer.echo(f"invalid config {err.key}: {str(err).split(': ', 1)[-1]}", err=True)
-            raise typer.Exit(2)
+            _refuse(err)
         raise typer.Exit(0)
     raise typer.Exit(run_training(config, overrides=overrides or []))
 
@@ -181,11 +187,10 @@ def validate_config(
     from rlorch.config.preflight import run_warnings
     from rlorch.config.summary import config_summary
 
-    config = _config_or_exit(overrides or [])
-    _preflight_or_exit(config)
-    from rlorch.launch.placement import colocation_note, layout_choice, resolve_layout
+    from rlorch.launch.placement import colocation_note, layout_choice
 
-    unresolved, config = config, resolve_layout(config)
+    unresolved = _config_or_exit(overrides or [])
+    config = _checked_layout_or_exit(unresolved)
     console = Console()
     if show:
         from omegaconf import OmegaConf

@@ -77,6 +77,19 @@ def test_invalid_setting_names_its_key(override, key, fragment):
     assert fragment in output
 
 
+@pytest.mark.parametrize("override,key,fragment", [
+    ("inference=sglang run.gpus=1 inference.weight_transfer=distributed", "inference.weight_transfer", "NCCL"),
+    ("inference=sglang run.gpus=1 run.colocate=swap", "run.colocate", "rollout.max_staleness=0"),
+])
+def test_a_placement_refusal_names_its_key_without_a_traceback(override, key, fragment):
+    """Placement is checked after the keys compose (it needs the GPU count): its refusal reads as
+    any other invalid setting's, an exit status of 2 and the key, not a Python traceback."""
+    result = runner.invoke(app, ["validate-config", *override.split()], env={"COLUMNS": "200"})
+    output = " ".join(result.output.split())
+    assert result.exit_code == 2, (result.exception, output)
+    assert f"invalid config {key}:" in output and fragment in output
+
+
 @pytest.mark.parametrize("override,key", [
     ("rollout.max_staleness=-1", "rollout.max_staleness"),
     ("rollout.staleness=2", "rollout.staleness"),
