@@ -187,6 +187,17 @@ def test_the_component_rule_catches_a_component_importing_another(tmp_path):
         "orchestrator/sinks.py imports ['rlorch.orchestrator.loop']"]
 
 
+def test_every_package_in_the_source_tree_ships_in_the_wheel():
+    """pyproject.toml lists the packages (conf/ ships as rlorch.conf); one left out installs
+    editable and breaks only a wheel, at the first import of it."""
+    import tomllib
+
+    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {".".join(init.parent.relative_to(PACKAGE.parent).parts) for init in PACKAGE.rglob("__init__.py")}
+    assert on_disk - listed == set(), "missing from [tool.setuptools] packages"
+    assert listed - on_disk == {"rlorch.conf"}
+
+
 @pytest.mark.slow
 def test_a_wheel_installed_elsewhere_finds_its_presets_and_runs(tmp_path):
     """A non-editable install: the presets ship inside the package."""
