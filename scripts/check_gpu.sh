@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared check for the GPU machine this project can be lent (one H200, torch and
+# The prepared check for a one-GPU machine (one H200, say, with torch and
 # transformers installed, no sglang, no network), within 8 minutes:
 #   1. colocated: `rlorch train` with `rlorch serve --device cuda` and the FSDP2 trainer on the
 #      same GPU, resident then swap, 20 steps each, on a random-weight model of Qwen2.5-0.5B's

@@ -12,7 +12,7 @@ and memory split as a 141 GiB GPU would get them (``rlorch train --dry-run``), m
 A mode that runs past ``--timeout`` gets a Ctrl-C, so it still reports the steps it reached and
 their figures (and FAILs). ``--rehearse`` runs the whole measured path on the CPU, one layer and a
 small batch, records and figures included: the dry mode of scripts/check_gpu.sh does, and
-tests/test_gpu_check.py, so that what the check reads is the run's own before a GPU is lent.
+tests/test_gpu_check.py, so that what the check reads is the run's own before it runs on a GPU.
 
 Usage: python scripts/check_gpu_colocated.py [--steps 20] [--layers 24] [--root DIR] [--dry | --rehearse]
        [--device cpu] [--set KEY=VALUE ...]

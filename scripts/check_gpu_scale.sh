@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared check of the trainer at Qwen2.5-0.5B's full shape (24 layers, vocabulary 151,936,
-# random weights) on the lent GPU machine: one bfloat16 training step of 4 x (200 + 4096) tokens
+# random weights) on a one-GPU machine: one bfloat16 training step of 4 x (200 + 4096) tokens
 # in one packed row (scripts/bench_trainer_scale.py --skip-before), with rlorch's own Qwen2 as the
 # GSM8K recipe has it, printing its peak GPU memory and tokens/s; PASS within 5 minutes, else
 # FAIL and a non-zero exit.

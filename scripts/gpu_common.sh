@@ -1,4 +1,4 @@
-# Sourced by the checks for the lent GPU machine (scripts/check_gpu.sh, scripts/check_gpu_scale.sh):
+# Sourced by the checks for a one-GPU machine (scripts/check_gpu.sh, scripts/check_gpu_scale.sh):
 # that machine has torch and transformers but none of rlorch's other dependencies and no network,
 # so they travel as wheels in .gpu-wheels/ (git-ignored), made here by scripts/gpu_wheels.sh; the
 # device run names .gpu-wheels in `carry`. check_wheels proves them complete and small enough to

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Wheels of what the trainer path imports (rlorch.trainer.fsdp, rlorch.config.compose) beyond what
-# the lent GPU machine has (torch, transformers, safetensors, numpy, PyYAML, packaging are there):
+# the one-GPU machine of scripts/check_gpu.sh has (torch, transformers, safetensors, numpy, PyYAML, packaging are there):
 # hydra-core, omegaconf, antlr4-python3-runtime (hydra's and omegaconf's parser), orjson
 # (rlorch.jsonlines) and pysimdjson (rlorch.inference.scan, which the colocated check's orchestrator
 # reads answers with), at the versions installed here, for that machine's CPython 3.12 on x86-64.

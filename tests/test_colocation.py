@@ -176,7 +176,8 @@ def test_a_colocated_run_on_this_machines_cores_learns_the_default_task(tmp_path
     staleness = "rollout.max_staleness=0" if mode == "swap" else "rollout.max_staleness=2"
     result = subprocess.run([sys.executable, "-m", "rlorch.cli", "train", f"run.colocate={mode}", staleness,
                              # 400 steps with the empty-batch guard and the held-out stop off: learning, not
-                             # convergence, is the point (a seed stuck on a few wrong answers is #44's).
+                             # convergence, is the point (a seed stuck on a few wrong answers is
+                             # scripts/bench_stuck.py's to count).
                              "train.steps=400", "train.max_empty_batches=100000", "eval.stop_at=null", f"run.dir={run_dir}",
                              "run.progress=false", "run.report=false"],
                             capture_output=True, text=True, timeout=600)
@@ -185,7 +186,8 @@ def test_a_colocated_run_on_this_machines_cores_learns_the_default_task(tmp_path
     evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").open() if '"kind": "eval"' in line]
     assert summary["lost"] == 0 and summary["status"] == "completed", summary
     # Held-out reward (partial credit per digit), not exact accuracy: about one S=0 run in seven settles
-    # on answers with a digit wrong (reward ~0.75, accuracy < 10%), the stuck state of #44.
+    # on answers with a digit wrong (reward ~0.75, accuracy < 10%), the stuck state
+    # docs/learning.md describes.
     rewards = [e["reward_mean"] for e in evals]
     assert rewards[0] <= 0.15 and rewards[-1] >= 0.6, rewards
     if mode == "swap":

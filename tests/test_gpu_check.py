@@ -1,4 +1,4 @@
-"""scripts/check_gpu_colocated.py, the colocated part of the check for a lent GPU: rehearsed here on
+"""scripts/check_gpu_colocated.py, the colocated part of the one-GPU check: rehearsed here on
 the CPU, so that what it reads from a run (records, logs, the server's device) is the run's own
 before a GPU's minutes are spent on it."""
 

@@ -142,7 +142,7 @@ def test_the_default_run_learns(env, tmp_path):
     Exact match on held-out prompts under greedy decoding: a model that only learned the
     answer's format (three digits) scores about 0.1% on it, so the gain is the task itself.
     A few runs in a hundred end below 80% (a collapse the default's unlikelihood push is still
-    undoing at the step limit: scripts/bench_stuck.py counts them, issue 44). Under the push a
+    undoing at the step limit: scripts/bench_stuck.py counts them; docs/learning.md). Under the push a
     collapse trains on rather than failing the run; a run the guard does end `failed` on one
     names it in its reason. Such a run has still learned, which is what this asserts of it."""
     run_dir = tmp_path / "default"

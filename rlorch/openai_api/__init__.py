@@ -1,5 +1,5 @@
 """OpenAI-compatible chat and completions: request parsing, tool-call parsing and response
-shaping, shared by ``rlorch serve``'s ``/v1`` routes and the orchestrator's agent gateway.
+shaping, shared by ``rlorch serve``'s ``/v1`` routes and the agent gateway (``rlorch.agents.gateway``).
 
 Pure: no aiohttp, no torch. Shapes follow SGLang's OpenAI-compatible routes (its
 ``entrypoints/openai/protocol.py``, ``serving_chat.py``, ``serving_completions.py``), errors
