@@ -165,12 +165,12 @@ def figures(run_dir: Path) -> dict:
 
 
 def run_mode(model: Path, mode: str, steps: int, root: Path, timeout: float, device: str = "cuda",
-             extra: tuple[str, ...] = ()) -> dict:
+             extra: tuple[str, ...] = (), grace: float = 60.0) -> dict:
     run_dir = root / f"run-{mode}"
     shutil.rmtree(run_dir, ignore_errors=True)
     started = time.monotonic()
     with PeakMemory() as memory:
-        code, tail = train_within([*overrides(model, mode, steps, run_dir, device), *extra], timeout)
+        code, tail = train_within([*overrides(model, mode, steps, run_dir, device), *extra], timeout, grace)
     result = {"mode": mode, "exit": code, "wall_s": round(time.monotonic() - started, 1), "peak_gpu_mib": memory.peak}
     try:
         result.update(figures(run_dir))
@@ -205,6 +205,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--root", type=Path, default=Path("outputs/gpu-check"))
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds each mode's run may take")
+    parser.add_argument("--grace", type=float, default=60.0,
+                        help="seconds a mode past --timeout has to stop after its Ctrl-C before it is killed")
     parser.add_argument("--dry", action="store_true", help="no CUDA: plans and model only")
     parser.add_argument("--device", default="cuda", help="where both sides run (cuda, or cpu to rehearse)")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides after the check's own")
@@ -218,7 +220,7 @@ def main(argv=None) -> int:
     model = model_with_tokenizer(args.root, args.layers)
     results = []
     for mode in MODES:
-        result = run_mode(model, mode, args.steps, args.root, args.timeout, args.device, tuple(args.set))
+        result = run_mode(model, mode, args.steps, args.root, args.timeout, args.device, tuple(args.set), args.grace)
         results.append(result)
         shown = {k: v for k, v in result.items() if k != "tail"}
         print(f"colocated {mode}: " + " ".join(f"{k}={v}" for k, v in shown.items()), flush=True)

@@ -15,7 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_common.sh
-budget_s=300
+budget_s=${SCALE_BUDGET_S:-300}   # scripts/check_gpu.sh passes what its own limit leaves
 
 if ! python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     echo "no CUDA device: dry mode"

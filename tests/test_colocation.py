@@ -196,17 +196,17 @@ def test_a_colocated_run_on_this_machines_cores_learns_the_default_task(tmp_path
         assert summary["version"] == summary["steps"]
 
 
-def test_the_swap_offload_parks_fsdp2_optimizer_state_and_brings_it_back_as_it_was(tmp_path, one_rank):
-    """Under FSDP2 AdamW's moments are DTensors, which a plain host buffer cannot take; they go
-    to the host as their local shards and come back as the same DTensors, and the optimizer
-    steps on them. (On a CPU "device" the swap step moves nothing, so this is its only check
-    here; on a GPU it runs between every two steps of `run.colocate=swap`.)"""
+def test_the_swap_offload_frees_every_storage_of_the_state_and_brings_each_back_as_it_was(tmp_path, one_rank):
+    """The swap step's offload on FSDP2 state (parameters and AdamW's moments are DTensors): every
+    storage goes to the host and is freed, the gradients are dropped, and on the way back every
+    tensor is the same object with the same placements and values, so AdamW steps on it and
+    training goes on. The same code runs between the steps of every CPU swap run."""
     import torch
     from torch.distributed.tensor import DTensor
 
     from rlorch.rundir.layout import RunDir, save_config
+    from rlorch.trainer import offload
     from rlorch.trainer.fsdp import build_worker
-    from rlorch.trainer.offload import Parked, park_optimizer_state, unpark_optimizer_state
 
     run = RunDir(tmp_path / "run").make()
     config = compose(["model.dtype=bfloat16", "trainer.fsdp.device=cpu"])
@@ -217,30 +217,29 @@ def test_the_swap_offload_parks_fsdp2_optimizer_state_and_brings_it_back_as_it_w
         for param in worker.model.parameters():
             param.grad = torch.full_like(param, 0.01)
         worker.optimizer.step()
-        worker.optimizer.zero_grad(set_to_none=True)
+
+    def local(tensor):
+        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+    def snapshot():
+        tensors = list(offload._tensors(worker))
+        return tensors, [local(t).detach().clone() for t in tensors]
 
     step()
-    states = list(worker.optimizer.state.values())
-    before = [{key: value.to_local().clone() if isinstance(value, DTensor) else value.clone()
-               for key, value in state.items()} for state in states]
-    specs = [{key: (value.placements, value.shape) for key, value in state.items() if isinstance(value, DTensor)}
-             for state in states]
-    assert any(specs), "FSDP2 gives the moments as DTensors"
-
-    park_optimizer_state(worker.optimizer)
-    for state, kept in zip(states, before):
-        for key, value in state.items():
-            if kept[key].dim() > 0:
-                assert isinstance(value, Parked) and torch.equal(value.host, kept[key])
-            else:
-                assert torch.equal(value, kept[key])    # the step counter stays
-
-    unpark_optimizer_state(worker.optimizer, torch.device("cpu"))
-    for state, kept, spec in zip(states, before, specs):
-        for key, (placements, shape) in spec.items():
-            value = state[key]
-            assert isinstance(value, DTensor) and value.placements == placements and value.shape == shape
-            assert torch.equal(value.to_local(), kept[key])
-    step()   # AdamW steps on the state it got back (mixed DTensor and tensor would raise here)
-    assert all(isinstance(state[key], DTensor) for state, spec in zip(states, specs) for key in spec)
+    moments = [value for state in worker.optimizer.state.values() for value in state.values() if value.dim() > 0]
+    assert moments and all(isinstance(value, DTensor) for value in moments), "FSDP2 gives the moments as DTensors"
+    for cycle in range(2):   # the second cycle reuses the host buffers
+        tensors, values = snapshot()
+        buffers = list(offload.HOST.buffers)
+        offload.to_host(worker, step=1 + cycle)
+        assert all(local(t).untyped_storage().nbytes() == 0 for t in tensors), "every storage is freed"
+        assert all(param.grad is None for param in worker.model.parameters())
+        assert json.loads(run.trainer_offloaded.read_text()) == {"step": 1 + cycle}
+        assert cycle == 0 or [id(b) for b in offload.HOST.buffers] == [id(b) for b in buffers]
+        offload.to_device(worker)
+        after, restored = snapshot()
+        assert [id(t) for t in after] == [id(t) for t in tensors]
+        assert all(torch.equal(a, b) for a, b in zip(restored, values))
+        step()   # AdamW steps on what it got back
+    assert all(isinstance(value, DTensor) for value in moments)
     worker.optimizer.state_dict()

@@ -1,14 +1,18 @@
 """``run.colocate=swap``: a rank's state off the device while the engines generate, back on it
 to train.
 
-What moves: the model's parameters (FSDP2 re-registers its shards after a move), the frozen
-reference's, and every optimizer state tensor with a dimension (AdamW's moments, DTensors under
-FSDP2, travel as their local shards; its 0-d ``step`` counters stay where the optimizer keeps
-them). Gradients are already gone: each step ends with ``zero_grad(set_to_none=True)``. After a
-move to the host the allocator's cached blocks go back to the device, or the engines' resume
-would find them taken. On a CPU "device" the model stays where it is, but the optimizer state is
-parked in its host buffers and brought back all the same, so every CPU swap run goes through the
-moves' bookkeeping as a GPU run does.
+What moves is storage, not tensors. Every device storage the rank's state holds (the model's
+parameter shards and buffers, the frozen reference's, the optimizer's state tensors with a
+dimension: AdamW's moments, DTensors under FSDP2, whose storage is their local shard) is copied
+whole into a host buffer and resized to nothing; on the way back it is resized and filled again.
+Every tensor, DTensor and FSDP2 parameter stays the same object with the same metadata, so
+neither FSDP2 nor the optimizer (whose state is keyed by parameter) sees a thing, and the same
+code runs on a CPU "device" (the storages are freed and refilled there too): every CPU swap run
+goes through exactly the path a GPU run does.
+
+Gradients do not travel: the step's are dropped first (each step starts from none). The 0-d
+``step`` counters stay. After the move to the host the allocator's cached blocks go back to the
+device, or the engines' resume would find them taken.
 
 The marker ``trainer/offloaded`` (``{"step": N}``) is written by rank 0 once every rank has
 moved: the orchestrator gives the engines their memory back only for versions up to N.
@@ -17,8 +21,8 @@ moved: the orchestrator gives the engines their memory back only for versions up
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -28,81 +32,95 @@ from rlorch.trainer.ranks import barrier
 from rlorch.trainer.worker import Worker
 
 
-_HOST_BUFFERS: dict[tuple[int, str], torch.Tensor] = {}
-"""Host copies of optimizer state (pinned where CUDA is), kept across steps: a copy into pinned
-memory runs at the link's speed, and pinning anew each step would cost as much as the copy."""
+def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole of ``storage`` (padding an FSDP2 shard holds included)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-@dataclass(frozen=True)
-class Parked:
-    """An optimizer state tensor while its rank is off the device: its local values on the host,
-    and what makes the optimizer's tensor of them again once they are back on a device. Under
-    FSDP2 the state is a DTensor, whose values are its local shard; a host buffer cannot be a
-    DTensor (``DTensor.from_local`` moves its tensor to the mesh's device), so the shard travels
-    alone and the DTensor is rebuilt around it on the device."""
+@dataclass
+class HostCopies:
+    """The storages a rank has parked on the host, each beside its host copy. The copies are kept
+    across steps (pinned where CUDA is): a copy into pinned memory runs at the link's speed, and
+    pinning anew each step would cost as much as the copy.
 
-    host: torch.Tensor
-    rebuild: Callable[[torch.Tensor], torch.Tensor]
+    Invariant: while ``parked`` is not empty every storage in it has size 0 and nothing may read
+    a tensor on it; :meth:`unpark` restores each to its size and bytes."""
+
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    parked: list[tuple[torch.UntypedStorage, torch.Tensor]] = field(default_factory=list)
+
+    def park(self, storages: list[torch.UntypedStorage]) -> int:
+        """Copy each storage to its host buffer, then free it; the bytes parked."""
+        if self.parked:
+            raise RuntimeError("offload: state is already on the host")
+        pinned = torch.cuda.is_available()
+        for index, storage in enumerate(storages):
+            if index == len(self.buffers):
+                self.buffers.append(torch.empty(0, dtype=torch.uint8))
+            if self.buffers[index].numel() != storage.nbytes():
+                self.buffers[index] = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pinned)
+            self.buffers[index].copy_(_as_bytes(storage), non_blocking=True)
+            self.parked.append((storage, self.buffers[index]))
+        _synchronize(storages)    # every copy has landed before any storage is freed
+        for storage, _ in self.parked:
+            storage.resize_(0)
+        return sum(host.numel() for _, host in self.parked)
+
+    def unpark(self) -> None:
+        """Give every parked storage its size back and its bytes from the host."""
+        storages = [storage for storage, _ in self.parked]
+        for storage, host in self.parked:
+            storage.resize_(host.numel())
+            _as_bytes(storage).copy_(host, non_blocking=True)
+        _synchronize(storages)
+        self.parked.clear()
 
 
-def _host_buffer(local: torch.Tensor, slot: tuple[int, str]) -> torch.Tensor:
-    buffer = _HOST_BUFFERS.get(slot)
-    if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
-        buffer = _HOST_BUFFERS[slot] = torch.empty(local.shape, dtype=local.dtype,
-                                                   pin_memory=torch.cuda.is_available())
-    return buffer
+def _synchronize(storages: list[torch.UntypedStorage]) -> None:
+    if any(storage.device.type == "cuda" for storage in storages):
+        torch.cuda.synchronize()
 
 
-def _park(value: torch.Tensor, slot: tuple[int, str]) -> Parked:
-    if isinstance(value, DTensor):
-        mesh, placements, shape, stride = value.device_mesh, value.placements, value.shape, value.stride()
-        local = value.to_local()
-
-        def rebuild(on_device: torch.Tensor) -> torch.Tensor:
-            return DTensor.from_local(on_device, mesh, placements, run_check=False, shape=shape, stride=stride)
-    else:
-        local, rebuild = value, (lambda on_device: on_device)
-    host = _host_buffer(local, slot).copy_(local, non_blocking=True)
-    return Parked(host, rebuild)
-
-
-def park_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Replace every optimizer state tensor with a dimension by its :class:`Parked` host copy
-    (the 0-d ``step`` counters stay). The copies are asynchronous where the host buffer is
-    pinned: synchronize the device before the host copies are read or the device's are reused.
-    Nothing may read the optimizer's state until :func:`unpark_optimizer_state`."""
-    for index, state in enumerate(optimizer.state.values()):
-        for key, value in state.items():
+def _tensors(worker: Worker) -> Iterator[torch.Tensor]:
+    for module in (worker.model, worker.reference):
+        if module is not None:
+            yield from module.parameters()
+            yield from module.buffers()
+    for state in worker.optimizer.state.values():
+        for value in state.values():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                state[key] = _park(value, (index, key))
+                yield value
 
 
-def unpark_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Bring every :class:`Parked` state tensor back onto ``device`` as the tensor it was."""
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, Parked):
-                state[key] = value.rebuild(value.host.to(device, non_blocking=True))
+def state_storages(worker: Worker) -> list[torch.UntypedStorage]:
+    """Each distinct storage of the rank's state on its device, in a fixed order (parameters,
+    buffers, reference, optimizer state), so a host buffer meets the same storage every step.
+    Tied parameters share one storage and are parked once."""
+    device = torch.device(worker.device)
+    seen, storages = set(), []
+    for tensor in _tensors(worker):
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
+        if (storage.device.type != device.type or storage.nbytes() == 0 or not storage.resizable()
+                or storage.data_ptr() in seen):
+            continue
+        seen.add(storage.data_ptr())
+        storages.append(storage)
+    return storages
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+HOST = HostCopies()
+"""This process's parked state (one rank a process)."""
 
 
 def to_host(worker: Worker, step: int) -> float:
     """Move the rank's state to the host, return the device's cached blocks, and (rank 0, after
     every rank) mark ``step`` as offloaded; the seconds it took."""
     started = time.perf_counter()
-    device = torch.device(worker.device)
-    _synchronize(device)
-    if device.type != "cpu":
-        worker.model.to("cpu")
-        if worker.reference is not None:
-            worker.reference.to("cpu")
-    park_optimizer_state(worker.optimizer)
-    _synchronize(device)
-    if device.type != "cpu":
+    worker.optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        HOST.park(state_storages(worker))
+    if torch.device(worker.device).type == "cuda":
         torch.cuda.empty_cache()
     barrier()
     if worker.rank == 0:
@@ -113,11 +131,5 @@ def to_host(worker: Worker, step: int) -> float:
 def to_device(worker: Worker) -> float:
     """Move the rank's state back to its device; the seconds it took."""
     started = time.perf_counter()
-    device = torch.device(worker.device)
-    if device.type != "cpu":
-        worker.model.to(device)
-        if worker.reference is not None:
-            worker.reference.to(device)
-    unpark_optimizer_state(worker.optimizer, device)
-    _synchronize(device)
+    HOST.unpark()
     return time.perf_counter() - started
