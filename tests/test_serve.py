@@ -321,6 +321,19 @@ def test_sampler_reports_what_sglang_reports_whatever_the_cut():
     assert tops[2] == [(0, pytest.approx(chosen[2]))], "greedy: the top token is the one taken, same logprob"
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_the_sampler_refuses_logits_that_are_not_finite_naming_them(bad):
+    """Even in a greedy row: on a GPU a NaN reaching multinomial is a device-side assert that
+    takes the engine's CUDA context with it, and a greedy argmax of NaN is a token of nothing."""
+    import torch
+
+    from rlorch.serve.sampling import RequestParams, sample
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, bad, 1.0, 2.0]])
+    with pytest.raises(FloatingPointError, match="logits are not finite"):
+        sample(logits, [RequestParams(), RequestParams(temperature=0.0)], [[], []], torch.Generator().manual_seed(0))
+
+
 def test_top_k_one_matches_greedy_over_http(server):
     greedy = generate(server, input_ids=PROMPT, sampling_params={"max_new_tokens": 5, "temperature": 0,
                                                                  "ignore_eos": True})

@@ -126,6 +126,11 @@ def sample(logits: torch.Tensor, params: list[RequestParams], banned: list[list[
     ``generator`` (a request's own seed).
     """
     logits = logits.float()
+    # On a GPU, multinomial on a NaN would be a device-side assert: the engine's CUDA context
+    # lost, with no word of why. Refused here, the batch fails naming its cause (one sync a step).
+    if not bool(torch.isfinite(logits).all()):
+        raise FloatingPointError("the model's logits are not finite (NaN or inf): its weights or activations "
+                                 "overflowed")
     for row, ids in enumerate(banned):
         if ids:
             logits[row, ids] = float("-inf")
