@@ -210,15 +210,17 @@ def report(run_dir: str = typer.Argument(..., help="A run directory (holds metri
     """Write a run's pictures (PNGs) and report.md into RUN_DIR/report/."""
     from pathlib import Path
 
-    from rlorch.reporting.report import write_report
+    from rlorch.reporting.report import read_records, unreadable_lines, write_report
     from rlorch.rundir.layout import RunDir
 
     try:
-        path = write_report(RunDir(Path(run_dir)))
+        records = read_records(RunDir(Path(run_dir)))
     except FileNotFoundError as err:
         typer.echo(f"cannot report: {err}", err=True)
         raise typer.Exit(2)
-    typer.echo(str(path))
+    if records.unreadable:
+        typer.echo(f"warning: {Path(run_dir) / 'metrics.jsonl'}: {unreadable_lines(records)}", err=True)
+    typer.echo(str(write_report(RunDir(Path(run_dir)), records)))
 
 
 @app.command()

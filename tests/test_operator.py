@@ -393,6 +393,45 @@ def test_the_report_writes_accuracy_in_percent_and_covers_every_life_of_a_resume
     assert "(last of 2 lives)" in text
 
 
+def test_a_resume_moves_the_abandoned_steps_metrics_lines_aside_so_each_step_has_one(tmp_path):
+    """A resume at checkpoint 5 of a run that went on to step 12 (as a kill at step 12 leaves it,
+    with a torn last line): metrics.jsonl and trainer/metrics.jsonl keep one line a step, the
+    trajectory's, and the abandoned lines move beside them, none lost."""
+    run_dir = tmp_path / "run"
+    train(run_dir, "train.steps=12", "trainer.checkpoint_every=5", "run.report=false", "eval.every=5")
+    logs = (run_dir / "metrics.jsonl", run_dir / "trainer" / "metrics.jsonl")
+    before = {log: log.read_text() for log in logs}
+    with logs[0].open("a") as torn:
+        torn.write('{"kind": "step", "step": 13, "rew')
+    assert resume_training(str(run_dir / "checkpoints" / "step_000005"), ["train.steps=12", "run.report=true"]) == 0
+    for log in logs:
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        steps = [r["step"] for r in records if r.get("kind", "step") == "step"]
+        assert steps == list(range(1, 13)), (log, steps)
+        (aside,) = log.parent.glob(f"{log.stem}.superseded-*.jsonl")
+        moved = aside.read_text().splitlines()
+        assert [json.loads(line).get("step") for line in moved if line.endswith("}")][0] == 6
+        assert all(line in moved for line in before[log].splitlines() if line not in log.read_text().splitlines())
+        if log == logs[0]:
+            assert moved[-1] == '{"kind": "step", "step": 13, "rew', "the torn line is moved, not fused"
+    evals = [r["step"] for r in of_kind(read_metrics(run_dir), "eval")]
+    assert evals == sorted(evals) and evals.count(10) == 1, evals   # the resume evaluates its start again
+    assert "not read" not in (run_dir / "report" / "report.md").read_text()
+
+
+def test_the_report_names_a_line_of_metrics_jsonl_it_cannot_read_and_draws_the_rest(tmp_path):
+    run_dir = tmp_path / "run"
+    train(run_dir, "train.steps=6", "run.report=false")
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+    lines.insert(3, '{"kind": "step", "st\n')
+    (run_dir / "metrics.jsonl").write_text("".join(lines))
+    result = CliRunner().invoke(app, ["report", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    assert "metrics.jsonl: 1 (line 4: not JSON objects, skipped)" in " ".join(result.output.split())
+    text = (run_dir / "report" / "report.md").read_text()
+    assert "| lines of metrics.jsonl not read | 1 (line 4" in text and "| steps | 6 |" in text
+
+
 def test_the_flow_legend_covers_none_of_its_data(tmp_path):
     from rlorch.reporting.report import flow_figure, read_records
     from rlorch.rundir.layout import RunDir

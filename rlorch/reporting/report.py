@@ -43,6 +43,9 @@ class RunRecords:
     summary: dict = field(default_factory=dict)
     lives: int = 0
     """Starts of the run: 1, plus one per resume."""
+    unreadable: list[int] = field(default_factory=list)
+    """Line numbers (1-based) of ``metrics.jsonl`` that are not JSON objects: skipped, and named
+    in the report (a torn line a crash left, or a hand edit)."""
 
 
 def read_records(run_dir: RunDir) -> RunRecords:
@@ -51,10 +54,16 @@ def read_records(run_dir: RunDir) -> RunRecords:
     offset, last = 0.0, 0.0
     if not run_dir.metrics.is_file():
         raise FileNotFoundError(f"{run_dir.metrics}: not a run directory (no metrics.jsonl)")
-    for text in run_dir.metrics.read_text().splitlines():
+    for number, text in enumerate(run_dir.metrics.read_text().splitlines(), start=1):
         if not text.strip():
             continue
-        record = json.loads(text)
+        try:
+            record = json.loads(text)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            records.unreadable.append(number)
+            continue
         if record.get("kind") == "start":
             offset = last
             records.lives += 1
@@ -279,6 +288,8 @@ def markdown(records: RunRecords, run_dir: RunDir) -> str:
         lines.append(f"| {label} | {_cell(summary, keys)} |")
     if records.summary.get("reason"):
         lines.append(f"| stop reason | {records.summary['reason']} |")
+    if records.unreadable:
+        lines.append(f"| lines of metrics.jsonl not read | {unreadable_lines(records)} |")
     if summary.get("agent_episodes") is not None:
         lines.append(f"| agent episodes / calls / failed / forked | "
                      f"{_cell(summary, ('agent_episodes', 'agent_calls', 'agent_failures', 'agent_forks_total'))} |")
@@ -288,9 +299,14 @@ def markdown(records: RunRecords, run_dir: RunDir) -> str:
     return "\n".join(lines)
 
 
-def write_report(run_dir: RunDir) -> Path:
+def unreadable_lines(records: RunRecords) -> str:
+    shown = ", ".join(map(str, records.unreadable[:5])) + (", ..." if len(records.unreadable) > 5 else "")
+    return f"{len(records.unreadable)} (line {shown}: not JSON objects, skipped)"
+
+
+def write_report(run_dir: RunDir, records: Optional[RunRecords] = None) -> Path:
     """Write the PNGs and ``report.md`` into ``RUN_DIR/report/``; return the markdown's path."""
-    records = read_records(run_dir)
+    records = read_records(run_dir) if records is None else records
     out = run_dir.root / "report"
     out.mkdir(exist_ok=True)
     for name, plot in PLOTS.items():

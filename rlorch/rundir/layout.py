@@ -28,7 +28,9 @@ Layout (steps are 1-based; training step N reads batch N and publishes weights v
     LOCK                            held (flock) by the one process running in this directory
     failed-start-*/                 a start-up that failed before any batch, set aside by a retry
     rollouts/superseded-*/,         what a resume at an earlier checkpoint abandoned
-    checkpoints/superseded-*/
+    checkpoints/superseded-*/,
+    metrics.superseded-*.jsonl,     (the logs' lines from past that checkpoint: the resume's own
+    trainer/metrics.superseded-*.jsonl  take their steps' place)
     config.before-resume-*.yaml     the config a resume with overrides replaced
 """
 
@@ -183,6 +185,10 @@ class RunDir:
 
     def superseded(self, parent: Path, stamp: str) -> Path:
         return parent / f"superseded-{stamp}"
+
+    def superseded_lines(self, log: Path, stamp: str) -> Path:
+        """Where a resume puts the lines of a JSON-lines log past its checkpoint."""
+        return log.with_name(f"{log.stem}.superseded-{stamp}{log.suffix}")
 
     def config_before_resume(self, stamp: str) -> Path:
         return self.root / f"config.before-resume-{stamp}.yaml"

@@ -1,8 +1,9 @@
 """Resuming a run from a full checkpoint: which checkpoint, what a resume abandons, what it reads.
 
 A resume at step N continues the trajectory that checkpoint N belongs to: batches shipped after
-N and later checkpoints move aside (``superseded-*``) rather than being trained or resumed, and
-published weights newer than N are removed.
+N and later checkpoints move aside (``superseded-*``) rather than being trained or resumed, the
+metrics logs' lines from past step N move to ``*.superseded-*.jsonl`` beside them (so each step
+has one line, the trajectory's), and published weights newer than N are removed.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Callable, Optional
 
 from rlorch.rundir.validation import check_checkpoint
 from rlorch.config.schema import Config, ConfigError
-from rlorch.rundir.layout import CheckpointDir, RunDir, load_config, parse_step, save_config
+from rlorch.rundir.layout import CheckpointDir, RunDir, load_config, parse_step, save_config, write_atomic
 
 
 def step_of(checkpoint: Path) -> int:
@@ -82,6 +83,32 @@ def supersede(run_dir: RunDir, step: int, stamp: str) -> None:
         version = parse_step(path.name)
         if version is not None and version > step:
             shutil.rmtree(path, ignore_errors=True)
+    for log in (run_dir.metrics, run_dir.trainer_metrics):
+        cut_log(log, step, run_dir.superseded_lines(log, stamp))
+
+
+def cut_log(log: Path, step: int, aside: Path) -> None:
+    """Move a JSON-lines log's lines from the first record of a step past ``step`` on (and a
+    torn last line, which a kill leaves and the next append would fuse with a record) to
+    ``aside``. Lines are moved, never dropped; a line in the middle that does not parse stays."""
+    if not log.is_file():
+        return
+    text = log.read_text()
+    lines = text.splitlines(keepends=True)
+    cut = len(lines) - 1 if lines and not lines[-1].endswith("\n") else len(lines)
+    for index, line in enumerate(lines[:cut]):
+        try:
+            later = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(later, int) and later > step:
+            cut = index
+            break
+    if cut == len(lines):
+        return
+    tail = "".join(lines[cut:])
+    write_atomic(aside, (tail if tail.endswith("\n") else tail + "\n").encode())
+    write_atomic(log, "".join(lines[:cut]).encode())
 
 
 def read_state(checkpoint: Path, make_prompt: Callable, restore_replay: Optional[Callable[[dict], None]] = None):
