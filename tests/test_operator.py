@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -160,6 +161,34 @@ def test_resume_of_a_run_without_a_checkpoint_names_the_problem(tmp_path):
     (tmp_path / "config.yaml").write_text("{}\n")
     with pytest.raises(ConfigError, match="no complete checkpoint"):
         locate_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("", "run.dir: {config} is empty or not a mapping"),
+    ("run: [unclosed\n", "run.dir: {config} is not valid YAML"),
+    ("rollout:\n  max_stallness: 2", "rollout.max_stallness: {config}: Key 'max_stallness' not in"),
+    ("rollout:\n  batch_size: abc", "rollout.batch_size: {config}: Value 'abc'"),
+    ("rollout:\n  max_staleness: -3", "rollout.max_staleness: {config}: must be >= 0"),
+])
+def test_a_resume_refuses_a_damaged_config_yaml_naming_it_and_changes_nothing(tmp_path, capsys, damage, words):
+    """An empty config.yaml would otherwise resume on the schema's defaults (not the run's batch,
+    group or tokens), and a broken one end in a traceback: each is refused, naming the file."""
+    run_dir = tmp_path / "run"
+    train(run_dir, "train.steps=6", "trainer.checkpoint_every=3", "run.report=false")
+    config = run_dir / "config.yaml"
+    if damage.startswith("rollout:"):   # a key of the run's own config: added, or its value replaced
+        key, value = damage.split("\n  ")[1].split(": ")
+        text = config.read_text()
+        damage = (re.sub(rf"(?m)^(  {key}:).*$", rf"\1 {value}", text, count=1) if f"\n  {key}:" in text
+                  else text.replace("rollout:\n", f"rollout:\n  {key}: {value}\n", 1))
+    config.write_text(damage)
+    listing = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+    capsys.readouterr()
+    assert resume_training(str(run_dir), ["train.steps=9"]) == 2
+    said = " ".join(capsys.readouterr().err.split())
+    assert "cannot resume " + words.format(config=config) in said and "nothing was changed" in said, said
+    assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")) == listing
+    assert config.read_text() == damage
 
 
 # config ----------------------------------------------------------------------------------------------

@@ -304,11 +304,29 @@ def save_config(config: Any, path: Path) -> None:
 
 def load_config(path: Path):
     """Load a resolved config written by :func:`save_config` back into a validated Config."""
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     from rlorch.config.schema import Config, ConfigError
 
     if not path.is_file():
         raise ConfigError("run.dir", f"no resolved config at {path}")
-    merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
-    return OmegaConf.to_object(merged)
+    try:
+        loaded = OmegaConf.load(path)
+    except Exception as err:   # yaml's errors, whose classes omegaconf does not re-export
+        raise ConfigError("run.dir", f"{path} is not valid YAML ({_first_line(err)}); nothing was changed") from err
+    if not isinstance(loaded, DictConfig) or not loaded:
+        raise ConfigError("run.dir", f"{path} is empty or not a mapping, not a run's resolved config; nothing "
+                                     "was changed")
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), loaded))
+    except ConfigError as err:
+        raise ConfigError(err.key, f"{path}: {str(err).split(': ', 1)[-1]}; nothing was changed") from err
+    except Exception as err:   # omegaconf's: an unknown key, a value of the wrong type
+        key = getattr(err, "full_key", None) or "run.dir"
+        raise ConfigError(key, f"{path}: {_first_line(err)}; nothing was changed") from err
+
+
+def _first_line(err: Exception) -> str:
+    mark = getattr(err, "problem_mark", None)    # yaml's: where the parse failed
+    where = f", line {mark.line + 1}" if mark is not None else ""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0] + where
