@@ -17,7 +17,7 @@ from rich.console import Console
 
 from rlorch.config.schema import Colocate, Config, ConfigError
 from rlorch.launch.placement import colocation_note, layout_choice, resolve_layout
-from rlorch.launch.runlock import RunLock, holds_nothing, set_aside_failed_start
+from rlorch.launch.runlock import RunLock, holds_nothing, set_aside_unresumable
 from rlorch.launch.signals import SignalRelay, startup_summary
 from rlorch.launch.startup import StartupClock
 from rlorch.lifecycle import interrupted_within
@@ -39,7 +39,7 @@ def new_run_dir(config: Config) -> RunDir:
         if holds_something and not RunDir(root).is_run:
             raise ConfigError("run.dir", f"{root} is not empty and is not an rlorch run (no config.yaml); "
                                          "pick an empty or a new run.dir")
-        if holds_something and not set_aside_failed_start(root):
+        if holds_something and not set_aside_unresumable(root):
             raise ConfigError("run.dir", f"{root} already holds a run; continue it with "
                                          f"`rlorch resume checkpoint={root}` or pick another run.dir")
     else:

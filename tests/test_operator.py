@@ -163,6 +163,28 @@ def test_resume_of_a_run_without_a_checkpoint_names_the_problem(tmp_path):
         locate_checkpoint(tmp_path)
 
 
+def test_a_run_that_ended_before_its_first_checkpoint_is_started_again_in_its_directory(tmp_path, capsys):
+    """Killed after some steps but before a checkpoint, a run has nothing to resume: resume says
+    so and names the command that starts it again, and that command moves the old files aside
+    (kept) rather than answering "continue it with rlorch resume"."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    train(run_dir, "train.steps=4", "run.report=false")
+    shutil.rmtree(run_dir / "checkpoints" / "step_000004")    # as a kill before the checkpoint leaves it
+    capsys.readouterr()
+    assert resume_training(str(run_dir), []) == 2
+    said = " ".join(capsys.readouterr().err.split())
+    assert "nothing to resume" in said and f"rlorch train run.dir={run_dir}" in said, said
+    code, summary, _ = train(run_dir, "train.steps=3", "run.report=false")
+    assert code == 0 and summary["status"] == "completed" and summary["steps"] == 3
+    (aside,) = run_dir.glob("no-checkpoint-*")
+    assert (aside / "config.yaml").is_file() and len(list((aside / "rollouts").glob("step_*"))) == 4
+    assert list((aside / "checkpoints").iterdir()) == []
+    code, _, _ = train(run_dir, "train.steps=3", "run.report=false")
+    assert code == 2, "a run with a checkpoint to resume is not set aside"
+
+
 @pytest.mark.parametrize("damage, words", [
     ("", "run.dir: {config} is empty or not a mapping"),
     ("run: [unclosed\n", "run.dir: {config} is not valid YAML"),

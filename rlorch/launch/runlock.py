@@ -84,24 +84,31 @@ def holds_nothing(root: Path) -> bool:
     return True
 
 
-def set_aside_failed_start(root: Path) -> bool:
-    """A run directory whose run ended before anything was trained or checkpointed (a failed
-    or interrupted start-up) does not block a retry with the same ``run.dir``: its files move
-    into ``failed-start-<stamp>/`` inside it, kept for reading. False (nothing moved) when it
-    holds a batch or a checkpoint, or is in use."""
+SET_ASIDE = ("failed-start-", "no-checkpoint-")
+"""Prefixes of what :func:`set_aside_unresumable` moves a run into: a start-up that failed before
+any batch, and a run that trained but ended before its first complete checkpoint."""
+
+
+def set_aside_unresumable(root: Path) -> bool:
+    """A run directory with nothing to resume (no complete checkpoint: a failed or interrupted
+    start-up, or a run killed before its first checkpoint) does not block a new run with the
+    same ``run.dir``: its files move into ``failed-start-<stamp>/`` (nothing trained) or
+    ``no-checkpoint-<stamp>/`` inside it, kept for reading. False (nothing moved) when it holds
+    a resumable checkpoint, is in use, or has no config.yaml."""
     import shutil
     import time
 
     from rlorch.rundir.layout import RunDir
 
     run = RunDir(root)
-    started = any(run.rollouts.glob("step_*")) or any(run.checkpoints.glob("step_*"))
-    if started or RunLock(root).holder() is not None or not run.config.exists():
+    if (any(run.resumable_checkpoints()) or RunLock(root).holder() is not None
+            or not run.config.exists()):
         return False
-    aside = root / f"failed-start-{time.strftime('%Y%m%d-%H%M%S')}"
+    trained = any(run.rollouts.glob("step_*")) or any(run.checkpoints.glob("step_*"))
+    aside = root / f"{SET_ASIDE[trained]}{time.strftime('%Y%m%d-%H%M%S')}"
     aside.mkdir()
     for entry in list(root.iterdir()):
-        if entry != aside and not entry.name.startswith("failed-start-") and entry.name != LOCK_NAME:
+        if entry != aside and not entry.name.startswith(SET_ASIDE) and entry.name != LOCK_NAME:
             shutil.move(str(entry), aside / entry.name)
     return True
 

@@ -270,6 +270,5 @@ def next_command(summary: dict, run_dir: Path) -> str:
     """The exact command that continues an interrupted or failed run, or starts it again."""
     if summary.get("checkpoint"):
         return f"rlorch resume {run_dir}"
-    if not summary.get("steps"):
-        return f"nothing was checkpointed; start again with: rlorch train run.dir={run_dir} (and your overrides)"
-    return "nothing was checkpointed; start a new run (rlorch train)"
+    return (f"nothing was checkpointed; start again with: rlorch train run.dir={run_dir} (and your overrides; "
+            "what the run wrote moves aside inside it)")

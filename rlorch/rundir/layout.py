@@ -27,6 +27,8 @@ Layout (steps are 1-based; training step N reads batch N and publishes weights v
                                     N launched servers (it adds or drains and stops servers)
     LOCK                            held (flock) by the one process running in this directory
     failed-start-*/                 a start-up that failed before any batch, set aside by a retry
+    no-checkpoint-*/                a run that ended before its first complete checkpoint, set
+                                    aside by a new run in the same directory
     rollouts/superseded-*/,         what a resume at an earlier checkpoint abandoned
     checkpoints/superseded-*/,
     metrics.superseded-*.jsonl,     (the logs' lines from past that checkpoint: the resume's own

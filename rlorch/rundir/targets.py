@@ -43,7 +43,9 @@ def locate_checkpoint(path: Path) -> Path:
             newest = checkpoint
         if newest is None:
             raise ConfigError("checkpoint", f"{path} holds no complete checkpoint yet (checkpoints/step_N with "
-                                            "trainer/COMPLETE and orchestrator.json); nothing to resume")
+                                            "trainer/COMPLETE and orchestrator.json); nothing to resume. Start it "
+                                            f"again with `rlorch train run.dir={path}` (its files move into "
+                                            "no-checkpoint-*/ there)")
         return newest
     step = parse_step(path.name)
     if step is not None and not path.exists():
