@@ -230,6 +230,7 @@ def scale(run_dir: str = typer.Argument(..., help="The running run's directory."
     join; removed ones finish or hand on their requests, then stop."""
     from pathlib import Path
 
+    from rlorch.launch.runlock import RunLock
     from rlorch.rundir.layout import RunDir, write_json_atomic
 
     key, _, value = setting.partition("=")
@@ -240,8 +241,12 @@ def scale(run_dir: str = typer.Argument(..., help="The running run's directory."
     if not run.is_run:
         typer.echo(f"cannot scale: {run_dir} is not a run directory", err=True)
         raise typer.Exit(2)
+    if RunLock(run.root).holder() is None:   # a request no run reads would wait for the next resume
+        typer.echo(f"cannot scale: no process is running {run_dir}; to resume it at that size: "
+                   f"rlorch resume {run_dir} inference.num_servers={value}", err=True)
+        raise typer.Exit(2)
     write_json_atomic(run.scale_file, {"num_servers": int(value)})
-    typer.echo(f"asked {run_dir} for {value} servers (the step records' engines_servers shows the fleet)")
+    typer.echo(f"asked {run_dir} for {value} servers (the step records' `servers` shows the fleet)")
 
 
 @app.command()

@@ -22,7 +22,9 @@ def _scale(run_dir: Path, n: int) -> None:
                    check=True, capture_output=True)
 
 
-def test_scale_refuses_anything_but_a_server_count_of_a_run(tmp_path):
+def test_scale_refuses_anything_but_a_server_count_of_a_running_run(tmp_path):
+    from rlorch.launch.runlock import RunLock
+
     out = subprocess.run([sys.executable, "-m", "rlorch.cli", "scale", str(tmp_path), "inference.num_servers=2"],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "not a run directory" in out.stderr
@@ -31,7 +33,12 @@ def test_scale_refuses_anything_but_a_server_count_of_a_run(tmp_path):
                          capture_output=True, text=True)
     assert out.returncode == 2 and "inference.num_servers=N" in out.stderr
     assert not (tmp_path / "SCALE").exists()
-    _scale(tmp_path, 3)
+    out = subprocess.run([sys.executable, "-m", "rlorch.cli", "scale", str(tmp_path), "inference.num_servers=3"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and f"no process is running {tmp_path}" in out.stderr
+    assert f"rlorch resume {tmp_path} inference.num_servers=3" in out.stderr and not (tmp_path / "SCALE").exists()
+    with RunLock(tmp_path):   # as the run's own process holds it
+        _scale(tmp_path, 3)
     assert json.loads((tmp_path / "SCALE").read_text()) == {"num_servers": 3}
 
 
