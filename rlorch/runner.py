@@ -22,7 +22,7 @@ from rlorch.launch.signals import SignalRelay, startup_summary
 from rlorch.launch.startup import StartupClock
 from rlorch.lifecycle import interrupted_within
 from rlorch.reporting.progress import Phases, print_report, progress_logger
-from rlorch.rundir.layout import RunDir, parse_step, save_config, write_json_atomic
+from rlorch.rundir.layout import RunDir, load_config, parse_step, save_config, write_json_atomic
 from rlorch.types import PolicyVersion
 
 EXIT_INTERRUPTED = {"SIGINT": 130, "SIGTERM": 143}
@@ -135,6 +135,7 @@ def _resume(checkpoint: str, overrides: list[str]) -> int:
         try:
             path = locate_checkpoint(Path(checkpoint))
             config, run_dir = resume.resume_target(path, overrides)
+            carried = resume.carried_age_warning(path, load_config(run_dir.config), config)
             config = resolve_layout(config)
             _create_built_in_model(config)
         except ConfigError as err:
@@ -149,6 +150,8 @@ def _resume(checkpoint: str, overrides: list[str]) -> int:
             console.print("continuing a run that converged: train.stop_on_converged=false for this resume "
                           "(set it to stop again once solved)", highlight=False)
         step = resume.step_of(path)
+        if carried:
+            console.print(f"[yellow]warning[/] {carried}", highlight=False, soft_wrap=True)
         resume.prepare(run_dir, step, config, overrides)
         _warm_up(config)
         console.print(f"resuming {run_dir.root} at step {step + 1}", highlight=False)

@@ -185,6 +185,22 @@ def test_a_run_that_ended_before_its_first_checkpoint_is_started_again_in_its_di
     assert code == 2, "a run with a checkpoint to resume is not set aside"
 
 
+def test_a_resume_that_shrinks_the_batch_says_what_it_does_to_the_carried_rollouts_age(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    train(run_dir, "train.steps=6", "trainer.checkpoint_every=3", "rollout.max_staleness=2", "run.report=false",
+          "rollout.max_concurrent=1000", "inference.sim.latency=[0.001,0.001]", "trainer.sim.step_time=0.05")
+    checkpoint = str(run_dir / "checkpoints" / "step_000003")
+    carried = sum(len(g) for g in json.loads((Path(checkpoint) / "orchestrator.json").read_text())["untrained"])
+    assert carried > 2 * 3, "the checkpoint carries more than three batches of 2"
+    capsys.readouterr()
+    assert resume_training(checkpoint, ["train.steps=9", "rollout.batch_size=2", "run.report=false"]) == 0
+    said = " ".join(capsys.readouterr().err.split())
+    assert f"warning the checkpoint carries {carried} untrained rollouts" in said, said
+    assert "passing rollout.max_staleness=2" in said
+    assert resume_training(str(run_dir / "checkpoints" / "step_000006"), ["train.steps=12", "run.report=false"]) == 0
+    assert "untrained rollouts" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("damage, words", [
     ("", "run.dir: {config} is empty or not a mapping"),
     ("run: [unclosed\n", "run.dir: {config} is not valid YAML"),

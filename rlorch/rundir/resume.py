@@ -52,6 +52,24 @@ def resume_target(path: Path, overrides: list[str]) -> tuple[Config, RunDir]:
     return config, run_dir
 
 
+def carried_age_warning(checkpoint: Path, before: Config, after: Config) -> Optional[str]:
+    """What a resume that shrinks ``rollout.batch_size`` or ``rollout.max_staleness`` does to the
+    rollouts the checkpoint carries untrained: they were admitted under the old bound and are
+    trained first, so their age passes the new one until they are (None when nothing shrank)."""
+    old, new = before.rollout, after.rollout
+    if new.batch_size * (new.max_staleness + 1) >= old.batch_size * (old.max_staleness + 1):
+        return None
+    state = json.loads(CheckpointDir(checkpoint).state.read_text())
+    carried = sum(len(group) for group in state.get("untrained", []))
+    steps = -(-carried // new.batch_size)
+    if steps <= new.max_staleness + 1:
+        return None
+    return (f"the checkpoint carries {carried} untrained rollouts admitted at rollout.batch_size={old.batch_size}, "
+            f"rollout.max_staleness={old.max_staleness}: at batch {new.batch_size} they fill the first {steps} "
+            f"steps, their age passing rollout.max_staleness={new.max_staleness} there "
+            f"(rollout.enforce=strict drops the ones too old instead)")
+
+
 def _usable(run_dir: RunDir, config: Config) -> str:
     usable = [str(p) for step, p in run_dir.resumable_checkpoints()
               if check_checkpoint(p, run_dir, step, config) is None]
