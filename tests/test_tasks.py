@@ -279,6 +279,37 @@ def test_a_single_turn_environment_samples_a_pack_of_groups_in_one_engine_call(e
     assert engine.calls == calls and engine.requests == 12
 
 
+class _CapsItsTurns(_OneTurn):
+    """A multi-turn environment that caps its own turns (the README's guess: one token a turn)."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+
+    async def episode(self, conversation, answer) -> float:
+        await conversation.generate(max_new_tokens=self.cap)
+        return 0.0
+
+
+@pytest.mark.parametrize("cap, reason", [(1, "stop"), (None, "length")])
+def test_a_turn_the_environment_caps_below_the_runs_limit_is_not_counted_truncated(cap, reason):
+    """The truncation warning names rollout.max_new_tokens; a cap the environment chose is not
+    that limit, and raising it would change nothing."""
+    import asyncio
+
+    from rlorch.inference.sim import SimEngine
+    from rlorch.orchestrator.steps import truncated_share
+    from rlorch.tasks.episode import make_work
+    from rlorch.types import PolicyVersion, Prompt
+
+    config = compose(["inference=sim", "trainer=sim", "rollout.group_size=2", "rollout.max_new_tokens=4",
+                      "inference.sim.tokens=8"])
+    engine = SimEngine(config.inference.sim, policy=PolicyVersion())
+    work = make_work(config, engine=engine, tokenizer=None, env=_CapsItsTurns(cap))
+    (group,) = asyncio.run(work.pack([Prompt(group_id=0, input_ids=[1, 2], env="t", answer="a")]))
+    assert [r.finish_reason for r in group] == [reason, reason]
+    assert truncated_share(group) == (0.0 if cap else 1.0)
+
+
 def test_a_length_limit_shorter_than_the_tasks_answers_is_refused_naming_it():
     """Every 4-digit answer cut at 3 tokens: a run that could never score, refused before it starts."""
     from rlorch.config.preflight import preflight
