@@ -359,6 +359,28 @@ def test_in_a_terminal_the_live_display_leaves_its_last_state_on_screen():
         assert text in last, text
 
 
+@pytest.mark.parametrize("width", [80, 40])
+def test_a_narrow_terminal_gets_the_live_display_in_rows_that_fit_with_no_name_or_value_cut(width):
+    import io
+
+    from rich.console import Console
+
+    from rlorch.reporting.progress import RunView, live_tables
+
+    view = RunView(300)
+    view.log({"kind": "start", "time": 0.0, "version": 0})
+    view.log({"kind": "eval", "time": 0.5, "step": 0, "accuracy": 0.25})
+    view.log({"kind": "step", "time": 1.0, "step": 120, "reward_mean": 0.5, "age_max": 2, "age_p99": 2.0,
+              "rollouts": 2747, "tokens": 8149, "in_flight": 130, "out_queue": 3, "truncated_share": 0.5})
+    fields = view.fields()
+    screen = io.StringIO()
+    Console(file=screen, width=width).print(live_tables(fields, width))
+    lines = screen.getvalue().splitlines()
+    assert all(len(text) <= width for text in lines) and "…" not in screen.getvalue()
+    words = screen.getvalue().split()
+    assert all(key in words for key in fields) and all(value in words for value in fields.values())
+
+
 def test_versions_that_went_by_disk_under_distributed_show_in_the_live_line_and_the_end_report():
     from rlorch.reporting.progress import RunView, report_lines
 

@@ -142,22 +142,16 @@ class LiveProgress:
 
         self.view = RunView(total_steps)
         self._started = time.monotonic()
+        self._console = console
         self._live = Live(console=console, refresh_per_second=4, transient=False,
                           get_renderable=self._render)
         self._live.start()
 
     def _render(self):
-        from rich.table import Table
-
         now = None
         if self.view.start_time is not None and self.view.step is None:
             now = self.view.start_time + time.monotonic() - self._started
-        fields = self.view.fields(now)
-        table = Table(box=None, padding=(0, 2), show_edge=False)
-        for key in fields:
-            table.add_column(key, justify="right", style="bold" if key == "step" else None)
-        table.add_row(*fields.values())
-        return table
+        return live_tables(self.view.fields(now), self._console.width)
 
     def log(self, record: dict) -> None:
         if record.get("kind") == "start":
@@ -167,6 +161,31 @@ class LiveProgress:
     def close(self) -> None:
         """Stop refreshing, leaving the last state on screen (a second call does nothing)."""
         self._live.stop()
+
+
+def live_tables(fields: dict[str, str], width: int):
+    """The live view's fields as header-over-value columns, as many tables as it takes for each to
+    fit ``width``: a narrow terminal gets two rows of columns rather than cut names and values."""
+    from rich.console import Group
+    from rich.table import Table
+
+    rows: list[list[str]] = [[]]
+    used = 0
+    for key, value in fields.items():
+        column = max(len(key), len(value)) + 4   # the padding: 2 on each side
+        if rows[-1] and used + column > width:
+            rows.append([])
+            used = 0
+        rows[-1].append(key)
+        used += column
+    tables = []
+    for keys in rows:
+        table = Table(box=None, padding=(0, 2), show_edge=False)
+        for key in keys:
+            table.add_column(key, justify="right", style="bold" if key == "step" else None, no_wrap=True)
+        table.add_row(*(fields[key] for key in keys))
+        tables.append(table)
+    return Group(*tables)
 
 
 def progress_logger(config: Any, console: Console) -> Optional[Any]:
