@@ -151,6 +151,9 @@ async def levelled(prompts, completions, level, **rest):
 
 def boom(prompts, completions, **rest):
     raise ZeroDivisionError("no reward today")
+
+def one(prompts, completions, **rest):
+    return [1.0]
 '''
 
 GUESS = '''
@@ -209,6 +212,15 @@ def test_reward_functions_take_trl_arguments_sync_or_async_with_weights(user_dir
     assert caught.value.key == "task.reward_weights"
     with pytest.raises(ConfigError, match="data.path"):
         _env("task.reward=myrewards:length")
+
+
+def test_a_reward_that_answers_the_wrong_count_names_every_row_of_its_call(user_dir):
+    path = _jsonl(user_dir / "d.jsonl", ROWS)
+    with pytest.raises(ValueError) as caught:
+        _score(_env(f"data.path={path}", "data.shuffle=false", "task.reward=myrewards:one"), ["1", "2"], count=3)
+    said = str(caught.value)
+    assert "myrewards:one answered 1 value(s) for 6 completions (of rows " in said and said.endswith("one each")
+    assert said.count(f"{path}:") == 3, said
 
 
 def test_a_reward_that_raises_fails_the_run_naming_function_and_row(user_dir):

@@ -62,11 +62,10 @@ async def weighted_rewards(functions: Sequence[RewardFunction], prompts: list, c
                 values = await values
             values = list(values)
         except Exception as err:
-            where = rows[0] if len(set(rows)) == 1 else f"one of {', '.join(sorted(set(rows)))}"
-            raise RewardError(f"reward function {reward.name} raised on {where}: {err!r}") from err
+            raise RewardError(f"reward function {reward.name} raised on {_where(rows)}: {err!r}") from err
         if len(values) != len(completions):
-            raise RewardError(f"reward function {reward.name} answered {len(values)} values for "
-                              f"{len(completions)} completions ({rows[0]})")
+            raise RewardError(f"reward function {reward.name} answered {len(values)} value(s) for "
+                              f"{len(completions)} completions (of {_where(rows, 'rows ')}), one each")
         for i, value in enumerate(values):
             if value is None:
                 continue
@@ -128,3 +127,9 @@ def _verified(gold_text: str, text: str) -> float:
 
     gold, got = parse(gold_text), parse(text)
     return 1.0 if gold and got and verify(gold, got) else 0.0
+
+
+def _where(rows: Sequence[str], plural: str = "one of ") -> str:
+    """The data rows a call scored: its one row, or the rows of the groups it covered."""
+    unique = sorted(set(rows))
+    return unique[0] if len(unique) == 1 else plural + ", ".join(unique)
