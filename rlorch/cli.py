@@ -254,7 +254,9 @@ def serve(
     overrides: Optional[List[str]] = typer.Argument(None, help="model.path=DIR and other overrides."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
     port: int = typer.Option(30000, "--port", help="Port to bind."),
-    weight_version: str = typer.Option("0", "--weight-version", help="Version reported for the initial weights."),
+    weight_version: Optional[str] = typer.Option(None, "--weight-version",
+                                                 help="Version reported for the initial weights (default: a run "
+                                                      "directory's step, else 0)."),
     parent_pid: Optional[int] = typer.Option(None, "--parent-pid", help="Exit when this process is gone."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="RLORCH_API_KEY", show_envvar=True,
                                           help="Require 'Authorization: Bearer KEY' on every endpoint but /health*."),

@@ -122,7 +122,7 @@ def test_a_text_prompt_is_encoded_as_training_encodes_it(server, model_dir):
 
 def test_serve_reads_a_run_directory_as_its_newest_weights(tmp_path):
     from rlorch.config.schema import ConfigError
-    from rlorch.serve.server import served_path
+    from rlorch.serve.server import served_path, served_weights
 
     run = tmp_path / "run"
     (run / "weights").mkdir(parents=True)
@@ -134,6 +134,7 @@ def test_serve_reads_a_run_directory_as_its_newest_weights(tmp_path):
         (run / "weights" / f"step_{step:06d}" / "PUBLISHED").touch()
     (run / "weights" / "step_000011").mkdir()  # being written: not published yet
     assert served_path(str(run)) == str(run / "weights" / "step_000010")
+    assert served_weights(str(run)) == (str(run / "weights" / "step_000010"), 10), "its version is its step"
     assert served_path(str(tmp_path)) == str(tmp_path) and served_path(None) is None
 
 

@@ -621,22 +621,28 @@ async def _serve_until_signal(server: CpuServer, host: str, port: int, parent: O
 def served_path(path: Optional[str]) -> Optional[str]:
     """``model.path`` as ``rlorch serve`` reads it: a run directory means its newest published
     weights (``weights/step_N/``, else the newest complete checkpoint's); anything else as given."""
+    return served_weights(path)[0]
+
+
+def served_weights(path: Optional[str]) -> tuple[Optional[str], Optional[int]]:
+    """:func:`served_path` and, for a run directory, the step (the version) of those weights."""
     from rlorch.rundir.layout import CheckpointDir, RunDir
 
     if not path:
-        return path
+        return path, None
     run = RunDir(Path(path).expanduser())
     if not run.is_run:
-        return path
+        return path, None
     found = [*run.published_weights(), *((step, CheckpointDir(p).weights) for step, p in run.complete_checkpoints())]
     if found:
-        return str(max(found, key=lambda item: item[0])[1])
+        step, weights = max(found, key=lambda item: item[0])
+        return str(weights), step
     from rlorch.config.schema import ConfigError
 
     raise ConfigError("model.path", f"{path} is a run directory with no published weights yet")
 
 
-def serve_command(config, *, host: str, port: int, weight_version: str = "0",
+def serve_command(config, *, host: str, port: int, weight_version: Optional[str] = None,
                   parent: Optional[int] = None, api_key: Optional[str] = None, min_step_time: float = 0.0,
                   tool_call_parser: Optional[str] = None) -> int:
     """``rlorch serve``: run the CPU engine the composed ``config`` describes until SIGINT/SIGTERM
@@ -651,12 +657,13 @@ def serve_command(config, *, host: str, port: int, weight_version: str = "0",
 
 
 def serve_model(model_path: Optional[str], *, host: str, port: int, dtype: str, implementation: str, threads: int,
-                max_batch: int, seed: int, transfer_timeout: float, weight_version: str, parent: Optional[int],
+                max_batch: int, seed: int, transfer_timeout: float, weight_version: Optional[str], parent: Optional[int],
                 api_key: Optional[str], min_step_time: float, device: str = "cpu",
                 memory_fraction: Optional[float] = None, tool_call_parser: Optional[str] = None) -> int:
     """Run the CPU engine on ``model_path`` (a run directory: its newest weights) until
     SIGINT/SIGTERM (or until process ``parent`` is gone); the exit status (2 for a bad model
-    path or an address it cannot bind)."""
+    path or an address it cannot bind). ``weight_version`` None: a run directory's weights
+    report their step, any other model 0."""
     from rlorch.config.schema import ConfigError
     from rlorch.model import resolve_model_path
 
@@ -667,10 +674,13 @@ def serve_model(model_path: Optional[str], *, host: str, port: int, dtype: str, 
         log.error("cannot serve: --tool-call-parser must be one of %s, got %r", sorted(TOOL_PARSERS), tool_call_parser)
         return 2
     try:
-        path = resolve_model_path(served_path(model_path))
+        served, step = served_weights(model_path)
+        path = resolve_model_path(served)
     except ConfigError as err:
         log.error("cannot serve: %s", err)
         return 2
+    if weight_version is None:
+        weight_version = str(step or 0)
     server = CpuServer(path, dtype=dtype, max_batch=max_batch, seed=seed, weight_version=weight_version,
                        threads=threads, api_key=api_key or None, min_step_time=min_step_time,
                        group_timeout=transfer_timeout, implementation=implementation, device=device,
