@@ -320,8 +320,13 @@ def _note_eval_size(config: Config, prompts: Any) -> None:
         return
     held_out = len(prompts.eval_set(config.eval.prompts))
     if held_out < config.eval.prompts:
-        console.print(f"evaluation: {held_out} held-out prompts (eval.prompts={config.eval.prompts}; the task "
-                      f"holds out {held_out})", highlight=False)
+        # A data file with no split evaluates on its training rows (run_warnings says why that matters).
+        if config.data.path and not (config.data.eval_path or config.data.eval_fraction):
+            console.print(f"evaluation: {held_out} training rows, none held out (eval.prompts="
+                          f"{config.eval.prompts})", highlight=False)
+        else:
+            console.print(f"evaluation: {held_out} held-out prompts (eval.prompts={config.eval.prompts}; the task "
+                          f"holds out {held_out})", highlight=False)
 
 
 async def _start_concurrently(config: Config, run_dir: RunDir, policy: PolicyVersion, trainer: Any, launcher: Any,
