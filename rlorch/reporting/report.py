@@ -248,8 +248,9 @@ def _format(value: Optional[Any], percent: bool = False) -> str:
     if percent:
         return f"{value:.1%}"
     if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
+        # Four significant figures, never in exponent form for a rate in the thousands.
+        return f"{value:,.0f}" if abs(value) >= 999.95 else f"{value:.4g}"
+    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
 
 
 def whole_run(records: RunRecords) -> dict:
