@@ -81,6 +81,36 @@ def test_train_then_resume_continues_from_the_checkpoint(env, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_checkpoint_holding_a_nan_fails_its_resume_at_load_and_the_next_resume_takes_the_one_before(env, tmp_path):
+    """Values damaged on disk pass every size check; the trainer finds them when it loads the
+    checkpoint, before a step, and marks it: `rlorch resume RUN` then takes the newest one before."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    run_dir = tmp_path / "nan"
+    done = rlorch(env, "train", f"run.dir={run_dir}", "train.steps=4", "trainer.checkpoint_every=2", *SMALL)
+    assert done.returncode == 0, done.stderr
+    state = run_dir / "checkpoints" / "step_000004" / "trainer" / "state.safetensors"
+    with safe_open(str(state), "pt") as source:
+        tensors, metadata = {key: source.get_tensor(key) for key in source.keys()}, source.metadata()
+    damaged = next(key for key, tensor in tensors.items() if tensor.is_floating_point() and tensor.dim() == 2)
+    tensors[damaged][0, 0] = float("nan")
+    save_file(tensors, str(state), metadata=metadata)
+
+    failed = rlorch(env, "resume", str(run_dir), "train.steps=6")
+    said = " ".join((failed.stdout + failed.stderr).split())
+    assert failed.returncode != 0 and "hold non-finite values" in said and "step_000004" in said, said
+    marker = state.parent / "NONFINITE"
+    assert marker.exists() and "non-finite" in marker.read_text()
+    again = rlorch(env, "resume", str(run_dir), "train.steps=6")
+    assert again.returncode == 0, again.stderr
+    assert "at step 3" in again.stdout + again.stderr
+    summary, lines = records(run_dir)
+    assert summary["steps"] == 6 and summary["lost"] == 0
+    assert [r["step"] for r in of_kind(lines, "step")] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.slow
 def test_sync_preset_trains_on_policy_at_every_step(env, tmp_path):
     run_dir = tmp_path / "sync"
     done = rlorch(env, "train", "conf=sync", f"run.dir={run_dir}", "train.steps=4", *SMALL)

@@ -49,6 +49,9 @@ from rlorch.rundir.batchfile import SUFFIXES
 
 PUBLISHED = "PUBLISHED"
 COMPLETE = "COMPLETE"
+NONFINITE = "NONFINITE"
+"""In a checkpoint's ``trainer/``: the trainer found non-finite values in it when it loaded it
+(what, in the file); no resume picks it again (delete the marker to try it anyway)."""
 _STEP = re.compile(r"^step_(\d+)$")
 
 
@@ -226,8 +229,10 @@ class RunDir:
                 if CheckpointDir(path).complete)
 
     def resumable_checkpoints(self) -> Iterator[tuple[int, Path]]:
-        """Complete checkpoints that also carry the orchestrator's state."""
-        return ((step, path) for step, path in self.complete_checkpoints() if CheckpointDir(path).state.exists())
+        """Complete checkpoints that also carry the orchestrator's state, less those a trainer
+        found non-finite values in."""
+        return ((step, path) for step, path in self.complete_checkpoints()
+                if CheckpointDir(path).state.exists() and not CheckpointDir(path).nonfinite.exists())
 
 
 @dataclass(frozen=True)
@@ -252,6 +257,10 @@ class CheckpointDir:
     @property
     def complete(self) -> bool:
         return (self.trainer / COMPLETE).exists()
+
+    @property
+    def nonfinite(self) -> Path:
+        return self.trainer / NONFINITE
 
 
 def _steps_with_marker(parent: Path, marker: str) -> Iterator[tuple[int, Path]]:

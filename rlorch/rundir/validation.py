@@ -20,6 +20,9 @@ def check_checkpoint(path: Path, run_dir: RunDir, step: int, config) -> Optional
     """None when checkpoint ``path`` (step ``step``) is resumable, else what is wrong with it,
     naming the file."""
     parts = CheckpointDir(path)
+    if parts.nonfinite.exists():
+        return (f"{parts.nonfinite}: the trainer found non-finite values in this checkpoint when it loaded it "
+                f"({parts.nonfinite.read_text().strip()}); delete the marker to try it anyway")
     for problem in (_check_state(parts.state, step), _check_trainer(parts.trainer, step, config),
                     _check_weights(parts, run_dir, step, config)):
         if problem is not None:

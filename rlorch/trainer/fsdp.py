@@ -26,7 +26,7 @@ import torch.distributed as dist
 from rlorch.config.schema import Colocate, Proximal
 from rlorch.lifecycle import orchestrator_pid, watch_parents
 from rlorch.model import resolve_model_path
-from rlorch.rundir.layout import PUBLISHED, RunDir, load_config, write_json_atomic
+from rlorch.rundir.layout import PUBLISHED, CheckpointDir, RunDir, load_config, write_json_atomic
 from rlorch.trainer import checkpoint, lora
 from rlorch.trainer.broadcast import plan
 from rlorch.trainer import head, loading, offload
@@ -206,6 +206,7 @@ def build_worker(config, run, device, resume: Optional[Path]) -> Worker:
     if resume is not None:
         worker.step, optimizer_steps = checkpoint.load(resume, model, optimizer,
                                                        trainable_only=bool(config.model.lora.rank))
+        _refuse_nonfinite_checkpoint(worker, resume)
         # An older checkpoint lacks the count: every batch before it took the configured minibatches.
         worker.optimizer_steps = (optimizer_steps if optimizer_steps is not None
                                   else worker.step * config.trainer.minibatches)
@@ -571,6 +572,28 @@ def _check_finite(worker: Worker, step: int, record: dict) -> None:
     finite = all_finite(shards)
     if all_reduce([0.0 if finite else 1.0], worker.device, "max")[0] > 0:
         raise NonFiniteError(f"step {step}: the weights hold non-finite values; version {step} is not published")
+
+
+def _refuse_nonfinite_checkpoint(worker: Worker, resume: Path) -> None:
+    """A checkpoint whose weights or optimizer state hold a NaN or an inf (damaged on disk: a
+    trained one never does, its step's check stops first) fails the resume before any step,
+    every rank together, and is marked so the next resume takes an older one."""
+    def local(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().to_local() if hasattr(tensor, "to_local") else tensor.detach()
+
+    parts = {"weights": [local(p) for p in worker.model.parameters()],
+             "optimizer state": [local(v) for state in worker.optimizer.state.values() for v in state.values()
+                                 if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0]}
+    bad = [name for name, tensors in parts.items()
+           if all_reduce([0.0 if all_finite(tensors) else 1.0], worker.device, op="max")[0] > 0]
+    if not bad:
+        return
+    what = " and ".join(bad) + " hold non-finite values"
+    marker = CheckpointDir(resume).nonfinite
+    if worker.rank == 0:
+        marker.write_text(what + "\n")
+    raise NonFiniteError(f"checkpoint {resume}: its {what} (damaged on disk?); marked {marker.name}, so "
+                         f"`rlorch resume {resume.parent.parent}` takes the newest checkpoint before it")
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
