@@ -25,14 +25,17 @@ if ! python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else
     exit 0
 fi
 
-python3 -c 'import torch; print("cuda:", torch.cuda.get_device_name(0), "torch", torch.__version__)'
-check_wheels
-install_rlorch
-log=$(mktemp)
 started=$SECONDS
+if [[ -z ${GPU_CHECK_INSTALLED:-} ]]; then   # scripts/check_gpu.sh has installed them already
+    python3 -c 'import torch; print("cuda:", torch.cuda.get_device_name(0), "torch", torch.__version__)'
+    check_wheels
+    install_rlorch
+fi
+log=$(mktemp)
 set +e
+# The bench's own limit first, so that it still prints what it reached; `timeout` is the backstop.
 PYTHONUNBUFFERED=1 timeout "$budget_s" python3 scripts/bench_trainer_scale.py --device cuda --dtype bfloat16 \
-    --layers 24 --completion-tokens 4096 --skip-before --timeout "$budget_s" \
+    --layers 24 --completion-tokens 4096 --skip-before --timeout "$((budget_s - 15))" \
     --set model.implementation=native 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e

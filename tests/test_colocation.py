@@ -197,11 +197,14 @@ def test_a_colocated_run_on_this_machines_cores_learns_the_default_task(tmp_path
 
 
 def test_the_swap_offload_frees_every_storage_of_the_state_and_brings_each_back_as_it_was(tmp_path, one_rank):
-    """The swap step's offload on FSDP2 state (parameters and AdamW's moments are DTensors): every
-    storage goes to the host and is freed, the gradients are dropped, and on the way back every
-    tensor is the same object with the same placements and values, so AdamW steps on it and
-    training goes on. The same code runs between the steps of every CPU swap run."""
+    """The swap step's offload on FSDP2 state (parameters and AdamW's moments are DTensors, a
+    reference policy beside them): after a forward without backward (which leaves a root's
+    parameters gathered), every shard FSDP2 holds and every moment is freed, the gradients are
+    dropped, and on the way back every tensor is the same object with the same values, so the
+    logits are the same and AdamW steps on it. The same code runs between the steps of every
+    CPU swap run."""
     import torch
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     from rlorch.rundir.layout import RunDir, save_config
@@ -209,37 +212,40 @@ def test_the_swap_offload_frees_every_storage_of_the_state_and_brings_each_back_
     from rlorch.trainer.fsdp import build_worker
 
     run = RunDir(tmp_path / "run").make()
-    config = compose(["model.dtype=bfloat16", "trainer.fsdp.device=cpu"])
+    config = compose(["model.dtype=bfloat16", "trainer.fsdp.device=cpu", "trainer.kl_coef=0.1"])
     save_config(config, run.config)
     worker = build_worker(config, run, torch.device("cpu"), None)
+    assert worker.reference is not None
+    tokens = torch.tensor([[5, 6, 7, 8]])
+
+    def shards():   # FSDP2's own record of each parameter's shard, not the offload's enumeration
+        return [param._sharded_param_data for module in (worker.model, worker.reference) for part in module.modules()
+                if isinstance(part, FSDPModule) for param in part._get_fsdp_state()._fsdp_param_group.fsdp_params]
+
+    def logits():
+        with torch.no_grad():
+            return worker.model(input_ids=tokens).logits, worker.reference(input_ids=tokens).logits
 
     def step():
-        for param in worker.model.parameters():
-            param.grad = torch.full_like(param, 0.01)
+        worker.model(input_ids=tokens).logits.float().pow(2).mean().backward()
         worker.optimizer.step()
-
-    def local(tensor):
-        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-    def snapshot():
-        tensors = list(offload._tensors(worker))
-        return tensors, [local(t).detach().clone() for t in tensors]
 
     step()
     moments = [value for state in worker.optimizer.state.values() for value in state.values() if value.dim() > 0]
     assert moments and all(isinstance(value, DTensor) for value in moments), "FSDP2 gives the moments as DTensors"
     for cycle in range(2):   # the second cycle reuses the host buffers
-        tensors, values = snapshot()
+        before = logits()    # a forward without backward, as the reference's every step
+        kept = [(m, m.to_local().clone()) for m in moments]
         buffers = list(offload.HOST.buffers)
         offload.to_host(worker, step=1 + cycle)
-        assert all(local(t).untyped_storage().nbytes() == 0 for t in tensors), "every storage is freed"
+        assert all(shard.untyped_storage().nbytes() == 0 for shard in shards()), "every shard is freed"
+        assert all(m.to_local().untyped_storage().nbytes() == 0 for m in moments)
         assert all(param.grad is None for param in worker.model.parameters())
         assert json.loads(run.trainer_offloaded.read_text()) == {"step": 1 + cycle}
         assert cycle == 0 or [id(b) for b in offload.HOST.buffers] == [id(b) for b in buffers]
         offload.to_device(worker)
-        after, restored = snapshot()
-        assert [id(t) for t in after] == [id(t) for t in tensors]
-        assert all(torch.equal(a, b) for a, b in zip(restored, values))
-        step()   # AdamW steps on what it got back
+        assert all(torch.equal(m.to_local(), values) for m, values in kept)
+        assert all(torch.equal(a, b) for a, b in zip(logits(), before))
+        step()   # a backward through what came back, and AdamW steps on it
     assert all(isinstance(value, DTensor) for value in moments)
     worker.optimizer.state_dict()

@@ -508,6 +508,22 @@ def test_a_resume_moves_the_abandoned_steps_metrics_lines_aside_so_each_step_has
     assert "not read" not in (run_dir / "report" / "report.md").read_text()
 
 
+def test_the_cut_keeps_a_late_evaluation_of_a_kept_step_and_moves_the_rest_in_order(tmp_path):
+    from rlorch.rundir.resume import cut_log
+
+    records = [{"kind": "start"}, {"kind": "eval", "step": 0}, {"kind": "step", "step": 1}, {"kind": "periodic"},
+               {"kind": "step", "step": 2}, {"kind": "step", "step": 3}, {"kind": "eval", "step": 2},
+               {"kind": "periodic"}, {"kind": "step", "step": 4}]
+    log = tmp_path / "metrics.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"kind": "st')
+    cut_log(log, 2, tmp_path / "aside.jsonl")
+    assert [json.loads(line) for line in log.read_text().splitlines()] == records[:5] + [records[6]]
+    assert (tmp_path / "aside.jsonl").read_text().splitlines() == [
+        json.dumps(records[5]), json.dumps(records[7]), json.dumps(records[8]), '{"kind": "st']
+    cut_log(log, 2, tmp_path / "again.jsonl")
+    assert not (tmp_path / "again.jsonl").exists(), "nothing past step 2 is left to move"
+
+
 def test_the_report_names_a_line_of_metrics_jsonl_it_cannot_read_and_draws_the_rest(tmp_path):
     run_dir = tmp_path / "run"
     train(run_dir, "train.steps=6", "run.report=false")

@@ -106,27 +106,37 @@ def supersede(run_dir: RunDir, step: int, stamp: str) -> None:
 
 
 def cut_log(log: Path, step: int, aside: Path) -> None:
-    """Move a JSON-lines log's lines from the first record of a step past ``step`` on (and a
-    torn last line, which a kill leaves and the next append would fuse with a record) to
-    ``aside``. Lines are moved, never dropped; a line in the middle that does not parse stays."""
+    """Move a JSON-lines log's lines of the abandoned trajectory to ``aside``: from the first
+    record of a step past ``step`` on, every line but a record of a step up to ``step`` (an
+    evaluation of such a step can finish after the next step's record), and a torn last line
+    (a kill leaves it, and the next append would fuse it with a record). Lines are moved, never
+    dropped; a line before the cut that does not parse stays."""
     if not log.is_file():
         return
-    text = log.read_text()
-    lines = text.splitlines(keepends=True)
-    cut = len(lines) - 1 if lines and not lines[-1].endswith("\n") else len(lines)
-    for index, line in enumerate(lines[:cut]):
+    lines = log.read_text().splitlines(keepends=True)
+    torn = bool(lines) and not lines[-1].endswith("\n")
+    whole = lines[:-1] if torn else lines
+
+    def step_of_line(line: str) -> Optional[int]:
         try:
-            later = json.loads(line).get("step")
+            value = json.loads(line).get("step")
         except (ValueError, AttributeError):
-            continue
-        if isinstance(later, int) and later > step:
-            cut = index
-            break
-    if cut == len(lines):
+            return None
+        return value if isinstance(value, int) else None
+
+    def within(line: str) -> bool:
+        found = step_of_line(line)
+        return found is not None and found <= step
+
+    cut = next((i for i, line in enumerate(whole) if step_of_line(line) is not None and not within(line)),
+               len(whole))
+    kept = whole[:cut] + [line for line in whole[cut:] if within(line)]
+    moved = [line for line in whole[cut:] if not within(line)] + lines[len(whole):]
+    if not moved:
         return
-    tail = "".join(lines[cut:])
+    tail = "".join(moved)
     write_atomic(aside, (tail if tail.endswith("\n") else tail + "\n").encode())
-    write_atomic(log, "".join(lines[:cut]).encode())
+    write_atomic(log, "".join(kept).encode())
 
 
 def read_state(checkpoint: Path, make_prompt: Callable, restore_replay: Optional[Callable[[dict], None]] = None):

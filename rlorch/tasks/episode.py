@@ -123,8 +123,10 @@ class EngineConversation:
                              stop=[*params.stop, *stop])
         self.turns += 1
         rid = self.rid if self.turns == 1 else f"{self.rid}-t{self.turns}"
-        text = self.take(await self.engine.generate(self.tokens, params, rid))
-        if self.finish_reason == "length" and max_new_tokens is not None and max_new_tokens < self.params.max_new_tokens:
+        generation = await self.engine.generate(self.tokens, params, rid)
+        text = self.take(generation)
+        if (self.finish_reason == "length" and max_new_tokens and max_new_tokens < self.params.max_new_tokens
+                and len(generation.output_ids) >= max_new_tokens):
             # A turn the environment cut shorter than rollout.max_new_tokens ended where it asked,
             # not truncated by the run's limit (which truncated_share counts and warns to raise).
             self.finish_reason = "stop"

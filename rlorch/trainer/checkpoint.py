@@ -209,11 +209,13 @@ def _read_flat(path: Path) -> tuple[dict, dict]:
         optim_state["param_groups"] = json.loads((handle.metadata() or {})["param_groups"])
         for key in handle.keys():
             kind, _, rest = key.partition("/")
+            # Copies, not views of the file: the state lives on after the load, and a swap run's
+            # offload frees its storages, which a view of the file's memory cannot be.
             if kind == "model":
-                model_state[rest] = handle.get_tensor(key)
+                model_state[rest] = handle.get_tensor(key).clone()
             else:
                 name, _, field = rest.rpartition("/")
-                optim_state["state"].setdefault(name, {})[field] = handle.get_tensor(key)
+                optim_state["state"].setdefault(name, {})[field] = handle.get_tensor(key).clone()
     return model_state, optim_state
 
 

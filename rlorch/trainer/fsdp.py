@@ -530,7 +530,7 @@ def run_loop(worker: Worker) -> None:
     swap = config.run.colocate is Colocate.swap
     for step in range(first, last + 1):
         if not wait_for_batch(run, step, worker.config.run.batch_format, worker.device,
-                              asked=lambda: publish_asked(worker), answer=lambda: publish_on_request(worker)):
+                              asked=lambda: publish_asked(worker), answer=lambda: _publish_asked_for(worker, swap)):
             if worker.step > 0:  # step 0 is the base model: nothing to save
                 if swap:
                     offload.to_device(worker)
@@ -558,6 +558,16 @@ def run_loop(worker: Worker) -> None:
             wait_handed_off(worker)
             offload_s = offload.to_host(worker, step)
             say(worker, f"swap: onload {onload_s:.3f}s offload {offload_s:.3f}s")
+
+
+def _publish_asked_for(worker: Worker, swap: bool) -> None:
+    """:func:`publish_on_request`, with a swap run's state on the device while it reads the
+    weights (a parked storage holds nothing to read)."""
+    if swap:
+        offload.to_device(worker)
+    publish_on_request(worker)
+    if swap:
+        offload.to_host(worker, worker.step)
 
 
 def _check_finite(worker: Worker, step: int, record: dict) -> None:

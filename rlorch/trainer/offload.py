@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from rlorch.rundir.layout import write_json_atomic
@@ -50,21 +51,24 @@ class HostCopies:
     parked: list[tuple[torch.UntypedStorage, torch.Tensor]] = field(default_factory=list)
 
     def park(self, storages: list[torch.UntypedStorage]) -> int:
-        """Copy each storage to its host buffer, then free it; the bytes parked."""
+        """Copy each storage to its host buffer, then free it; the bytes parked. A failure before
+        the frees (a host buffer that cannot be allocated) leaves every storage as it was."""
         if self.parked:
             raise RuntimeError("offload: state is already on the host")
         pinned = torch.cuda.is_available()
+        copies = []
         for index, storage in enumerate(storages):
             if index == len(self.buffers):
                 self.buffers.append(torch.empty(0, dtype=torch.uint8))
             if self.buffers[index].numel() != storage.nbytes():
                 self.buffers[index] = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pinned)
             self.buffers[index].copy_(_as_bytes(storage), non_blocking=True)
-            self.parked.append((storage, self.buffers[index]))
+            copies.append((storage, self.buffers[index]))
         _synchronize(storages)    # every copy has landed before any storage is freed
-        for storage, _ in self.parked:
+        for storage, _ in copies:
             storage.resize_(0)
-        return sum(host.numel() for _, host in self.parked)
+        self.parked = copies
+        return sum(host.numel() for _, host in copies)
 
     def unpark(self) -> None:
         """Give every parked storage its size back and its bytes from the host."""
@@ -92,18 +96,34 @@ def _tensors(worker: Worker) -> Iterator[torch.Tensor]:
                 yield value
 
 
+def _reshard(worker: Worker) -> None:
+    """Every FSDP2 module back to its shards: a root after a forward without backward (the
+    reference's, every step) keeps its parameters gathered, and those are not the shards."""
+    for module in (worker.model, worker.reference):
+        for part in module.modules() if module is not None else ():
+            if isinstance(part, FSDPModule):
+                part.reshard()
+
+
 def state_storages(worker: Worker) -> list[torch.UntypedStorage]:
     """Each distinct storage of the rank's state on its device, in a fixed order (parameters,
     buffers, reference, optimizer state), so a host buffer meets the same storage every step.
-    Tied parameters share one storage and are parked once."""
+    Tied parameters share one storage and are parked once. A storage over a file's memory (a
+    model read from safetensors straight onto the CPU) cannot be freed and stays: it is host
+    memory already. On a GPU every storage is the allocator's; one that is not is refused
+    rather than left on the device unseen."""
     device = torch.device(worker.device)
     seen, storages = set(), []
     for tensor in _tensors(worker):
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         storage = local.untyped_storage()
-        if (storage.device.type != device.type or storage.nbytes() == 0 or not storage.resizable()
-                or storage.data_ptr() in seen):
+        if storage.device.type != device.type or storage.nbytes() == 0 or storage.data_ptr() in seen:
             continue
+        if not storage.resizable():
+            if device.type == "cpu":
+                continue
+            raise RuntimeError(f"offload: a {tuple(local.shape)} {local.dtype} tensor of the trainer's state "
+                               "lies on memory that cannot be freed (not the allocator's)")
         seen.add(storage.data_ptr())
         storages.append(storage)
     return storages
@@ -119,6 +139,7 @@ def to_host(worker: Worker, step: int) -> float:
     started = time.perf_counter()
     worker.optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
+        _reshard(worker)
         HOST.park(state_storages(worker))
     if torch.device(worker.device).type == "cuda":
         torch.cuda.empty_cache()
@@ -129,7 +150,7 @@ def to_host(worker: Worker, step: int) -> float:
 
 
 def to_device(worker: Worker) -> float:
-    """Move the rank's state back to its device; the seconds it took."""
+    """Move the rank's state back to its device (nothing when it is there); the seconds it took."""
     started = time.perf_counter()
     HOST.unpark()
     return time.perf_counter() - started
