@@ -72,6 +72,25 @@ def test_an_agent_failing_episodes_is_reported_and_the_run_goes_on(tmp_path):
     assert "| agent episodes / calls / failed / forked |" in (run_dir / "report" / "report.md").read_text()
 
 
+@pytest.mark.slow
+def test_an_agent_failing_every_episode_fails_the_run_saying_so_whatever_the_flat_advantage(tmp_path):
+    """Its groups hold no token to train: no push can move them, and batches of them would be
+    steps that train nothing. They are filtered, and the guard ends the run naming the cause."""
+    (tmp_path / "broken_agent.py").write_text(
+        "async def run(sample, *, base_url, api_key, http_client=None):\n"
+        "    raise RuntimeError('the tool server is down')\n")
+    run_dir = tmp_path / "run"
+    done = train(tmp_path, f"run.dir={run_dir}", "task.agent=broken_agent:run", "train.steps=50",
+                 "train.max_empty_batches=2")
+    said = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode != 0 and "most episodes ended without a model turn" in said, said[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["lost"] == 0 and summary["steps"] == 0, summary
+    assert summary["agent_failures"] == summary["agent_episodes"] > 0
+    assert any("the tool server is down" in error for error in summary["agent_errors"])
+    assert "last error: the agent raised RuntimeError: the tool server is down" in said, said[-3000:]
+
+
 def test_an_agent_that_cannot_be_loaded_is_refused_naming_the_key(tmp_path):
     (tmp_path / "not_agents.py").write_text("def run(sample):\n    return 1.0\n")
     for spec, message in [("not_agents:run", "not an async function"), ("missing_module:run", "cannot load"),

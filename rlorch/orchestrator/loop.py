@@ -307,4 +307,4 @@ class Orchestrator:
         return {"status": status, "error": error, **StopReason.fields(self.stop_reason), "version": self.policy.value,
                 **self.engines.health(), **accounting, "short_batches": self.sink.totals.short_batches,
                 "parked_s": round(self.shipping.parked_s, 4), **self.watcher.summary(),
-                **self.evaluations.summary(), **self.stats.summary(loop_started=self.loop_started)}
+                **self.evaluations.summary(), **self.stats.summary(loop_started=self.loop_started, gauges=getattr(self.work, "gauges", dict)())}

@@ -63,8 +63,11 @@ class RunStats:
         return {"age_max": int(ages.max()), "age_p99": float(np.percentile(ages, 99)),
                 "age_mean": round(float(ages.mean()), 4)}
 
-    def summary(self, *, loop_started: float) -> dict:
-        """The report's figures; rates are over the loop (start-up excluded), trained data only."""
+    def summary(self, *, loop_started: float, gauges: Optional[dict] = None) -> dict:
+        """The report's figures; rates are over the loop (start-up excluded), trained data only.
+        ``gauges``: the work's counts now (an agent task's), newer than the last step record's
+        (a run whose every episode failed has none)."""
+        self.agents.update((key, value) for key, value in (gauges or {}).items() if key in AGENT_GAUGES)
         now, started, idle = time.monotonic(), self.startup.origin, self.idle.overall()
         loop_s = now - loop_started
         span = max(loop_s, 1e-9)

@@ -40,6 +40,10 @@ class Verdict(str, enum.Enum):
     """different completions, one reward: a constant reward or a broken environment."""
     no_signal = "no_signal"
     """a batch of single-sample groups whose rewards are all equal."""
+    no_tokens = "no_tokens"
+    """no sample generated a token to train: every episode ended without a model turn (an agent
+    that failed, or an environment that never called the model). Filtered whatever
+    rollout.filter_groups says: nothing of it could train."""
 
 
 KEPT = Verdict.kept
@@ -80,6 +84,8 @@ def zero_variance_filter(max_reward: float = 1.0) -> GroupFilter:
     """Groups whose samples all scored the same carry no GRPO signal; the verdict says why."""
 
     def check(group: Sequence[Rollout]) -> Optional[Verdict]:
+        if all(r.generated_tokens == 0 for r in group):
+            return Verdict.no_tokens
         if len(group) < 2 or any(r.reward != group[0].reward for r in group):
             return None
         if group[0].reward >= max_reward:
@@ -203,11 +209,12 @@ class TrainSink:
         if reason:
             self._note_flat(reason, group)
             self._filtered_run += len(group)
+            kept = self.keep_flat and reason is not Verdict.no_tokens
             if self._filtered_run >= self.batch_size:
                 self._filtered_run = 0
                 self.totals.consecutive_empty += 1
-                self.totals.empty_batches += not self.keep_flat
-            if not self.keep_flat:
+                self.totals.empty_batches += not kept
+            if not kept:
                 self._count_filtered(reason, group)
                 self._filtered_since_emit += len(group)
                 return reason
@@ -287,6 +294,11 @@ class TrainSink:
         counts = ", ".join(f"{n} {why.value}" for why, n in recent.most_common())
         if recent[Verdict.solved] >= SOLVED_SHARE * seen:
             return Verdict.solved, f"of the last {seen} rollouts {counts}: the task is solved"
+        if recent[Verdict.no_tokens] * 2 > seen:
+            return Verdict.no_tokens, (
+                f"of the last {seen} rollouts {counts}: most episodes ended without a model turn, nothing "
+                f"to train (an agent failing its episodes: summary.json's agent_errors holds its last errors; "
+                f"or an environment that never calls the model)")
         entropy = self.totals.recent_surprisal / max(self.totals.recent_tokens, 1)
         if (recent[Verdict.collapsed] + recent[Verdict.solved]) * 2 > seen:
             return Verdict.collapsed, (

@@ -234,11 +234,7 @@ def report_lines(summary: dict, phases: Optional[dict] = None) -> list[str]:
     if s.get("scale_dropped") or s.get("scale_pending"):
         lines.append(scale_report(s))
     if s.get("agent_episodes") is not None:
-        line = (f"agents      {s['agent_episodes']} episodes, {s.get('agent_calls')} calls, "
-                f"{s.get('agent_failures')} failed, {s.get('agent_forks_total')} forked")
-        if s.get("agent_failures") and s.get("agent_errors"):
-            line += f"; last error: {s['agent_errors'][-1]}"
-        lines.append(line)
+        lines.append(agents_line(s))
     if (s.get("truncated_share") or 0) > TRUNCATED_WARN:
         lines.append(f"truncated   {s['truncated_share']:.0%} of trained completions ended at the length limit, "
                      "rollout.max_new_tokens: raise it if answers need more tokens")
@@ -247,6 +243,15 @@ def report_lines(summary: dict, phases: Optional[dict] = None) -> list[str]:
         lines.append(f"weights     {s['transfer_fallbacks']}{loaded} version(s) went by disk although "
                      "inference.weight_transfer=distributed (see logs/trainer.log for why)")
     return lines
+
+
+def agents_line(s: dict) -> str:
+    """The end report's line on an agent task's episodes, with the last error of a failed one."""
+    line = (f"agents      {s['agent_episodes']} episodes, {s.get('agent_calls')} calls, "
+            f"{s.get('agent_failures')} failed, {s.get('agent_forks_total')} forked")
+    if s.get("agent_failures") and s.get("agent_errors"):
+        line += f"; last error: {s['agent_errors'][-1]}"
+    return line
 
 
 def scale_report(s: dict) -> str:
@@ -274,6 +279,8 @@ def print_report(console: Console, summary: dict, *, summary_path: Any, report_p
     elif summary.get("admitted"):  # the figures of a report would all be dashes
         console.print(f"  {status} before the first step: nothing was trained ({summary['admitted']} rollouts "
                       f"admitted)", highlight=False, markup=False)
+        if summary.get("agent_episodes") is not None:
+            console.print(f"  {agents_line(summary)}", highlight=False, markup=False, soft_wrap=True)
     else:
         console.print(f"  {status} in start-up: nothing was admitted or trained", highlight=False, markup=False)
     if report_path is not None:
