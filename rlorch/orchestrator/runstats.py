@@ -65,9 +65,10 @@ class RunStats:
 
     def summary(self, *, loop_started: float, gauges: Optional[dict] = None) -> dict:
         """The report's figures; rates are over the loop (start-up excluded), trained data only.
-        ``gauges``: the work's counts now (an agent task's), newer than the last step record's
-        (a run whose every episode failed has none)."""
-        self.agents.update((key, value) for key, value in (gauges or {}).items() if key in AGENT_GAUGES)
+        ``gauges``: the work's counts now (an agent task's), kept where no step record carried
+        them (a run that failed before its first step: every episode failed, say)."""
+        if not self.agents:
+            self.agents.update((key, value) for key, value in (gauges or {}).items() if key in AGENT_GAUGES)
         now, started, idle = time.monotonic(), self.startup.origin, self.idle.overall()
         loop_s = now - loop_started
         span = max(loop_s, 1e-9)
