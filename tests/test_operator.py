@@ -201,6 +201,23 @@ def test_a_resume_that_shrinks_the_batch_says_what_it_does_to_the_carried_rollou
     assert "untrained rollouts" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("override, key", [("model.lora.rank=16", "model.lora.rank"),
+                                           ("model.path=/elsewhere", "model.path"),
+                                           ("model.lora.target_modules=[q_proj]", "model.lora.target_modules")])
+def test_a_resume_refuses_an_override_the_trainer_states_shapes_depend_on(tmp_path, capsys, override, key):
+    """The trainer would fail loading the checkpoint after the engines started, and the changed
+    config.yaml would fail the next plain resume too: refused first, nothing changed."""
+    run_dir = tmp_path / "run"
+    train(run_dir, "train.steps=4", "trainer.checkpoint_every=2", "run.report=false")
+    config = (run_dir / "config.yaml").read_text()
+    capsys.readouterr()
+    assert resume_training(str(run_dir), ["train.steps=6", override]) == 2
+    said = " ".join(capsys.readouterr().err.split())
+    assert f"cannot resume {key}: the checkpoint's trainer state is shaped by {key}=" in said, said
+    assert (run_dir / "config.yaml").read_text() == config and not list(run_dir.glob("config.before-resume-*"))
+    assert resume_training(str(run_dir), ["train.steps=6", "model.path=tiny"]) == 0, "empty is tiny"
+
+
 @pytest.mark.parametrize("damage, words", [
     ("", "run.dir: {config} is empty or not a mapping"),
     ("run: [unclosed\n", "run.dir: {config} is not valid YAML"),

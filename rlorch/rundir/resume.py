@@ -44,12 +44,33 @@ def resume_target(path: Path, overrides: list[str]) -> tuple[Config, RunDir]:
     if overrides:
         try:
             merged = OmegaConf.merge(OmegaConf.structured(config), OmegaConf.from_dotlist(overrides))
-            config = OmegaConf.to_object(merged)
+            resumed = OmegaConf.to_object(merged)
         except ConfigError:
             raise
         except Exception as err:
             raise ConfigError("overrides", str(err).splitlines()[0]) from err
+        _keep_the_shapes(config, resumed)
+        config = resumed
     return config, run_dir
+
+
+SHAPING_KEYS = ("model.path", "model.lora.rank", "model.lora.target_modules", "model.lora.modules_to_save")
+"""What a checkpoint's trainer state is shaped by: the model, and which tensors train."""
+
+
+def _keep_the_shapes(saved: Config, resumed: Config) -> None:
+    """Refuse an override of a key the trainer state's tensors depend on: the trainer would fail
+    loading it after the engines started (and the changed config would stay, failing the next
+    plain resume too)."""
+    for key in SHAPING_KEYS:
+        before, after = saved, resumed
+        for part in key.split("."):
+            before, after = getattr(before, part), getattr(after, part)
+        if key == "model.path":   # empty is the built-in default's name
+            before, after = before or "tiny", after or "tiny"
+        if before != after:
+            raise ConfigError(key, f"the checkpoint's trainer state is shaped by {key}={before!r}; a resume "
+                                   f"keeps it (got {after!r}): nothing was changed; start a new run to change it")
 
 
 def carried_age_warning(checkpoint: Path, before: Config, after: Config) -> Optional[str]:
