@@ -398,15 +398,17 @@ class RayLauncher:
                 self.cluster.stop()
                 self.cluster = None
             return
-        for actor in self.actors:
+        # Taken whole first: a start still waiting on a thread (a scale-up not yet placed) adds
+        # or drops its group while this runs.
+        actors, self.actors = list(self.actors), []
+        groups, self.groups = list(self.groups.values()), {}
+        for actor in actors:
             _kill(actor)
-        for group in self.groups.values():
+        for group in groups:
             try:
                 remove_placement_group(group)
             except Exception:
                 pass
-        self.groups.clear()
-        self.actors.clear()
         if self.started_ray:
             ray.shutdown()
         if self.cluster is not None:
