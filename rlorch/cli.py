@@ -129,10 +129,12 @@ def train(overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_H
 
         config = _config_or_exit(overrides or [])
     if dry_run:
+        from rlorch.config.preflight import preflight
         from rlorch.config.schema import ConfigError
         from rlorch.launch.plan import print_plan
 
         try:
+            preflight(config)    # the plan of a run that would be refused at its start is no plan
             print_plan(config)
         except ConfigError as err:
             _refuse(err)

@@ -291,6 +291,10 @@ def test_the_gsm8k_recipe_validates_and_plans_one_8_gpu_node(tmp_path, model_dir
     assert not (tmp_path / "never").exists()
     unset = runner.invoke(app, ["validate-config", "conf=recipes/gsm8k_qwen05b", f"data.path={data}"])
     assert unset.exit_code == 2 and "model.path" in unset.output
+    for missing, key in ((["model.path=/nowhere/qwen05b", f"data.path={data}"], "model.path"),
+                         ([f"model.path={model_dir}", f"data.path={tmp_path / 'absent.jsonl'}"], "data.path")):
+        refused = runner.invoke(app, ["train", "conf=recipes/gsm8k_qwen05b", *missing, "--dry-run"])
+        assert refused.exit_code == 2 and f"invalid config {key}:" in " ".join(refused.output.split()), refused.output
 
 
 @pytest.mark.slow
