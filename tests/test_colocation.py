@@ -69,6 +69,8 @@ def test_which_models_fit_each_gpu_in_each_mode(tmp_path, name, gpu, resident, s
             with pytest.raises(ConfigError) as err:
                 memory_split(config, mode, (gpu, "run.gpu_memory_gb"))
             assert err.value.key == "run.colocate" and f"{gpu} GiB" in str(err.value)
+            # resident's refusal offers swap only where swap fits
+            assert ("run.colocate=swap" in str(err.value)) == (mode is Colocate.resident and swap)
 
 
 def test_a_set_engine_share_is_kept_and_the_split_is_not_checked(tmp_path):

@@ -218,8 +218,12 @@ def memory_split(config: Config, mode: Colocate, gpu: tuple[float, str]) -> Opti
     kv = fraction * gpu - weights
     if chosen is None and kv < wanted * kv_per_token:
         need = weights + wanted * kv_per_token
+        swap_fits = trainer <= gpu - PROCESS_OVERHEAD_GIB - MARGIN_GIB    # swap's own first check
         advice = ("use run.colocate=swap (rollout.max_staleness=0), LoRA (model.lora.rank) or a smaller "
-                  "trainer.fsdp.max_tokens_per_micro_batch" if mode is Colocate.resident
+                  "trainer.fsdp.max_tokens_per_micro_batch" if mode is Colocate.resident and swap_fits
+                  else "use LoRA (model.lora.rank), a smaller trainer.fsdp.max_tokens_per_micro_batch or a GPU "
+                       "with more memory (the trainer alone does not fit it, so swap would not either)"
+                  if mode is Colocate.resident
                   else "use LoRA (model.lora.rank) or a GPU with more memory")
         raise ConfigError("run.colocate", f"{mode.value} does not fit a {gpu:.0f} GiB GPU: the trainer needs "
                                           f"~{trainer:.1f} GiB and the engine ~{need + engine_outside:.1f} GiB "
