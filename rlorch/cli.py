@@ -248,7 +248,7 @@ def scale(run_dir: str = typer.Argument(..., help="The running run's directory."
                    f"rlorch resume {run_dir} inference.num_servers={value}", err=True)
         raise typer.Exit(2)
     write_json_atomic(run.scale_file, {"num_servers": int(value)})
-    typer.echo(f"asked {run_dir} for {value} servers (the step records' `servers` shows the fleet)")
+    typer.echo(f"asked {run_dir} for {value} server(s) (the step records' `servers` shows the fleet)")
 
 
 @app.command()

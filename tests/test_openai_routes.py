@@ -394,12 +394,17 @@ def test_parse_chat_request_normalises_and_names_what_is_wrong():
     for body, param in [({"messages": USER, "max_tokens": 0}, "max_tokens"), ({"messages": USER, "seed": "1"}, "seed"),
                         ({"messages": USER, "top_p": 0}, "top_p"), ({"messages": USER, "stop": ["a"] * 5}, "stop"),
                         ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+                        ({"messages": [{"role": "wizard", "content": "a"}]}, "messages[0].role"),
+                        ({"messages": [*USER, {"role": "user"}]}, "messages[1].content"),
                         ({"messages": USER, "tools": nameless}, "tools[0].function.name")]:
         with pytest.raises(ApiError) as err:
             parse_chat_request(body)
         assert err.value.param == param and err.value.body()["error"]["param"] == param
     with pytest.raises(ApiError):
         parse_chat_request([1])
+    shouted = parse_chat_request({"messages": [{"role": "System", "content": "be brief"}, *USER,
+                                               {"role": "assistant", "content": None}]})
+    assert [m["role"] for m in shouted.messages] == ["system", "user", "assistant"]   # as SGLang normalises
     completion = parse_completion_request({"prompt": [[1, 2], [3]], "logprobs": 0, "echo": True})
     assert completion.prompts == [[1, 2], [3]] and completion.logprobs == 0 and completion.echo
 

@@ -245,12 +245,21 @@ def _messages(messages: Any) -> list[dict]:
     return [_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+"""The roles SGLang's chat route takes (case-insensitive there too); a user message needs content."""
+
+
 def _message(message: Any, where: str) -> dict:
     if not isinstance(message, dict):
         raise ApiError(f"{where} must be an object", param=where)
-    if not isinstance(message.get("role"), str) or not message["role"]:
-        raise ApiError(f"{where}.role must be a non-empty string", param=f"{where}.role")
+    role = message.get("role")
+    if not isinstance(role, str) or role.lower() not in ROLES:
+        raise ApiError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param=f"{where}.role")
+    if role != role.lower():
+        message = {**message, "role": role.lower()}
     content = message.get("content")
+    if content is None and message["role"] == "user":
+        raise ApiError(f"{where}.content is required for a user message", param=f"{where}.content")
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                    for p in content):
