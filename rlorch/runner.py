@@ -202,10 +202,16 @@ def _heavy_modules(config: Config) -> list[str]:
             *(forkserver.SHARDING_PRELOAD if sharded else ())]
 
 
+def _say_stopping(config: Config, name: str, first: bool) -> None:
+    limit = f"run.shutdown_timeout={config.run.shutdown_timeout:g} s"
+    console.print(f"{name}: stopping in order (a run past its start checkpoints its last step), within {limit}"
+                  if first else f"{name} again: already stopping, within {limit} of the first", highlight=False)
+
+
 async def _run(config: Config, run_dir: RunDir, checkpoint: Optional[Path]) -> int:
     clock = StartupClock()
     started = clock.origin
-    signals = SignalRelay()
+    signals = SignalRelay(say=lambda name, first: _say_stopping(config, name, first))
     from rlorch.backends import make_launcher, make_trainer
     from rlorch.tasks.episode import PromptSource, make_work, reward_override
     from rlorch.tasks.replay import ReplayQueue

@@ -246,7 +246,10 @@ def test_sigterm_mid_run_checkpoints_within_the_window_and_resume_trains_the_res
     process.wait(timeout=30)
     assert time.monotonic() - sent < 5 + 10, "the shutdown overran run.shutdown_timeout (5 s) by 10 s"
     assert process.returncode == 143
-    assert f"next        rlorch resume {run_dir}" in process.stdout.read().decode()
+    said = process.stdout.read().decode()
+    assert f"next        rlorch resume {run_dir}" in said
+    assert "SIGTERM: stopping in order (a run past its start checkpoints its last step), within " \
+           "run.shutdown_timeout=5 s" in said, "the stop is said as it begins"
     summary, _ = read_run(run_dir)
     assert summary["status"] == "interrupted" and summary["lost"] == 0
     assert summary["checkpoint"] and summary["persisted_untrained"] + summary["requeued"] > 0

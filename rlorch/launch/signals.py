@@ -18,8 +18,12 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class SignalRelay:
-    def __init__(self) -> None:
+    """``say``: told of each signal as it comes (its name, and whether it is the first), so the
+    operator sees the stop begin rather than a silent pause until the end report."""
+
+    def __init__(self, say: Optional[Callable[[str, bool], None]] = None) -> None:
         self.received: Optional[str] = None
+        self._say = say
         self._task = asyncio.current_task()
         self._forward: Optional[Callable[[str], None]] = None
         loop = asyncio.get_running_loop()
@@ -35,6 +39,8 @@ class SignalRelay:
     def _on_signal(self, name: str) -> None:
         first = self.received is None
         self.received = self.received or name
+        if self._say is not None:
+            self._say(name, first)
         if self._forward is not None:
             self._forward(name)
         elif first and self._task is not None:
