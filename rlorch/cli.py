@@ -284,9 +284,9 @@ def serve(
 
 @app.command()
 def fleet(
-    engines: int = typer.Option(100, "--engines", help="Simulated engines, one port each."),
+    engines: int = typer.Option(100, "--engines", min=1, help="Simulated engines, one port each."),
     port_base: int = typer.Option(20000, "--port-base", help="The first engine's port; the rest follow (keep below the ephemeral range, 32768)."),
-    processes: int = typer.Option(2, "--processes", help="Processes serving the engines between them."),
+    processes: int = typer.Option(2, "--processes", min=1, help="Processes serving the engines between them."),
     fleet_file: Optional[str] = typer.Option(None, "--fleet-file",
                                              help="Write the engines' host:port here, one a line, once all listen."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
@@ -296,7 +296,7 @@ def fleet(
     ttft: float = typer.Option(0.0, "--ttft", help="Seconds to a request's first token."),
     length_median: float = typer.Option(256.0, "--length-median", help="Median completion tokens (log-normal)."),
     length_sigma: float = typer.Option(1.0, "--length-sigma", help="Log-normal sigma of completion lengths."),
-    slots: int = typer.Option(256, "--slots", help="Requests one engine runs at once; the rest queue."),
+    slots: int = typer.Option(256, "--slots", min=1, help="Requests one engine runs at once; the rest queue."),
     reload_s: float = typer.Option(0.0, "--reload-s", help="Seconds a weight update takes."),
     vocab: int = typer.Option(32, "--vocab", help="Token ids are drawn below this."),
     seed: int = typer.Option(0, "--seed", help="Seed of speeds, lengths and tokens."),

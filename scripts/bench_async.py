@@ -8,8 +8,8 @@ Usage: python scripts/bench_async.py [train.steps=40] [...]
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
@@ -31,8 +31,10 @@ def run(root: Path, name: str, overrides: list[str]) -> dict:
             "age_max": max(r["age_max"] or 0 for r in lines if r["kind"] == "step")}
 
 
-def main() -> None:
-    overrides = sys.argv[1:]
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides for both runs")
+    overrides = parser.parse_args(argv).overrides
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         results = {"sync": run(root, "sync", ["conf=sync", *overrides]),

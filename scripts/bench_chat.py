@@ -28,11 +28,11 @@ Usage: python scripts/bench_chat.py [--minutes 10] [--run-dir DIR] [key=value ..
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -68,17 +68,15 @@ def load() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "n/a"
 
 
-def main() -> None:
-    args = sys.argv[1:]
-    options = {"--minutes": "10", "--run-dir": ""}
-    for name in options:
-        if name in args:
-            at = args.index(name)
-            options[name] = args[at + 1]
-            del args[at:at + 2]
-    minutes = float(options["--minutes"])
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("--minutes", type=float, default=10.0, help="stop the run (Ctrl-C) after this long (10)")
+    parser.add_argument("--run-dir", default="", help="keep the data and the run here (default: a temporary folder)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides after the bench's own")
+    options = parser.parse_args(argv)
+    args, minutes = options.overrides, options.minutes
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(options["--run-dir"] or tmp)
+        root = Path(options.run_dir or tmp)
         root.mkdir(parents=True, exist_ok=True)
         train, heldout = write_sums(root)
         overrides = [f"run.dir={root / 'run'}", "run.progress=false", f"data.path={train}",
@@ -92,6 +90,8 @@ def main() -> None:
         deadline.start()
         code = run_training(compose(overrides), [])
         deadline.cancel()
+        if code not in (0, 130):    # 130: stopped by the deadline's Ctrl-C, as planned
+            raise SystemExit(f"the run did not start or failed (exit {code}); see {root / 'run'}")
         wall = time.monotonic() - started
         summary = json.loads((root / "run" / "summary.json").read_text())
         records = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -47,10 +47,15 @@ def main() -> None:
         raise SystemExit(f"{args.run_dir}: not a run directory (no {' or '.join(missing)})")
     config = OmegaConf.load(args.run_dir / "config.yaml")
     records = [json.loads(line) for line in (args.run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = {r["step"]: r for r in records if r.get("kind") == "step"}
+    steps, life, lives = {}, 0, {}
+    for record in records:    # each resume starts a life, its clock from 0: no interval spans two
+        life += record.get("kind") == "start"
+        if record.get("kind") == "step":
+            steps[record["step"]], lives[record["step"]] = record, life
     eval_steps = {r["step"] for r in records if r.get("kind") == "eval"}
     every = config.trainer.checkpoint_every
-    interval = {k: steps[k]["time"] - steps[k - 1]["time"] for k in steps if k - 1 in steps and k > args.skip}
+    interval = {k: steps[k]["time"] - steps[k - 1]["time"] for k in steps
+                if k - 1 in steps and k > args.skip and lives[k] == lives[k - 1]}
     if not interval:
         raise SystemExit(f"{args.run_dir}: fewer than {args.skip + 2} steps recorded")
 

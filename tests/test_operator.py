@@ -541,6 +541,23 @@ def test_the_cut_keeps_a_late_evaluation_of_a_kept_step_and_moves_the_rest_in_or
     assert not (tmp_path / "again.jsonl").exists(), "nothing past step 2 is left to move"
 
 
+def test_step_costs_leaves_out_the_interval_across_a_resume(tmp_path):
+    """Each life's clock starts at 0: the interval from the last step before a resume to the
+    first after it would be negative and pull the mean down."""
+    import subprocess
+
+    run_dir = tmp_path / "run"
+    train(run_dir, "train.steps=12", "trainer.checkpoint_every=6", "run.report=false")
+    assert resume_training(str(run_dir / "checkpoints" / "step_000006"), ["train.steps=14", "run.report=false"]) == 0
+    script = Path(__file__).resolve().parents[1] / "scripts" / "step_costs.py"
+    done = subprocess.run([sys.executable, str(script), str(run_dir), "--skip", "0"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "12 step intervals (steps 2-14)" in done.stdout, done.stdout    # 13 steps, one life boundary
+    mean = float(done.stdout.split("mean", 1)[1].split("ms")[0])
+    assert mean > 0, done.stdout
+
+
 def test_the_report_names_a_line_of_metrics_jsonl_it_cannot_read_and_draws_the_rest(tmp_path):
     run_dir = tmp_path / "run"
     train(run_dir, "train.steps=6", "run.report=false")
