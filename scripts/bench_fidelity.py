@@ -211,7 +211,7 @@ def tabulated(root: Path) -> dict[str, list[Run]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--staleness", default="1,2,4")
     parser.add_argument("--corrections", default="decoupled,tis,none,recompute")

@@ -90,7 +90,7 @@ def overlap(root: Path) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is printed")

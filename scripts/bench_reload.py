@@ -112,7 +112,7 @@ async def bench(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=640)
     parser.add_argument("--layers", type=int, default=10)

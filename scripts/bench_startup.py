@@ -56,7 +56,7 @@ def _has_step(metrics: Path) -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--launchers", default="local", help="comma list of run.launcher values to compare")

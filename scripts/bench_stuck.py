@@ -127,7 +127,7 @@ def median_samples(values: list[Optional[int]]) -> Optional[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--seeds", type=int, default=8)
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--keep", type=Path, help="keep the stuck and slow runs' directories (checkpoints included) here")

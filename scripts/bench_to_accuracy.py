@@ -219,7 +219,7 @@ def _fmt(value, width: int = 7, digits: int = 1) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--trl-python", help="an interpreter with trl installed (TRL is left out without it)")
     parser.add_argument("--baseline", help="a git revision of rlorch to race as well (e.g. the last release)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:OVERRIDES",

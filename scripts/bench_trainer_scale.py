@@ -458,7 +458,7 @@ def summary(args, figures: dict, measured: dict, budget: int) -> dict:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (24: the full model)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")

@@ -105,7 +105,7 @@ def trl_worker(steps: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--trl-python", help="an interpreter with trl installed")
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60)

@@ -200,7 +200,7 @@ def dry(root: Path) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--root", type=Path, default=Path("outputs/gpu-check"))

@@ -118,7 +118,7 @@ def sample(command_pid: int, run_dir: Path, roles: dict[int, str], seconds: dict
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--skip", type=int, default=20, help="steps of start-up left out")
     parser.add_argument("--interval", type=float, default=0.2, help="seconds between samples")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for rlorch train")

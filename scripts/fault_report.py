@@ -24,7 +24,7 @@ def fmt(value) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("cases", nargs="*", help=f"cases to run (default: all): {', '.join(faults.CASES)}")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     args = parser.parse_args()

@@ -38,7 +38,7 @@ def _median_ms(values: list[float]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--skip", type=int, default=20, help="leave out the first steps (start-up transients)")
     args = parser.parse_args()
