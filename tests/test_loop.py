@@ -267,11 +267,10 @@ def test_async_overlaps_generation_and_training(tmp_path):
     itself is a figure for scripts/ and the deterministic simulate tests."""
     timing = ["inference.sim.latency=[0.1,0.1]", "trainer.sim.step_time=0.1", "train.steps=15",
               "rollout.max_concurrent=64", "eval.enabled=false"]
-    _, sync, sync_steps = train(tmp_path, "sync", *timing, "rollout.max_staleness=0", "trainer.correction=none")
-    _, overlapped, steps = train(tmp_path, "async", *timing, "rollout.max_staleness=1")
+    *_, sync_steps = train(tmp_path, "sync", *timing, "rollout.max_staleness=0", "trainer.correction=none")
+    *_, steps = train(tmp_path, "async", *timing, "rollout.max_staleness=1")
     assert max(r["age_max"] for r in sync_steps) == 0
     assert sum(r["age_max"] >= 1 for r in steps) >= len(steps) // 2, [r["age_max"] for r in steps]
-    assert overlapped["wall_s"] < sync["wall_s"], (overlapped["wall_s"], sync["wall_s"])
 
 
 def test_train_refuses_a_run_dir_that_holds_a_run(tmp_path):
