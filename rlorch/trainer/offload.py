@@ -7,8 +7,8 @@ dimension: AdamW's moments, DTensors under FSDP2, whose storage is their local s
 whole into a host buffer and resized to nothing; on the way back it is resized and filled again.
 Every tensor, DTensor and FSDP2 parameter stays the same object with the same metadata, so
 neither FSDP2 nor the optimizer (whose state is keyed by parameter) sees a thing, and the same
-code runs on a CPU "device" (the storages are freed and refilled there too): every CPU swap run
-goes through exactly the path a GPU run does.
+code runs on a CPU "device": its storages are freed and refilled there too, but for those over a
+file's memory (see :func:`state_storages`), so a CPU swap run goes through the GPU's path.
 
 Gradients do not travel: the step's are dropped first (each step starts from none). The 0-d
 ``step`` counters stay. After the move to the host the allocator's cached blocks go back to the
