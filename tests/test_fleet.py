@@ -208,3 +208,14 @@ def test_full_logprobs_are_written_as_sglang_writes_a_float32():
     assert all(round(lp, 4) == lp for lp, _, _ in rounded)
     assert all(float(numpy.float32(lp)) == lp for lp, _, _ in full)
     assert sum(len(repr(lp)) for lp, _, _ in full) > 2 * sum(len(repr(lp)) for lp, _, _ in rounded)
+
+
+@pytest.mark.parametrize("option", ["--engines", "--processes", "--slots"])
+def test_a_count_below_one_is_refused_naming_the_option(option):
+    from typer.testing import CliRunner
+
+    from rlorch.cli import app
+
+    result = CliRunner().invoke(app, ["fleet", option, "0"], env={"COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{option}': Input should be greater than or equal to 1" in result.output, result.output

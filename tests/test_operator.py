@@ -596,6 +596,18 @@ def test_the_simulated_age_plot_has_a_tick_at_every_age():
 def test_a_smaller_held_out_set_than_eval_prompts_is_said(tmp_path, capsys):
     train(tmp_path / "run", "train.steps=2", "run.report=false")
     assert "evaluation: 97 held-out prompts (eval.prompts=100; the task holds out 97)" in capsys.readouterr().err
+    data = tmp_path / "sums.jsonl"    # no held-out split: evaluation draws training rows, and says so
+    data.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n" for a in range(8)))
+    train(tmp_path / "data", f"data.path={data}", "train.steps=2", "run.report=false")
+    said = capsys.readouterr().err
+    assert "evaluation: 8 training rows, none held out (eval.prompts=100)" in said and "held-out prompts" not in said
+
+
+def test_report_figures_of_a_thousand_and_over_read_as_numbers_not_exponents():
+    from rlorch.reporting.report import _format
+
+    assert [_format(v) for v in (10050.3, 999.94, 0.0001234, 19200, 0.5)] == [
+        "10,050", "999.9", "0.0001234", "19,200", "0.5"]
 
 
 def test_completions_cut_by_the_length_limit_are_counted_and_above_a_fifth_named(tmp_path):

@@ -187,6 +187,14 @@ def test_the_component_rule_catches_a_component_importing_another(tmp_path):
         "orchestrator/sinks.py imports ['rlorch.orchestrator.loop']"]
 
 
+def test_every_script_answers_help_with_its_usage():
+    """A benchmark a user cannot ask how to run is one they run wrong; --help must not start it."""
+    for script in sorted((PACKAGE.parent / "scripts").glob("*.py")):
+        done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120,
+                              cwd=PACKAGE.parent.parent)
+        assert done.returncode == 0 and done.stdout.startswith("usage:"), (script.name, done.stdout, done.stderr)
+
+
 def test_every_package_in_the_source_tree_ships_in_the_wheel():
     """pyproject.toml lists the packages (conf/ ships as rlorch.conf); one left out installs
     editable and breaks only a wheel, at the first import of it."""
