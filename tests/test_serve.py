@@ -122,20 +122,19 @@ def test_a_text_prompt_is_encoded_as_training_encodes_it(server, model_dir):
 
 def test_serve_reads_a_run_directory_as_its_newest_weights(tmp_path):
     from rlorch.config.schema import ConfigError
-    from rlorch.serve.server import served_path, served_weights
+    from rlorch.serve.server import served_weights
 
     run = tmp_path / "run"
     (run / "weights").mkdir(parents=True)
     (run / "config.yaml").write_text("{}")
     with pytest.raises(ConfigError, match="no published weights"):
-        served_path(str(run))
+        served_weights(str(run))
     for step in (1, 2, 10):
         (run / "weights" / f"step_{step:06d}").mkdir()
         (run / "weights" / f"step_{step:06d}" / "PUBLISHED").touch()
     (run / "weights" / "step_000011").mkdir()  # being written: not published yet
-    assert served_path(str(run)) == str(run / "weights" / "step_000010")
     assert served_weights(str(run)) == (str(run / "weights" / "step_000010"), 10), "its version is its step"
-    assert served_path(str(tmp_path)) == str(tmp_path) and served_path(None) is None
+    assert served_weights(str(tmp_path)) == (str(tmp_path), None) and served_weights(None) == (None, None)
 
 
 @pytest.mark.parametrize("payload, fragment", [

@@ -618,14 +618,10 @@ async def _serve_until_signal(server: CpuServer, host: str, port: int, parent: O
     log.info("stopped")
 
 
-def served_path(path: Optional[str]) -> Optional[str]:
-    """``model.path`` as ``rlorch serve`` reads it: a run directory means its newest published
-    weights (``weights/step_N/``, else the newest complete checkpoint's); anything else as given."""
-    return served_weights(path)[0]
-
-
 def served_weights(path: Optional[str]) -> tuple[Optional[str], Optional[int]]:
-    """:func:`served_path` and, for a run directory, the step (the version) of those weights."""
+    """``model.path`` as ``rlorch serve`` reads it, and the version it serves: a run directory
+    means its newest published weights (``weights/step_N/``, else the newest complete
+    checkpoint's) and their step; anything else as given, with no step."""
     from rlorch.rundir.layout import CheckpointDir, RunDir
 
     if not path:
